@@ -1,0 +1,73 @@
+"""actoff: activation offloading for long-context transformer training on one GPU.
+
+Decorate transformer blocks with `offload` (or apply `offload_` to a model) and every tensor
+autograd saves inside them is placed by policy: kept on the device, copied to host memory,
+or written to NVMe, and brought back exactly for backward. Policy comes from ``ACTOFF_*``
+environment variables (`Config.from_env`) or from Python.
+
+Example:
+    >>> import torch, actoff
+    >>> from actoff.reference import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig.preset("tiny"))
+    >>> _ = actoff.offload_(model, block_cls=actoff.reference.Block, policy="cpu", min_bytes=0)
+    >>> tokens = torch.randint(0, model.config.vocab_size, (2, 32))
+    >>> model.loss(tokens).backward()
+    >>> actoff.stats().total_bytes_offloaded > 0
+    True
+"""
+
+from ._config import Config, get_config, parse_size, set_config
+from ._io import kvikio_available
+from ._runtime import get_runtime
+from ._scope import no_offload, offload, offload_
+from ._stats import BlockStats, Stats
+from ._version import __version__
+
+try:
+    from . import _C  # noqa: F401
+
+    HAS_EXTENSION = True
+except ImportError:
+    HAS_EXTENSION = False
+
+__all__ = [
+    "HAS_EXTENSION",
+    "BlockStats",
+    "Config",
+    "Stats",
+    "__version__",
+    "get_config",
+    "kvikio_available",
+    "no_offload",
+    "offload",
+    "offload_",
+    "parse_size",
+    "reset",
+    "set_config",
+    "stats",
+]
+
+
+def stats() -> Stats:
+    """Figures of the last step: per block bytes saved, bytes per tier, copy times.
+
+    Example:
+        >>> import actoff
+        >>> print(actoff.stats())  # doctest: +ELLIPSIS
+        block ...
+    """
+    return get_runtime().stats()
+
+
+def reset() -> None:
+    """Forget statistics and the current step, and close NVMe stores (removing their files).
+
+    Call it between independent runs in one process (tests, benchmarks).
+
+    Example:
+        >>> import actoff
+        >>> actoff.reset()
+        >>> actoff.stats().steps
+        0
+    """
+    get_runtime().close()

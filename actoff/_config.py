@@ -1,0 +1,322 @@
+"""Configuration: the frozen, self-validating `Config` and its `ACTOFF_*` environment reader."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+__all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "set_config"]
+
+# Every policy DESIGN.md names; IMPLEMENTED_POLICIES are the ones this version runs.
+POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "auto")
+IMPLEMENTED_POLICIES = ("keep", "cpu", "nvme")
+PLANNERS = ("mip", "greedy", "off")
+IO_BACKENDS = ("auto", "kvikio", "posix")
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_size(text: str, *, what: str = "size", allow_bare: bool = False) -> int:
+    """Parse a byte size such as ``"512MiB"``, ``"64GiB"`` or ``"1.5GB"`` into bytes.
+
+    Binary units (KiB, MiB, GiB, TiB, and the short K, M, G, T) and decimal ones (KB, MB,
+    GB, TB) are accepted, case-insensitively. A bare number is only accepted when
+    ``allow_bare`` is true (for settings whose name already says "bytes").
+
+    >>> parse_size("512MiB")
+    536870912
+    >>> parse_size("4096", allow_bare=True)
+    4096
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"{what}={text!r} is not a size: write a number and a unit, e.g. '64GiB'")
+    number, unit = match.group(1), match.group(2).lower()
+    if not unit:
+        if not allow_bare:
+            raise ValueError(f"{what}={text!r} has no unit: write e.g. '{number}GiB' or '{number}MiB'")
+        unit = "b"
+    if unit not in _UNITS:
+        raise ValueError(
+            f"{what}={text!r} has an unknown unit {match.group(2)!r}: "
+            "use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
+        )
+    return int(float(number) * _UNITS[unit])
+
+
+def format_bytes(nbytes: float) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _env_name(field_name: str) -> str:
+    return "ACTOFF_" + field_name.upper()
+
+
+def _where(field_name: str) -> str:
+    return f"{_env_name(field_name)} (Config.{field_name})"
+
+
+@dataclass(frozen=True)
+class Config:
+    """How actoff places activations. Frozen; every field is validated at construction.
+
+    Each field has an environment variable ``ACTOFF_<FIELD>``; :meth:`from_env` reads them,
+    and keyword arguments given in Python win over the environment. A bad value raises
+    ``ValueError`` naming the variable, the value and what is allowed, at configuration
+    time, never mid-step.
+
+    Example:
+        >>> cfg = Config(policy="cpu", min_bytes="1MiB", keep_last=1)
+        >>> cfg.min_bytes
+        1048576
+        >>> Config.from_env({"ACTOFF_POLICY": "keep"}, keep_last=2).keep_last
+        2
+    """
+
+    #: Where offloaded activations go: ``keep`` (stay on the device), ``cpu`` (host memory),
+    #: ``nvme`` (a file under ``nvme_dir``). ``recompute``, ``tokenwise`` and ``auto`` are
+    #: part of the design and rejected with a clear message until they land.
+    policy: str = "cpu"
+    #: Token fraction stored in host memory under ``tokenwise`` (the rest: nvme, recompute).
+    cpu_fraction: float = 1.0
+    #: Token fraction stored on NVMe under ``tokenwise``. ``cpu_fraction + nvme_fraction <= 1``.
+    nvme_fraction: float = 0.0
+    #: Directory for the per-process NVMe file; created if its parent exists.
+    nvme_dir: str | None = None
+    #: Saved tensors smaller than this (bytes; sizes like ``64KiB`` accepted) are kept.
+    min_bytes: int = 64 * 2**10
+    #: The last N blocks of the forward pass are never offloaded (backward needs them first).
+    keep_last: int = 0
+    #: Cap on the host memory actoff may hold (``None``: no cap). Over it, tensors stay put.
+    host_budget: int | None = None
+    #: GPU memory budget for the ``auto`` policy (``None``: the device's free memory).
+    gpu_budget: int | None = None
+    #: Memory layout planner: ``mip``, ``greedy`` or ``off``.
+    planner: str = "greedy"
+    #: Directory for cached memory plans (``None``: no cache).
+    plan_cache: str | None = None
+    #: NVMe I/O engine: ``auto`` (kvikio when it really works, else posix), ``kvikio``, ``posix``.
+    io_backend: str = "auto"
+    #: Worker threads of the POSIX I/O engine.
+    io_threads: int = 4
+    #: Checksum every offloaded range and check it when it comes back.
+    verify: bool = False
+    #: Token dimension of a block's input: 1 for ``(B, S, H)``, 0 for ``(S, B, H)``.
+    token_dim: int = 1
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise through object.__setattr__
+        for name in ("policy", "planner", "io_backend"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{_where(name)} must be a string, got {type(value).__name__}")
+            set_(self, name, value.strip().lower())
+        _check_choice("policy", self.policy, POLICIES)
+        if self.policy not in IMPLEMENTED_POLICIES:
+            raise ValueError(
+                f"{_where('policy')}={self.policy!r} is part of actoff's design but not "
+                f"available in this version; use one of {', '.join(IMPLEMENTED_POLICIES)}"
+            )
+        _check_choice("planner", self.planner, PLANNERS)
+        _check_choice("io_backend", self.io_backend, IO_BACKENDS)
+
+        for name in ("cpu_fraction", "nvme_fraction"):
+            value = _as_float(name, getattr(self, name))
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{_where(name)}={value!r} is out of range: expected 0 to 1")
+            set_(self, name, value)
+        if self.cpu_fraction + self.nvme_fraction > 1.0 + 1e-9:
+            raise ValueError(
+                f"ACTOFF_CPU_FRACTION + ACTOFF_NVME_FRACTION = {self.cpu_fraction} + "
+                f"{self.nvme_fraction} > 1: the fractions share the tokens, and the rest is "
+                "recomputed; lower one of them"
+            )
+
+        set_(self, "min_bytes", _as_size("min_bytes", self.min_bytes, allow_bare=True))
+        for name in ("host_budget", "gpu_budget"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, _as_size(name, value, allow_bare=False))
+        for name, low in (("keep_last", 0), ("io_threads", 1), ("token_dim", 0)):
+            set_(self, name, _as_int(name, getattr(self, name), low))
+        set_(self, "verify", _as_bool("verify", self.verify))
+
+        for name in ("nvme_dir", "plan_cache"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{_where(name)} must be a path, got {type(value).__name__}")
+            if value is not None:
+                set_(self, name, os.fspath(value) or None)
+        if self.policy == "nvme" and self.nvme_dir is None:
+            raise ValueError(
+                "ACTOFF_POLICY='nvme' needs a directory: set ACTOFF_NVME_DIR (Config.nvme_dir) "
+                "to a directory on a fast local disk"
+            )
+        if self.nvme_dir is not None:
+            check_writable_dir(self.nvme_dir, _where("nvme_dir"))
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        """Read ``ACTOFF_*`` variables (values case-insensitive), then apply ``overrides``.
+
+        Unknown ``ACTOFF_`` variables raise, so a typo never goes unnoticed.
+
+        >>> Config.from_env({"ACTOFF_POLICY": "KEEP", "ACTOFF_KEEP_LAST": "1"}).policy
+        'keep'
+        """
+        environ = os.environ if environ is None else environ
+        known = {f.name for f in fields(cls)}
+        values: dict[str, object] = {}
+        for key, raw in environ.items():
+            if not key.startswith("ACTOFF_") or key in _NOT_CONFIG:
+                continue
+            name = key[len("ACTOFF_") :].lower()
+            if name not in known:
+                raise ValueError(
+                    f"{key} is not an actoff setting; known: "
+                    + ", ".join(sorted(_env_name(n) for n in known))
+                )
+            text = raw.strip()
+            if name in ("nvme_dir", "plan_cache"):
+                values[name] = text or None
+            elif name in ("host_budget", "gpu_budget") and text.lower() in ("", "none"):
+                values[name] = None
+            else:
+                values[name] = text
+        for name in overrides:
+            if name not in known:
+                raise TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> Config:
+        """A copy with ``changes`` applied and validated: ``cfg.replace(policy="keep")``."""
+        known = {f.name for f in fields(self)}
+        for name in changes:
+            if name not in known:
+                raise TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+# Variables that share the prefix but configure tests or builds, not the runtime.
+_NOT_CONFIG = frozenset({"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR"})
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{_where(name)}={value!r} is not valid: expected one of {', '.join(allowed)}")
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"{_where(name)} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{_where(name)}={value!r} is not a number: expected e.g. 0.5") from None
+
+
+def _as_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{_where(name)} must be an integer, got {type(value).__name__}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{_where(name)}={value!r} is not an integer") from None
+    if number < low:
+        raise ValueError(f"{_where(name)}={number} is out of range: expected an integer >= {low}")
+    return number
+
+
+def _as_size(name: str, value: object, *, allow_bare: bool) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{_where(name)} must be a byte count or a size string like '64GiB'")
+    number = parse_size(value, what=_where(name), allow_bare=allow_bare) if isinstance(value, str) else value
+    if number < 0:
+        raise ValueError(f"{_where(name)}={value!r} is negative: expected a size >= 0")
+    return number
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{_where(name)}={value!r} is not a boolean: expected 1/0, true/false, on/off")
+
+
+def check_writable_dir(path: str, what: str) -> None:
+    """Make sure ``path`` is a writable directory, creating it if its parent exists."""
+    if os.path.isfile(path):
+        raise ValueError(f"{what}={path!r} is a regular file: point it at a directory")
+    if not os.path.isdir(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ValueError(
+                f"{what}={path!r} does not exist and neither does its parent {parent!r}: "
+                "create the directory first"
+            )
+        try:
+            os.mkdir(path)
+        except OSError as error:
+            raise ValueError(f"{what}={path!r} could not be created: {error.strerror}") from None
+    # Probe by creating a file: os.access() says yes to root even on read-only mounts.
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{what}={path!r} is not writable by this process ({error.strerror}): choose another directory"
+        ) from None
+
+
+_global_config: Config | None = None
+
+
+def get_config() -> Config:
+    """The process-wide configuration: read from the environment once, on first use.
+
+    >>> get_config().policy in POLICIES
+    True
+    """
+    global _global_config
+    if _global_config is None:
+        _global_config = Config.from_env()
+    return _global_config
+
+
+def set_config(config: Config | None = None, **overrides: object) -> Config:
+    """Replace the process-wide configuration; ``set_config()`` re-reads the environment.
+
+    >>> set_config(policy="keep").policy
+    'keep'
+    >>> _ = set_config()  # back to the environment
+    """
+    global _global_config
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"set_config expects an actoff.Config, got {type(config).__name__}")
+    base = config if config is not None else Config.from_env()
+    _global_config = base.replace(**overrides) if overrides else base
+    return _global_config

@@ -1,0 +1,196 @@
+"""NVMe store: one preallocated file per process, 4 KiB-aligned extents reused across steps."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno as errno_codes
+import os
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ._config import Config
+from ._io import ALIGNMENT, FailedFuture, IoEngine, open_engine
+
+__all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry"]
+
+
+def _align(value: int) -> int:
+    return (value + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class Extent:
+    """``size`` bytes (a multiple of 4 KiB) at ``offset`` in the store's file."""
+
+    offset: int
+    size: int
+
+
+class ExtentAllocator:
+    """First-fit over a sorted free list, coalescing on free. Pure bookkeeping, no I/O.
+
+    The same allocation sequence after everything was freed gets the same offsets, so a
+    training step reuses the file's extents and the file stops growing after step one.
+
+    >>> extents = ExtentAllocator()
+    >>> a = extents.alloc(100); b = extents.alloc(5000)
+    >>> (a.offset, a.size, b.offset, b.size, extents.end)
+    (0, 4096, 4096, 8192, 12288)
+    >>> extents.free(a); extents.free(b); extents.alloc(1).offset
+    0
+    """
+
+    def __init__(self) -> None:
+        self.end = 0  # bytes of file the allocator has handed out at most
+        self._free: list[tuple[int, int]] = []  # (offset, size), sorted by offset
+
+    @property
+    def live_bytes(self) -> int:
+        return self.end - sum(size for _, size in self._free)
+
+    def alloc(self, nbytes: int) -> Extent:
+        size = _align(max(nbytes, 1))
+        for i, (offset, free_size) in enumerate(self._free):
+            if free_size >= size:
+                if free_size == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free_size - size)
+                return Extent(offset, size)
+        # Take the tail: extend the last free run if it touches the end.
+        if self._free and self._free[-1][0] + self._free[-1][1] == self.end:
+            offset, _ = self._free.pop()
+        else:
+            offset = self.end
+        self.end = offset + size
+        return Extent(offset, size)
+
+    def free(self, extent: Extent) -> None:
+        i = bisect.bisect_left(self._free, (extent.offset, 0))
+        offset, size = extent.offset, extent.size
+        if i < len(self._free) and self._free[i][0] == offset + size:  # merge right
+            size += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge left
+            prev_offset, prev_size = self._free.pop(i - 1)
+            offset, size = prev_offset, prev_size + size
+            i -= 1
+        self._free.insert(i, (offset, size))
+
+
+class NvmeStore:
+    """The process's file under ``directory`` (rank and pid in its name) and its extents.
+
+    The file is removed by `close()`, at interpreter exit, and when the store is collected.
+
+    >>> import tempfile
+    >>> store = NvmeStore(tempfile.mkdtemp(), backend="posix")
+    >>> data = torch.arange(1024, dtype=torch.float32)
+    >>> extent, future = store.write(data, data.numel() * 4); _ = future.wait()
+    >>> back = torch.empty_like(data); _ = store.read(back, extent, back.numel() * 4).wait()
+    >>> torch.equal(back, data)
+    True
+    >>> store.close()
+    """
+
+    def __init__(self, directory: str, *, backend: str = "auto", num_threads: int = 4) -> None:
+        rank = os.environ.get("RANK", "0")
+        name = f"actoff-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        self.path = os.path.join(directory, name)
+        self.engine: IoEngine = open_engine(self.path, backend, num_threads)
+        self.extents = ExtentAllocator()
+        self.reserved = 0  # bytes preallocated in the file
+        self.growths = 0  # times the file was grown (constant after the first step)
+        self._lock = threading.Lock()
+        # Runs on close(), when the store is collected, and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _remove, self.engine, self.path)
+
+    def write(self, buffer: torch.Tensor, nbytes: int) -> tuple[Extent, object]:
+        """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future."""
+        with self._lock:
+            extent = self.extents.alloc(nbytes)
+            if extent.offset + extent.size > self.reserved:
+                # Grow geometrically: few growths in the first step, none after.
+                want = max(extent.offset + extent.size, 2 * self.reserved)
+                try:
+                    self.engine.reserve(want)
+                except OSError as error:
+                    try:
+                        self.engine.reserve(extent.offset + extent.size)
+                        want = extent.offset + extent.size
+                    except OSError:
+                        return extent, FailedFuture(_io_error(error))
+                self.reserved = want
+                self.growths += 1
+        return extent, self.engine.pwrite(buffer, nbytes, extent.offset)
+
+    def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int) -> object:
+        """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer``."""
+        return self.engine.pread(buffer, nbytes, extent.offset)
+
+    def free(self, extent: Extent | None) -> None:
+        if extent is not None:
+            with self._lock:
+                self.extents.free(extent)
+
+    def file_size(self) -> int:
+        try:
+            return self.engine.file_size()
+        except OSError:
+            return 0
+
+    def close(self) -> None:
+        """Finish queued I/O, close the file and remove it."""
+        self._finalizer()
+
+
+def _io_error(error: OSError) -> OSError:
+    code = error.errno if error.errno is not None else errno_codes.EIO
+    return OSError(code, str(error))
+
+
+def _remove(engine: IoEngine, path: str) -> None:
+    try:
+        engine.close()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class StoreRegistry:
+    """One `NvmeStore` per (directory, backend, threads), opened on first use."""
+
+    def __init__(self) -> None:
+        self._stores: dict[tuple, NvmeStore] = {}
+        self._lock = threading.Lock()
+
+    def get(self, config: Config) -> NvmeStore:
+        key = (config.nvme_dir, config.io_backend, config.io_threads)
+        with self._lock:
+            store = self._stores.get(key)
+            if store is None:
+                if config.nvme_dir is None:
+                    raise ValueError("the nvme tier needs ACTOFF_NVME_DIR (Config.nvme_dir)")
+                store = NvmeStore(config.nvme_dir, backend=config.io_backend, num_threads=config.io_threads)
+                self._stores[key] = store
+            return store
+
+    def stores(self) -> list[NvmeStore]:
+        return list(self._stores.values())
+
+    def file_bytes(self) -> int:
+        return sum(store.file_size() for store in self._stores.values())
+
+    def backend_name(self) -> str:
+        names = sorted({store.engine.name for store in self._stores.values()})
+        return ", ".join(names) if names else "none"
+
+    def close(self) -> None:
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+        for store in stores:
+            store.close()

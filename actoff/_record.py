@@ -1,0 +1,162 @@
+"""Records: one saved activation each, with an explicit, checked state machine.
+
+::
+
+    RESIDENT --offload--> OFFLOADING --copy done--> OFFLOADED --fetch--> FETCHING --> READY
+       |                      |                        ^                              |
+       |                      |                        +--------- evict --------------+
+       +----------------------+------------------------+---- release ---> RELEASED
+
+A record also knows how to rebuild its tensor exactly: the bytes copied are the storage span
+the view covers (so strides, expanded dimensions and overlaps come back as they were); views
+with large gaps are copied compactly instead (values exact, strides contiguous).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ._arena import Slot
+    from ._device import Ticket
+    from ._runtime import ScopeRun
+
+__all__ = ["Record", "RecordStateError", "State", "TensorLayout"]
+
+
+class State(enum.Enum):
+    RESIDENT = "resident"  # the device tensor is held, nothing copied
+    OFFLOADING = "offloading"  # copy out in flight; the device tensor is still held
+    OFFLOADED = "offloaded"  # only the offloaded copy exists
+    FETCHING = "fetching"  # copy back in flight
+    READY = "ready"  # a device tensor is available for unpack
+    RELEASED = "released"  # everything returned; unpack is an error
+
+
+_TRANSITIONS: dict[State, frozenset[State]] = {
+    State.RESIDENT: frozenset({State.OFFLOADING, State.RELEASED}),
+    State.OFFLOADING: frozenset({State.OFFLOADED, State.RESIDENT, State.RELEASED}),
+    State.OFFLOADED: frozenset({State.FETCHING, State.RELEASED}),
+    State.FETCHING: frozenset({State.READY, State.RELEASED}),
+    State.READY: frozenset({State.OFFLOADED, State.RELEASED}),
+    State.RELEASED: frozenset(),
+}
+
+
+class RecordStateError(RuntimeError):
+    """A record was asked to make a transition its state machine forbids (an actoff bug)."""
+
+
+# Alignment (in bytes) that a restored tensor keeps relative to the original, so kernels
+# that pick a path by pointer alignment (vectorised loads, fused attention) pick the same.
+_KEEP_ALIGNMENT = 256
+
+
+class TensorLayout:
+    """How to copy a strided tensor's bytes out and rebuild an identical view."""
+
+    __slots__ = ("compact", "dtype", "itemsize", "numel", "pad", "size", "span", "stride")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.size = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        self.dtype = tensor.dtype
+        self.itemsize = tensor.element_size()
+        self.numel = tensor.numel()
+        span = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True)) if self.numel else 0
+        # Gappy views (e.g. every 4th column) would copy mostly unused bytes: go compact.
+        self.compact = span > 2 * self.numel
+        self.span = self.numel if self.compact else span
+        self.pad = 0 if self.compact else tensor.storage_offset() % max(1, _KEEP_ALIGNMENT // self.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved when the tensor is offloaded."""
+        return self.span * self.itemsize
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The 1-D span to copy out of ``tensor`` (a view when possible)."""
+        if self.compact:
+            return tensor.reshape(-1)
+        return tensor.as_strided((self.span,), (1,), tensor.storage_offset())
+
+    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tensor again, from a 1-D buffer holding ``pad`` spare elements then the span."""
+        if self.compact:
+            return flat[self.pad :].view(self.size)
+        return flat.as_strided(self.size, self.stride, self.pad)
+
+
+class Record:
+    """One saved activation: where its bytes are and what state it is in."""
+
+    __slots__ = (
+        "__weakref__",
+        "checksum",
+        "copy_source",
+        "copy_ticket",
+        "device_tensor",
+        "extent",
+        "fetch_ticket",
+        "host_slot",
+        "index",
+        "io_started",
+        "layout",
+        "run",
+        "saved_version",
+        "source",
+        "state",
+        "tier",
+        "write_future",
+    )
+
+    def __init__(self, tensor: torch.Tensor, run: ScopeRun, index: int) -> None:
+        self.layout = TensorLayout(tensor)
+        self.run = run
+        self.index = index  # position among the run's records (pack order)
+        self.state = State.RESIDENT
+        self.tier = "keep"
+        self.device_tensor: torch.Tensor | None = tensor
+        # Note [version check]: saved_tensors_hooks turn off autograd's own check that a
+        # saved tensor was not modified in place, so actoff makes it: a weak reference to
+        # the tensor (never keeping its memory alive) and the version it was saved at.
+        self.source = weakref.ref(tensor)
+        self.saved_version = tensor._version
+        self.host_slot: Slot | None = None
+        self.extent: object | None = None  # NVMe extent (actoff._nvme.Extent)
+        self.copy_ticket: Ticket | None = None
+        self.fetch_ticket: Ticket | None = None
+        self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
+        self.copy_source: torch.Tensor | None = None  # held while a copy reads it
+        self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
+        self.io_started = 0.0  # perf_counter() when the NVMe request was submitted
+
+    def to(self, state: State) -> None:
+        """Move to ``state``; raise `RecordStateError` if the machine forbids it."""
+        if state not in _TRANSITIONS[self.state]:
+            raise RecordStateError(
+                f"actoff internal error: record {self.index} of block {self.run.name!r} "
+                f"cannot go from {self.state.value} to {state.value}"
+            )
+        self.state = state
+
+    def check_version(self) -> None:
+        """Raise autograd's in-place error if the saved tensor was modified since."""
+        tensor = self.source()
+        if tensor is not None and tensor._version != self.saved_version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a tensor of shape {list(self.layout.size)} and dtype "
+                f"{self.layout.dtype} saved in block {self.run.name!r} is at version "
+                f"{tensor._version}; expected version {self.saved_version} instead "
+                "(caught by actoff, which saves it). Avoid the in-place operation, or clone "
+                "the tensor before modifying it."
+            )
+
+    def live_source(self) -> torch.Tensor | None:
+        """The original tensor when it is still alive elsewhere (forwarding, no copy needed)."""
+        return self.source()

@@ -1,0 +1,655 @@
+"""Runtime: scope runs, the pack/unpack hooks, the step lifecycle and record release.
+
+Data flow of one step (DESIGN.md):
+1. Forward inside a scope: `ScopeRun.pack` takes each saved tensor, filters it, dedups it and
+   returns a `Handle` to a `Record`. Nothing is copied yet.
+2. Scope exit: the run is sealed and queued; once it is more than ``keep_last`` runs old its
+   records are placed (cpu or nvme) and their copies start off the compute stream.
+3. Backward: the first unpack in a run fetches all of that run's records and prefetches the
+   previous run's; unpack waits on exactly the record it serves.
+4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
+   evicted, statistics are published, and the host arena consolidates.
+
+A record is released when autograd drops its handle (after its last use, or when a retained
+graph is freed), so ``retain_graph=True`` and partial backward passes need no special case.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._arena import HostArena
+from ._config import Config
+from ._device import DeviceBackend, Ticket, backend_for
+from ._record import Record, State
+from ._stats import TIERS, BlockStats, Stats
+
+__all__ = ["Handle", "Runtime", "ScopeRun", "get_runtime"]
+
+
+class Handle:
+    """What autograd stores instead of a saved tensor. Dropping it releases the record."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+
+    def __del__(self) -> None:
+        runtime = _runtime
+        if runtime is not None:  # None only during interpreter shutdown
+            runtime.release(self.record)
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[ScopeRun] = []
+        self.disabled = 0
+
+
+class Step:
+    """The scope runs of one forward pass, in order, until its backward ends."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.runs: list[ScopeRun] = []
+        self.pending: collections.deque[ScopeRun] = collections.deque()  # sealed, not placed
+        self.modules: set[int] = set()  # ids of module scopes entered (re-entry: new step)
+        self.in_flight: list[ScopeRun] = []  # placed runs with copies out not yet finished
+        self.last_placed: ScopeRun | None = None
+        self.live = 0  # records not yet released
+        self.timings: list[tuple[ScopeRun, str, Ticket]] = []  # copies to time at the end
+        self.backward_started = False
+        self.callback_queued = False
+        self.aborted = False
+
+
+class ScopeRun:
+    """One forward call of an offload scope and the records it made."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        step: Step,
+        name: str,
+        config: Config,
+        backend: DeviceBackend,
+        param_storages: set[int],
+    ) -> None:
+        self.runtime = runtime
+        self.step = step
+        self.index = len(step.runs)
+        self.name = name
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        self.param_storages = param_storages
+        self.records: list[Record] = []
+        self.dedup: dict[tuple, Handle] = {}
+        self.stats = BlockStats(name, calls=1)
+        self.placed = False
+        self.fetch_issued = False
+
+    # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if self.runtime.thread.disabled:
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout != torch.strided
+            or tensor.is_quantized
+            or tensor.device != self.device
+            or nbytes == 0
+        ):
+            if isinstance(tensor, torch.nn.Parameter):
+                self.stats.skipped_param_bytes += nbytes
+            else:
+                self.stats.skipped_other_bytes += nbytes
+            return tensor
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in self.param_storages or (tensor.is_leaf and tensor.requires_grad):
+            self.stats.skipped_param_bytes += nbytes
+            return tensor
+        if nbytes < self.config.min_bytes:
+            self.stats.skipped_small_bytes += nbytes
+            return tensor
+        # The storage offset is part of the key: q/k/v views of one fused projection share a
+        # storage and must not collide. The version keeps a modified tensor apart.
+        key = (
+            storage,
+            tensor.storage_offset(),
+            tensor.shape,
+            tensor.stride(),
+            tensor.dtype,
+            tensor._version,
+        )
+        handle = self.dedup.get(key)
+        if handle is not None:
+            self.stats.dedup_hits += 1
+            return handle
+        record = Record(tensor, self, len(self.records))
+        self.records.append(record)
+        self.step.live += 1
+        handle = Handle(record)
+        self.dedup[key] = handle
+        return handle
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if type(packed) is not Handle:
+        return packed
+    return packed.record.run.runtime.unpack(packed.record)
+
+
+class Runtime:
+    """Process-wide state: the current step, host arenas, NVMe stores and statistics."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.thread = _ThreadState()
+        self.step: Step | None = None
+        self.steps_started = 0
+        self.steps_completed = 0
+        self.arenas: dict[torch.device, HostArena] = {}
+        self.last_stats: dict[str, BlockStats] = {}
+        self._warned: set[str] = set()
+        from ._nvme import StoreRegistry  # deferred: _nvme imports nothing from here at load
+
+        self.stores = StoreRegistry()
+
+    # ------------------------------------------------------------------ scopes
+    def call(
+        self,
+        name: str,
+        config: Config,
+        module: torch.nn.Module | None,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` as an offload scope (or pass through, see `passes_through`)."""
+        if self.passes_through(module):
+            return fn(*args, **kwargs)
+        device = _find_device(args, kwargs, module)
+        run = self._begin(name, config, module, device)
+        self.thread.stack.append(run)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(run.pack, _unpack):
+                output = fn(*args, **kwargs)
+        except BaseException:
+            self.thread.stack.pop()
+            self._abort(run)
+            raise
+        self.thread.stack.pop()
+        self._seal(run)
+        return output
+
+    def passes_through(self, module: torch.nn.Module | None) -> bool:
+        """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched."""
+        return bool(
+            self.thread.stack
+            or self.thread.disabled
+            or not torch.is_grad_enabled()
+            or (module is not None and not module.training)
+        )
+
+    def _begin(
+        self, name: str, config: Config, module: torch.nn.Module | None, device: torch.device
+    ) -> ScopeRun:
+        with self.lock:
+            step = self.step
+            module_id = id(module) if module is not None else None
+            # A new step starts after a backward began, after an aborted forward, or when a
+            # module scope comes round again (a forward without backward in between).
+            if step is None or step.backward_started or step.aborted or module_id in step.modules:
+                self._publish(step)
+                step = self.step = Step(self.steps_started)
+                self.steps_started += 1
+            if module_id is not None:
+                step.modules.add(module_id)
+            params = set()
+            if module is not None:
+                for tensor in (*module.parameters(), *module.buffers()):
+                    params.add(tensor.untyped_storage().data_ptr())
+            run = ScopeRun(self, step, name, config, backend_for(device), params)
+            step.runs.append(run)
+            return run
+
+    def _abort(self, run: ScopeRun) -> None:
+        # An exception inside the scope: nothing is copied; the records stay resident and
+        # are released when the partial graph holding their handles is freed.
+        with self.lock:
+            run.dedup.clear()
+            run.step.aborted = True
+            for other in run.step.pending:
+                other.placed = True  # never placed now: their graph is being torn down
+            run.step.pending.clear()
+
+    def _seal(self, run: ScopeRun) -> None:
+        with self.lock:
+            run.dedup.clear()  # Note [pack is hot]: the handles now live in autograd only
+            step = run.step
+            if run.config.policy == "keep":
+                run.placed = True
+            else:
+                step.pending.append(run)
+                while len(step.pending) > run.config.keep_last:
+                    self._place(step.pending.popleft())
+            self._progress(step)
+
+    # ------------------------------------------------------------------ placement
+    def _place(self, run: ScopeRun) -> None:
+        run.placed = True
+        policy = run.config.policy
+        for record in run.records:
+            if record.state is State.RESIDENT:
+                self._offload(record, policy)
+        run.step.in_flight.append(run)
+        run.step.last_placed = run
+
+    def _offload(self, record: Record, tier: str) -> None:
+        run, layout = record.run, record.layout
+        source = layout.flat(record.device_tensor)
+        if tier == "nvme" and not run.backend.pinned:
+            # Host-resident tensors go straight to the file; no staging copy.
+            store = self.stores.get(run.config)
+            if run.config.verify:
+                record.checksum = _crc(source)
+            record.extent, record.write_future = store.write(source, layout.nbytes)
+            record.io_started = time.perf_counter()
+            record.copy_source = source
+            record.tier = "nvme"
+            record.to(State.OFFLOADING)
+            return
+        slot = self.arena(run).alloc(layout.nbytes)
+        if slot is None:
+            run.stats.over_budget_bytes += layout.nbytes
+            return  # stays resident: the host budget is full
+        record.host_slot = slot
+        record.copy_source = source  # Note [no record_stream]: held until the copy is done
+        record.copy_ticket = run.backend.copy_to_host(slot.view(layout.dtype, layout.span), source)
+        record.tier = tier
+        record.to(State.OFFLOADING)
+
+    def _progress(self, step: Step) -> None:
+        """Advance copies out: finish what completed; runs older than the last placed must finish.
+
+        MEMO's double buffering: the copies of run i overlap the forward of run i+1 and are
+        waited for (stream-side, no host stall) when the next run is placed.
+        """
+        still: list[ScopeRun] = []
+        for run in step.in_flight:
+            force = run is not step.last_placed
+            busy = False
+            for record in run.records:
+                if record.state is State.OFFLOADING:
+                    self._advance(record, force=force)
+                    busy = busy or record.state is State.OFFLOADING
+            if busy:
+                still.append(run)
+        step.in_flight = still
+
+    def _advance(self, record: Record, *, force: bool) -> None:
+        """Move an OFFLOADING record on; ``force`` waits (stream-side where possible)."""
+        run = record.run
+        ticket = record.copy_ticket
+        if ticket is not None and record.tier == "nvme" and record.write_future is None:
+            # Staged NVMe write: the host copy must be complete before the file write starts.
+            if not ticket.query():
+                if not force:
+                    return
+                ticket.synchronize()
+            store = self.stores.get(run.config)
+            slot = record.host_slot
+            if run.config.verify:
+                record.checksum = _crc(slot.view(record.layout.dtype, record.layout.span))
+            # The whole aligned slot: aligned address, size and offset take O_DIRECT.
+            record.extent, record.write_future = store.write(slot.raw(), slot.capacity)
+            record.io_started = time.perf_counter()
+        if record.write_future is not None:
+            if not record.write_future.done() and not force:
+                return
+            try:
+                record.write_future.wait()
+            except OSError as error:
+                self._write_failed(record, error)
+                return
+            self._account_io(run, "copy_ms", record.io_started)
+            record.write_future = None
+            if record.host_slot is not None:  # staging slot: the file has the bytes now
+                self.arena(run).free(record.host_slot)
+                record.host_slot = None
+        elif ticket is not None:
+            if run.config.verify:
+                ticket.synchronize()  # the checksum reads the host bytes
+                record.checksum = _crc(record.host_slot.view(record.layout.dtype, record.layout.span))
+            elif force:
+                run.backend.wait(ticket)
+            elif not ticket.query():
+                return
+        self._account(run, "copy_ms", ticket)
+        record.copy_ticket = None
+        record.device_tensor = None
+        record.copy_source = None
+        record.to(State.OFFLOADED)
+
+    @staticmethod
+    def _account(run: ScopeRun, what: str, ticket: Ticket | None) -> None:
+        """Add a copy's time to the run's figures now, or at the end of backward if in flight."""
+        if ticket is None:
+            return
+        if ticket.query():
+            setattr(run.stats, what, getattr(run.stats, what) + ticket.elapsed_ms())
+        else:
+            run.step.timings.append((run, what, ticket))
+
+    @staticmethod
+    def _account_io(run: ScopeRun, what: str, started: float) -> None:
+        # NVMe requests: time from submission until actoff saw them done (an upper bound).
+        setattr(run.stats, what, getattr(run.stats, what) + (time.perf_counter() - started) * 1e3)
+
+    def _write_failed(self, record: Record, error: OSError) -> None:
+        # Nothing is lost: the bytes are still in the staging slot (-> cpu tier) or in the
+        # device tensor, which the record still holds (-> keep).
+        run = record.run
+        run.stats.write_fallback_bytes += record.layout.nbytes
+        self.stores.get(run.config).free(record.extent)
+        record.extent = None
+        record.write_future = None
+        if record.host_slot is not None:
+            record.tier = "cpu"
+            record.copy_source = None
+            record.device_tensor = None
+            record.to(State.OFFLOADED)
+            fallback = "host memory"
+        else:
+            record.tier = "keep"
+            record.copy_source = None
+            record.to(State.RESIDENT)
+            fallback = "the device"
+        self.warn_once(
+            f"nvme-write:{run.config.nvme_dir}",
+            f"actoff: an NVMe write failed ({error}); affected activations stay in {fallback} "
+            "and training continues with exact values. Free space or fix ACTOFF_NVME_DIR.",
+        )
+
+    # ------------------------------------------------------------------ backward
+    def unpack(self, record: Record) -> torch.Tensor:
+        """Serve a saved tensor to autograd (called from the backward threads)."""
+        with self.lock:
+            run = record.run
+            step = run.step
+            step.backward_started = True
+            if not step.callback_queued:
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_backward(step))
+                    step.callback_queued = True
+                except RuntimeError:
+                    pass  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
+            record.check_version()
+            if not run.fetch_issued:
+                self._prefetch(run)
+                if run.index > 0:
+                    self._prefetch(step.runs[run.index - 1])
+            return self._materialize(record)
+
+    def _prefetch(self, run: ScopeRun) -> None:
+        run.fetch_issued = True
+        for record in run.records:
+            if record.state is State.OFFLOADED and record.live_source() is None:
+                self._fetch(record)
+
+    def _fetch(self, record: Record) -> None:
+        run, layout = record.run, record.layout
+        if record.tier == "nvme":
+            store = self.stores.get(run.config)
+            if run.backend.pinned:
+                slot = self.arena(run).alloc(layout.nbytes)
+                if slot is None:
+                    raise RuntimeError(
+                        f"actoff: no host staging memory to read {layout.nbytes} bytes back from "
+                        f"NVMe for block {run.name!r}: raise ACTOFF_HOST_BUDGET"
+                    )
+                record.host_slot = slot
+                record.write_future = store.read(slot.raw(), record.extent, slot.capacity)
+                record.copy_source = slot.view(layout.dtype, layout.span)
+            else:
+                flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
+                record.device_tensor = layout.rebuild(flat)
+                record.copy_source = flat[layout.pad :]
+                record.write_future = store.read(record.copy_source, record.extent, layout.nbytes)
+            record.io_started = time.perf_counter()
+        else:
+            host = record.host_slot.view(layout.dtype, layout.span)
+            if run.config.verify:
+                self._verify(record, host)
+            flat, record.fetch_ticket = run.backend.copy_to_device(host, pad=layout.pad)
+            record.device_tensor = layout.rebuild(flat)
+        record.to(State.FETCHING)
+
+    def _materialize(self, record: Record) -> torch.Tensor:
+        state = record.state
+        if state in (State.RESIDENT, State.OFFLOADING, State.READY):
+            if state is State.OFFLOADING:
+                record.run.stats.forwarded += 1
+            return record.device_tensor
+        if state is State.RELEASED:
+            raise RuntimeError(
+                f"actoff internal error: a saved tensor of block {record.run.name!r} was "
+                "unpacked after it was released"
+            )
+        if state is State.OFFLOADED:
+            live = record.live_source()
+            if live is not None:  # forwarding: the original is still alive, serve it
+                record.run.stats.forwarded += 1
+                return live
+            self._fetch(record)
+        run = record.run
+        if record.tier == "nvme" and record.write_future is not None:
+            self._finish_read(record)
+        run.backend.wait(record.fetch_ticket)
+        self._account(run, "fetch_ms", record.fetch_ticket)
+        record.fetch_ticket = None
+        record.to(State.READY)
+        return record.device_tensor
+
+    def _finish_read(self, record: Record) -> None:
+        run, layout = record.run, record.layout
+        future, record.write_future = record.write_future, None
+        try:
+            future.wait()
+            self._account_io(run, "fetch_ms", record.io_started)
+        except OSError as error:
+            raise RuntimeError(
+                f"actoff: reading a saved activation of block {run.name!r} back from NVMe "
+                f"failed: {error}. The step cannot continue with this activation."
+            ) from error
+        buffer, record.copy_source = record.copy_source, None
+        if run.config.verify:
+            self._verify(record, buffer)
+        if run.backend.pinned:
+            flat, record.fetch_ticket = run.backend.copy_to_device(buffer, pad=layout.pad)
+            record.device_tensor = layout.rebuild(flat)
+        else:
+            record.fetch_ticket = None
+
+    def _verify(self, record: Record, buffer: torch.Tensor) -> None:
+        expected = record.checksum
+        if expected is None:
+            return
+        actual = _crc(buffer)
+        if actual != expected:
+            raise RuntimeError(
+                f"actoff: a saved activation of block {record.run.name!r} (tier {record.tier}, "
+                f"{record.layout.nbytes} bytes) came back corrupted: checksum {actual:#010x}, "
+                f"expected {expected:#010x} (ACTOFF_VERIFY=1). Check the disk and memory."
+            )
+
+    def _end_backward(self, step: Step) -> None:
+        with self.lock:
+            step.callback_queued = False
+            for run, what, ticket in step.timings:
+                ticket.synchronize()  # long done by now: backward has ended
+                setattr(run.stats, what, getattr(run.stats, what) + ticket.elapsed_ms())
+            step.timings.clear()
+            for run in step.runs:
+                for record in run.records:
+                    # Kept for retain_graph: drop the device copy; the host copy stays.
+                    if record.state is State.READY and record.tier != "keep":
+                        if record.tier == "nvme" and record.host_slot is not None:
+                            self.arena(run).free(record.host_slot)
+                            record.host_slot = None
+                        record.device_tensor = None
+                        record.to(State.OFFLOADED)
+                    run.fetch_issued = False
+            self.steps_completed += 1
+            self._publish(step)
+
+    # ------------------------------------------------------------------ release
+    def release(self, record: Record) -> None:
+        """Return everything a record holds; called when autograd drops its handle."""
+        with self.lock:
+            state = record.state
+            if state is State.RELEASED:
+                return
+            run = record.run
+            # Copies still touching the record's memory must finish first (rare: a graph
+            # freed right after forward, or a prefetch that backward never used).
+            if record.copy_ticket is not None and state is State.OFFLOADING:
+                record.copy_ticket.synchronize()
+                self._account(run, "copy_ms", record.copy_ticket)
+            if record.fetch_ticket is not None and state is State.FETCHING:
+                record.fetch_ticket.synchronize()
+            if record.write_future is not None:
+                # The record is going away; nothing needs its bytes any more.
+                with contextlib.suppress(OSError):
+                    record.write_future.wait()
+            if record.host_slot is not None:
+                self.arena(run).free(record.host_slot)
+            if record.extent is not None:
+                self.stores.get(run.config).free(record.extent)
+            record.host_slot = record.extent = record.write_future = None
+            record.device_tensor = record.copy_source = None
+            record.copy_ticket = record.fetch_ticket = None
+            record.to(State.RELEASED)
+            step = run.step
+            step.live -= 1
+            if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
+                arena = self.arenas.get(run.device)
+                if arena is not None:
+                    arena.consolidate()
+
+    # ------------------------------------------------------------------ helpers
+    def arena(self, run: ScopeRun) -> HostArena:
+        arena = self.arenas.get(run.device)
+        if arena is None:
+            arena = self.arenas[run.device] = HostArena(run.backend, run.config.host_budget)
+        return arena
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _publish(self, step: Step | None) -> None:
+        if step is None or not step.runs:
+            return
+        self.last_stats = _collect(step)
+        if step.live == 0:
+            for arena in self.arenas.values():
+                arena.consolidate()
+
+    def stats(self) -> Stats:
+        with self.lock:
+            blocks = self.last_stats
+            if self.step is not None and self.step.runs and not self.step.backward_started:
+                blocks = _collect(self.step)
+            return Stats(
+                blocks={name: _copy_stats(b) for name, b in blocks.items()},
+                steps=self.steps_completed,
+                host_capacity=sum(a.capacity for a in self.arenas.values()),
+                host_high_water=max((a.high_water for a in self.arenas.values()), default=0),
+                host_allocations=sum(a.num_allocations for a in self.arenas.values()),
+                nvme_file_bytes=self.stores.file_bytes(),
+                io_backend=self.stores.backend_name(),
+            )
+
+    def close(self) -> None:
+        """Forget the current step and statistics; close NVMe stores (removing their files)."""
+        with self.lock:
+            self.step = None
+            self.last_stats = {}
+            self.steps_completed = 0
+            self.stores.close()
+
+
+def _collect(step: Step) -> dict[str, BlockStats]:
+    blocks: dict[str, BlockStats] = {}
+    for run in step.runs:
+        block = blocks.get(run.name)
+        if block is None:
+            block = blocks[run.name] = BlockStats(run.name, calls=0)
+        source = run.stats
+        block.calls += 1
+        for name in (
+            "dedup_hits", "skipped_param_bytes", "skipped_small_bytes", "skipped_other_bytes",
+            "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms", "fetch_ms",
+        ):  # fmt: skip
+            setattr(block, name, getattr(block, name) + getattr(source, name))
+        for record in run.records:
+            block.tensors += 1
+            block.bytes_saved += record.layout.nbytes
+            block.bytes_per_tier[record.tier] += record.layout.nbytes
+    return blocks
+
+
+def _copy_stats(block: BlockStats) -> BlockStats:
+    copy = BlockStats(**{k: v for k, v in vars(block).items() if k != "bytes_per_tier"})
+    copy.bytes_per_tier = dict(block.bytes_per_tier)
+    return copy
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    host = tensor.detach().reshape(-1).view(torch.uint8).cpu()
+    return zlib.crc32(host.numpy())
+
+
+def _find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:
+    """The scope's device: of the first tensor argument, else of the module's parameters."""
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return item.device
+        if isinstance(item, (list, tuple)):
+            stack[:0] = item
+        elif isinstance(item, dict):
+            stack[:0] = item.values()
+    if module is not None:
+        for tensor in module.parameters():
+            return tensor.device
+    return torch.device("cpu")
+
+
+_runtime: Runtime | None = None
+
+
+def get_runtime() -> Runtime:
+    """The process-wide runtime (created on first use)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime()
+    return _runtime
+
+
+__all__ += ["TIERS"]

@@ -1,0 +1,183 @@
+"""Offload scopes: `offload` (class, instance or function), `offload_` (in place) and `no_offload`."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from ._config import Config, get_config
+from ._runtime import get_runtime
+
+__all__ = ["no_offload", "offload", "offload_"]
+
+T = TypeVar("T")
+_SPEC_ATTR = "__actoff_scope__"
+
+
+class _ScopeSpec:
+    """What a decorated object needs at call time: its config source and a block name."""
+
+    def __init__(self, config: Config | None, overrides: dict[str, object], name: str | None) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"offload(config=...) expects an actoff.Config, got {type(config).__name__}")
+        # Validate overrides now (a typo fails at decoration, not mid-step).
+        (config or Config()).replace(**overrides) if overrides else None
+        self.config = config
+        self.overrides = overrides
+        self.name = name
+        self._names: dict[int, str] = {}
+        self._counter = itertools.count()
+
+    def resolve(self) -> Config:
+        base = self.config if self.config is not None else get_config()
+        return base.replace(**self.overrides) if self.overrides else base
+
+    def block_name(self, module: torch.nn.Module | None, default: str) -> str:
+        if self.name is not None:
+            return self.name
+        if module is None:
+            return default
+        key = id(module)
+        name = self._names.get(key)
+        if name is None:  # instances of a decorated class: Block#0, Block#1, ... by first call
+            name = self._names[key] = f"{type(module).__name__}#{next(self._counter)}"
+        return name
+
+
+def offload(
+    obj: T | None = None,
+    *,
+    config: Config | None = None,
+    name: str | None = None,
+    **overrides: object,
+) -> T | Callable[[T], T]:
+    """Make a block an offload scope: what its forward saves for backward is managed by actoff.
+
+    ``obj`` may be an ``nn.Module`` subclass (every instance becomes a scope), an instance
+    (that module only; returned as is) or a function. Settings come from ``config``, else
+    the process-wide `actoff.get_config` (``ACTOFF_*`` variables), with ``overrides`` applied
+    on top. Nested scopes, ``torch.no_grad()``, eval mode and `no_offload` run untouched.
+
+    Example:
+        >>> import torch, actoff
+        >>> @actoff.offload(policy="cpu", min_bytes=0)
+        ... class Block(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.linear = torch.nn.Linear(8, 8)
+        ...     def forward(self, x):
+        ...         return self.linear(x).relu()
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> Block()(x).sum().backward()
+        >>> x.grad.shape
+        torch.Size([4, 8])
+    """
+    if obj is None:
+        return lambda target: offload(target, config=config, name=name, **overrides)
+    spec = _ScopeSpec(config, overrides, name)
+    if isinstance(obj, type):
+        if not issubclass(obj, torch.nn.Module):
+            raise TypeError(
+                f"offload() takes an nn.Module subclass, a module or a function; got class {obj.__name__}"
+            )
+        original = getattr(obj.forward, "__wrapped__", obj.forward)
+        obj.forward = _wrap_method(original, spec)  # type: ignore[method-assign]
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        module = obj
+        previous = module.__dict__.get("forward")
+        original = getattr(previous, "__wrapped__", None) or type(module).forward
+        module.forward = types.MethodType(_wrap_method(original, spec), module)
+        return obj  # type: ignore[return-value]
+    if callable(obj):
+        original = getattr(obj, "__wrapped__", obj) if hasattr(obj, _SPEC_ATTR) else obj
+        default = getattr(original, "__qualname__", repr(original))
+
+        @functools.wraps(original)
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            return get_runtime().call(
+                spec.block_name(None, default), spec.resolve(), None, original, args, kwargs
+            )
+
+        setattr(scoped, _SPEC_ATTR, spec)
+        return scoped  # type: ignore[return-value]
+    raise TypeError(
+        f"offload() takes an nn.Module subclass, a module or a function; got {type(obj).__name__}"
+    )
+
+
+def _wrap_method(original: Callable[..., Any], spec: _ScopeSpec) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        runtime = get_runtime()
+        if runtime.passes_through(self):  # fast path: no config resolution, no device lookup
+            return original(self, *args, **kwargs)
+        bound = functools.partial(original, self)
+        return runtime.call(
+            spec.block_name(self, type(self).__name__), spec.resolve(), self, bound, args, kwargs
+        )
+
+    setattr(forward, _SPEC_ATTR, spec)
+    return forward
+
+
+def offload_(
+    model: torch.nn.Module,
+    *,
+    block_cls: type[torch.nn.Module] | tuple[type[torch.nn.Module], ...] | None = None,
+    filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
+    config: Config | None = None,
+    **overrides: object,
+) -> torch.nn.Module:
+    """Make every matching submodule of ``model`` an offload scope, in place; return ``model``.
+
+    Give exactly one of ``block_cls`` (e.g. ``LlamaDecoderLayer``) or ``filter_fn(module,
+    qualified_name) -> bool``. Each scope is named by its qualified name (``layers.3``) in
+    `actoff.stats`. Works on unmodified modules: only their ``forward`` attribute is set.
+
+    Example:
+        >>> import torch, actoff
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+        >>> _ = actoff.offload_(model, block_cls=torch.nn.Linear, policy="keep")
+        >>> model(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload_() takes an nn.Module, got {type(model).__name__}")
+    if (block_cls is None) == (filter_fn is None):
+        raise TypeError("offload_() needs exactly one of block_cls=... or filter_fn=(module, name) -> bool")
+    matched = 0
+    for qualified, module in model.named_modules():
+        hit = isinstance(module, block_cls) if block_cls is not None else bool(filter_fn(module, qualified))  # type: ignore[misc]
+        if hit:
+            offload(module, config=config, name=qualified or type(module).__name__, **overrides)
+            matched += 1
+    if matched == 0:
+        what = f"block_cls={block_cls!r}" if block_cls is not None else "filter_fn"
+        raise ValueError(
+            f"offload_(): no submodule of {type(model).__name__} matched {what}; nothing would be offloaded"
+        )
+    return model
+
+
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Run a region without actoff (e.g. the output head): saved tensors stay where they are.
+
+    Example:
+        >>> import torch, actoff
+        >>> with actoff.no_offload():
+        ...     y = torch.randn(3, requires_grad=True).exp()
+    """
+    state = get_runtime().thread
+    state.disabled += 1
+    try:
+        yield
+    finally:
+        state.disabled -= 1

@@ -1,0 +1,126 @@
+"""Statistics: per-block figures of the last step and a readable table (`actoff.stats()`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._config import format_bytes
+
+__all__ = ["BlockStats", "Stats"]
+
+TIERS = ("keep", "cpu", "nvme", "recompute")
+
+
+@dataclass
+class BlockStats:
+    """What one block saved for backward in the last step, and where it went."""
+
+    name: str
+    calls: int = 0  # forward calls of the block in the step
+    tensors: int = 0  # distinct saved tensors actoff took charge of (after dedup)
+    bytes_saved: int = 0  # their bytes
+    bytes_per_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    dedup_hits: int = 0  # saves served by an existing record (same storage, offset, view)
+    skipped_param_bytes: int = 0  # parameters, buffers and their views: never offloaded
+    skipped_small_bytes: int = 0  # tensors under min_bytes
+    skipped_other_bytes: int = 0  # other devices, subclasses, sparse, empty tensors
+    over_budget_bytes: int = 0  # would have been offloaded, but the host budget was full
+    write_fallback_bytes: int = 0  # NVMe writes that failed and fell back to another tier
+    copy_ms: float = 0.0  # time of the copies out (device to host, host to file)
+    fetch_ms: float = 0.0  # time of the copies back
+    forwarded: int = 0  # unpacks served by a still-live tensor instead of a fetch
+
+    @property
+    def bytes_offloaded(self) -> int:
+        """Bytes that left the device (cpu + nvme)."""
+        return self.bytes_per_tier["cpu"] + self.bytes_per_tier["nvme"]
+
+
+@dataclass
+class Stats:
+    """A snapshot of actoff's figures. ``str(stats)`` is a table.
+
+    Example:
+        >>> import actoff
+        >>> snapshot = actoff.stats()
+        >>> snapshot.total_bytes_offloaded >= 0
+        True
+    """
+
+    blocks: dict[str, BlockStats] = field(default_factory=dict)
+    steps: int = 0  # backward passes completed since the last reset
+    host_capacity: int = 0  # bytes of host arena held
+    host_high_water: int = 0  # most host arena bytes in use at once
+    host_allocations: int = 0  # host buffers ever allocated (constant after the first step)
+    nvme_file_bytes: int = 0  # size of the NVMe files
+    io_backend: str = "none"  # I/O engine of the NVMe tier, once used
+
+    @property
+    def total_bytes_saved(self) -> int:
+        return sum(b.bytes_saved for b in self.blocks.values())
+
+    @property
+    def total_bytes_offloaded(self) -> int:
+        return sum(b.bytes_offloaded for b in self.blocks.values())
+
+    def __str__(self) -> str:
+        header = (
+            "block",
+            "calls",
+            "tensors",
+            "saved",
+            "keep",
+            "cpu",
+            "nvme",
+            "copy ms",
+            "fetch ms",
+        )
+        rows = [header]
+        for block in self.blocks.values():
+            rows.append(
+                (
+                    block.name,
+                    str(block.calls),
+                    str(block.tensors),
+                    format_bytes(block.bytes_saved),
+                    *(format_bytes(block.bytes_per_tier[t]) for t in ("keep", "cpu", "nvme")),
+                    f"{block.copy_ms:.2f}",
+                    f"{block.fetch_ms:.2f}",
+                )
+            )
+        totals = BlockStats("total")
+        for block in self.blocks.values():
+            totals.calls += block.calls
+            totals.tensors += block.tensors
+            totals.bytes_saved += block.bytes_saved
+            totals.copy_ms += block.copy_ms
+            totals.fetch_ms += block.fetch_ms
+            for tier in TIERS:
+                totals.bytes_per_tier[tier] += block.bytes_per_tier[tier]
+        rows.append(
+            (
+                "total",
+                str(totals.calls),
+                str(totals.tensors),
+                format_bytes(totals.bytes_saved),
+                *(format_bytes(totals.bytes_per_tier[t]) for t in ("keep", "cpu", "nvme")),
+                f"{totals.copy_ms:.2f}",
+                f"{totals.fetch_ms:.2f}",
+            )
+        )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = [
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in rows
+        ]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        lines.append(
+            f"steps: {self.steps}   host arena: {format_bytes(self.host_capacity)} in "
+            f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}"
+            f"   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
+        )
+        return "\n".join(lines)

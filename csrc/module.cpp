@@ -1,0 +1,53 @@
+// pybind11 bindings: actoff._C exposes the POSIX I/O engine (IoEngine, Future; errors raise OSError).
+#include <pybind11/pybind11.h>
+
+#include "io_engine.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "actoff compiled core: the POSIX asynchronous I/O engine";
+
+  // I/O failures surface as Python OSError(errno, message): callers catch OSError, and
+  // .errno says what failed (0 for a short read or a closed engine).
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const actoff::IoError& error) {
+      py::tuple args = py::make_tuple(error.code(), error.what());
+      PyErr_SetObject(PyExc_OSError, args.ptr());
+    }
+  });
+
+  py::class_<actoff::Future>(m, "Future")
+      .def("done", &actoff::Future::done, "True once the request finished (never blocks).")
+      .def("wait", &actoff::Future::wait, py::call_guard<py::gil_scoped_release>(),
+           "Block until done; raise OSError on failure; return the bytes moved.");
+
+  py::class_<actoff::IoEngine>(m, "IoEngine")
+      .def(py::init<const std::string&, std::size_t, bool, std::size_t>(), py::arg("path"),
+           py::arg("num_threads") = 4, py::arg("allow_direct") = true,
+           py::arg("alignment") = 4096)
+      .def(
+          "pwrite",
+          [](actoff::IoEngine& engine, std::uintptr_t address, std::size_t nbytes,
+             std::uint64_t offset) {
+            return engine.pwrite(reinterpret_cast<const void*>(address), nbytes, offset);
+          },
+          py::arg("address"), py::arg("nbytes"), py::arg("offset"))
+      .def(
+          "pread",
+          [](actoff::IoEngine& engine, std::uintptr_t address, std::size_t nbytes,
+             std::uint64_t offset) {
+            return engine.pread(reinterpret_cast<void*>(address), nbytes, offset);
+          },
+          py::arg("address"), py::arg("nbytes"), py::arg("offset"))
+      .def("reserve", &actoff::IoEngine::reserve, py::call_guard<py::gil_scoped_release>())
+      .def("file_size", &actoff::IoEngine::file_size)
+      .def("pending", &actoff::IoEngine::pending)
+      .def("close", &actoff::IoEngine::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("direct_enabled", &actoff::IoEngine::direct_enabled)
+      .def_property_readonly("alignment", &actoff::IoEngine::alignment)
+      .def_property_readonly("num_threads", &actoff::IoEngine::num_threads)
+      .def_property_readonly("path", &actoff::IoEngine::path);
+}
