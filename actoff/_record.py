@@ -110,6 +110,7 @@ class Record:
         "saved_version",
         "source",
         "state",
+        "store",
         "tier",
         "write_future",
     )
@@ -127,7 +128,8 @@ class Record:
         self.source = weakref.ref(tensor)
         self.saved_version = tensor._version
         self.host_slot: Slot | None = None
-        self.extent: object | None = None  # NVMe extent (actoff._nvme.Extent)
+        self.extent: object | None = None  # NVMe extent (actoff._nvme.Extent) ...
+        self.store: object | None = None  # ... in this NvmeStore
         self.copy_ticket: Ticket | None = None
         self.fetch_ticket: Ticket | None = None
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)

@@ -266,6 +266,7 @@ class Runtime:
             if run.config.verify:
                 record.checksum = _crc(source)
             record.extent, record.write_future = store.write(source, layout.nbytes)
+            record.store = store
             record.io_started = time.perf_counter()
             record.copy_source = source
             record.tier = "nvme"
@@ -315,6 +316,7 @@ class Runtime:
                 record.checksum = _crc(slot.view(record.layout.dtype, record.layout.span))
             # The whole aligned slot: aligned address, size and offset take O_DIRECT.
             record.extent, record.write_future = store.write(slot.raw(), slot.capacity)
+            record.store = store
             record.io_started = time.perf_counter()
         if record.write_future is not None:
             if not record.write_future.done() and not force:
@@ -363,7 +365,7 @@ class Runtime:
         # device tensor, which the record still holds (-> keep).
         run = record.run
         run.stats.write_fallback_bytes += record.layout.nbytes
-        self.stores.get(run.config).free(record.extent)
+        record.store.free(record.extent)
         record.extent = None
         record.write_future = None
         if record.host_slot is not None:
@@ -412,7 +414,7 @@ class Runtime:
     def _fetch(self, record: Record) -> None:
         run, layout = record.run, record.layout
         if record.tier == "nvme":
-            store = self.stores.get(run.config)
+            store = record.store
             if run.backend.pinned:
                 slot = self.arena(run).alloc(layout.nbytes)
                 if slot is None:
@@ -537,7 +539,7 @@ class Runtime:
             if record.host_slot is not None:
                 self.arena(run).free(record.host_slot)
             if record.extent is not None:
-                self.stores.get(run.config).free(record.extent)
+                record.store.free(record.extent)
             record.host_slot = record.extent = record.write_future = None
             record.device_tensor = record.copy_source = None
             record.copy_ticket = record.fetch_ticket = None
@@ -554,6 +556,7 @@ class Runtime:
         arena = self.arenas.get(run.device)
         if arena is None:
             arena = self.arenas[run.device] = HostArena(run.backend, run.config.host_budget)
+        arena.budget = run.config.host_budget  # the budget of the config in force
         return arena
 
     def warn_once(self, key: str, message: str) -> None:
@@ -585,11 +588,12 @@ class Runtime:
             )
 
     def close(self) -> None:
-        """Forget the current step and statistics; close NVMe stores (removing their files)."""
+        """Forget the step, statistics and host arenas; close NVMe stores (removing their files)."""
         with self.lock:
             self.step = None
             self.last_stats = {}
             self.steps_completed = 0
+            self.arenas = {}  # slots still held by live graphs keep their chunk alive
             self.stores.close()
 
 

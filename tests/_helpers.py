@@ -1,0 +1,62 @@
+"""Shared test helpers: build the reference model and train it with and without actoff."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import actoff
+from actoff.reference import Block, ModelConfig, Transformer
+
+
+def make_model(seed: int = 0, **changes) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig.preset("tiny", **changes))
+
+
+def train(model: torch.nn.Module, steps: int = 3, *, batch: int = 2, seq: int = 33, seed: int = 1,
+          retain_graph: bool = False):  # fmt: skip
+    """Run ``steps`` SGD steps; return per step the loss and every parameter's gradient."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(seed)
+    history = []
+    for _ in range(steps):
+        tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator)
+        loss = model.loss(tokens)
+        loss.backward(retain_graph=retain_graph)
+        if retain_graph:
+            loss.backward()
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        history.append((loss.detach().clone(), grads))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return history
+
+
+def assert_same_history(expected, actual) -> None:
+    """Losses and every gradient bit for bit (rtol=0, atol=0), step by step."""
+    assert len(expected) == len(actual)
+    for step, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(expected, actual, strict=True)):
+        torch.testing.assert_close(
+            loss_b, loss_a, rtol=0, atol=0, msg=lambda m, s=step: f"step {s} loss: {m}"
+        )
+        assert grads_a.keys() == grads_b.keys()
+        for name in grads_a:
+            torch.testing.assert_close(
+                grads_b[name],
+                grads_a[name],
+                rtol=0,
+                atol=0,
+                msg=lambda m, s=step, n=name: f"step {s} grad {n}: {m}",
+            )
+
+
+def baseline_and_offloaded(steps: int = 3, *, model_changes=None, train_kwargs=None, **overrides):
+    """Train the same initial model without actoff and with actoff(**overrides)."""
+    model = make_model(**(model_changes or {}))
+    reference = copy.deepcopy(model)
+    expected = train(reference, steps, **(train_kwargs or {}))
+    actoff.offload_(model, block_cls=Block, **overrides)
+    actual = train(model, steps, **(train_kwargs or {}))
+    return expected, actual

@@ -1,0 +1,161 @@
+"""Config: defaults, the ACTOFF_* reader, Python overrides, and an error for every bad value."""
+
+import os
+
+import pytest
+
+import actoff
+from actoff import Config, parse_size
+
+
+def test_defaults_are_valid():
+    config = Config()
+    assert config.policy == "cpu"
+    assert config.min_bytes == 64 * 1024
+    assert config.host_budget is None
+
+
+def test_from_env_reads_every_variable(tmp_path):
+    env = {
+        "ACTOFF_POLICY": "NVME",
+        "ACTOFF_CPU_FRACTION": "0.25",
+        "ACTOFF_NVME_FRACTION": "0.5",
+        "ACTOFF_NVME_DIR": str(tmp_path),
+        "ACTOFF_MIN_BYTES": "4KiB",
+        "ACTOFF_KEEP_LAST": "2",
+        "ACTOFF_HOST_BUDGET": "64GiB",
+        "ACTOFF_GPU_BUDGET": "70GB",
+        "ACTOFF_PLANNER": "MIP",
+        "ACTOFF_PLAN_CACHE": str(tmp_path / "plans"),
+        "ACTOFF_IO_BACKEND": "posix",
+        "ACTOFF_IO_THREADS": "8",
+        "ACTOFF_VERIFY": "yes",
+        "ACTOFF_TOKEN_DIM": "0",
+    }
+    config = Config.from_env(env)
+    assert config.policy == "nvme"
+    assert (config.cpu_fraction, config.nvme_fraction) == (0.25, 0.5)
+    assert config.min_bytes == 4096
+    assert config.keep_last == 2
+    assert config.host_budget == 64 * 2**30
+    assert config.gpu_budget == 70 * 10**9
+    assert config.planner == "mip"
+    assert config.io_threads == 8
+    assert config.verify is True
+    assert config.token_dim == 0
+
+
+def test_python_arguments_win_over_the_environment():
+    config = Config.from_env({"ACTOFF_POLICY": "cpu", "ACTOFF_KEEP_LAST": "3"}, policy="keep")
+    assert config.policy == "keep"
+    assert config.keep_last == 3
+
+
+def test_get_config_reads_os_environ_once(monkeypatch):
+    monkeypatch.setenv("ACTOFF_POLICY", "keep")
+    actoff.set_config()
+    assert actoff.get_config().policy == "keep"
+    monkeypatch.setenv("ACTOFF_POLICY", "cpu")
+    assert actoff.get_config().policy == "keep"  # read once, frozen
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        Config().policy = "keep"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("ACTOFF_POLICY", "fast", "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, auto"),
+        ("ACTOFF_POLICY", "tokenwise", "ACTOFF_POLICY.*'tokenwise'.*not available in this version"),
+        ("ACTOFF_CPU_FRACTION", "1.5", "ACTOFF_CPU_FRACTION.*out of range"),
+        ("ACTOFF_CPU_FRACTION", "-0.1", "ACTOFF_CPU_FRACTION.*out of range"),
+        ("ACTOFF_NVME_FRACTION", "half", "ACTOFF_NVME_FRACTION.*'half' is not a number"),
+        ("ACTOFF_MIN_BYTES", "12XB", "ACTOFF_MIN_BYTES.*unknown unit 'XB'"),
+        ("ACTOFF_MIN_BYTES", "lots", "ACTOFF_MIN_BYTES.*not a size"),
+        ("ACTOFF_HOST_BUDGET", "64", "ACTOFF_HOST_BUDGET.*no unit.*'64GiB'"),
+        ("ACTOFF_HOST_BUDGET", "64 parsecs", "ACTOFF_HOST_BUDGET.*unknown unit"),
+        ("ACTOFF_GPU_BUDGET", "-4GiB", "ACTOFF_GPU_BUDGET.*not a size"),
+        ("ACTOFF_KEEP_LAST", "-1", "ACTOFF_KEEP_LAST.*out of range"),
+        ("ACTOFF_KEEP_LAST", "two", "ACTOFF_KEEP_LAST.*'two' is not an integer"),
+        ("ACTOFF_IO_THREADS", "0", "ACTOFF_IO_THREADS.*>= 1"),
+        ("ACTOFF_PLANNER", "optimal", "ACTOFF_PLANNER.*mip, greedy, off"),
+        ("ACTOFF_IO_BACKEND", "gds", "ACTOFF_IO_BACKEND.*auto, kvikio, posix"),
+        ("ACTOFF_VERIFY", "maybe", "ACTOFF_VERIFY.*not a boolean"),
+        ("ACTOFF_POLCY", "cpu", "ACTOFF_POLCY is not an actoff setting"),
+    ],
+)
+def test_bad_values_name_the_variable_and_what_is_allowed(variable, value, message):
+    with pytest.raises(ValueError, match=message):
+        Config.from_env({variable: value})
+
+
+def test_fractions_over_one_are_rejected():
+    with pytest.raises(ValueError, match=r"ACTOFF_CPU_FRACTION \+ ACTOFF_NVME_FRACTION = 0.7 \+ 0.5 > 1"):
+        Config.from_env({"ACTOFF_CPU_FRACTION": "0.7", "ACTOFF_NVME_FRACTION": "0.5"})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("policy", 3), ("min_bytes", 1.5), ("keep_last", True), ("cpu_fraction", [0.5]), ("nvme_dir", 7)],
+)
+def test_wrong_python_types_raise_type_error(field, value):
+    with pytest.raises(TypeError, match=field):
+        Config(**{field: value})
+
+
+def test_unknown_override_names_the_field():
+    with pytest.raises(TypeError, match="no field 'polcy'"):
+        Config.from_env({}, polcy="cpu")
+    with pytest.raises(TypeError, match="no field 'polcy'"):
+        Config().replace(polcy="cpu")
+
+
+def test_nvme_policy_needs_a_directory():
+    with pytest.raises(ValueError, match="ACTOFF_NVME_DIR"):
+        Config(policy="nvme")
+
+
+def test_nvme_dir_is_created_when_its_parent_exists(tmp_path):
+    target = tmp_path / "spill"
+    Config(policy="nvme", nvme_dir=str(target))
+    assert target.is_dir()
+
+
+def test_nvme_dir_errors_name_the_path(tmp_path):
+    regular = tmp_path / "file.bin"
+    regular.write_bytes(b"x")
+    with pytest.raises(ValueError, match=f"ACTOFF_NVME_DIR.*{regular}.*regular file"):
+        Config(nvme_dir=str(regular))
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(ValueError, match="does not exist and neither does its parent"):
+        Config(nvme_dir=str(missing))
+
+
+def test_nvme_dir_not_writable(tmp_path):
+    # Root ignores permission bits, so use a directory no one can create files in.
+    candidates = ["/proc/self", "/sys"]
+    target = next((c for c in candidates if os.path.isdir(c)), None)
+    if target is None:
+        pytest.skip("no read-only directory on this system")
+    with pytest.raises(ValueError, match=f"ACTOFF_NVME_DIR.*{target}.*not writable"):
+        Config(nvme_dir=target)
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("2g") == 2 * 2**30
+    assert parse_size("100", allow_bare=True) == 100
+    with pytest.raises(ValueError, match="no unit"):
+        parse_size("100")
+
+
+def test_non_config_actoff_variables_are_ignored():
+    Config.from_env({"ACTOFF_BUILD_EXT": "0", "ACTOFF_RUN_SLOW": "1"})
+
+
+def test_set_config_rejects_other_types():
+    with pytest.raises(TypeError, match="actoff.Config"):
+        actoff.set_config({"policy": "cpu"})

@@ -1,0 +1,289 @@
+"""The runtime: exact gradients, dedup, parameters, retain_graph, in-place, exceptions, release."""
+
+import copy
+
+import pytest
+import torch
+from _helpers import assert_same_history, baseline_and_offloaded, make_model, train
+
+import actoff
+from actoff._record import State
+from actoff._runtime import get_runtime
+from actoff.reference import Block
+
+
+@pytest.mark.parametrize("policy", ["keep", "cpu"])
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["separate_qkv", "fused_qkv"])
+@pytest.mark.parametrize("keep_last", [0, 1])
+def test_losses_and_gradients_bit_exact(policy, fused_qkv, keep_last):
+    expected, actual = baseline_and_offloaded(
+        4, model_changes={"fused_qkv": fused_qkv}, policy=policy, min_bytes=0, keep_last=keep_last
+    )
+    assert_same_history(expected, actual)
+    stats = actoff.stats()
+    assert stats.steps == 4
+    assert stats.total_bytes_saved > 0
+    offloaded = stats.total_bytes_offloaded
+    if policy == "keep":
+        assert offloaded == 0
+    else:
+        assert offloaded > 0
+        # keep_last=1: exactly the last block stays on the device.
+        kept = stats.blocks["layers.1"].bytes_per_tier["keep"]
+        assert (kept == stats.blocks["layers.1"].bytes_saved) == (keep_last == 1)
+        assert stats.blocks["layers.0"].bytes_per_tier["keep"] == 0
+
+
+def test_bf16_model_bit_exact():
+    model = make_model().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    expected = train(reference, 2)
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    assert_same_history(expected, train(model, 2))
+    assert actoff.stats().total_bytes_offloaded > 0
+
+
+def test_fused_qkv_views_are_separate_records():
+    # Two views of one storage at different offsets: same storage, different data.
+    @actoff.offload(policy="cpu", min_bytes=0)
+    def mul_halves(fused):
+        first, second = fused.split(8, dim=-1)  # views at storage offsets 0 and 8
+        return first * second  # saves both views
+
+    base = torch.randn(4, 16, requires_grad=True)
+    fused = base * 1.0
+    mul_halves(fused).sum().backward()
+    first, second = base.detach().split(8, dim=-1)
+    torch.testing.assert_close(base.grad, torch.cat((second, first), dim=-1), rtol=0, atol=0)
+    block = actoff.stats().blocks["test_fused_qkv_views_are_separate_records.<locals>.mul_halves"]
+    assert block.tensors == 2 and block.dedup_hits == 0
+
+
+def test_same_tensor_saved_twice_is_one_record():
+    @actoff.offload(policy="cpu", min_bytes=0, name="square")
+    def square(x):
+        y = x * 1.0
+        return y * y  # mul saves y twice
+
+    x = torch.randn(64, requires_grad=True)
+    square(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=0, atol=0)
+    block = actoff.stats().blocks["square"]
+    assert block.tensors == 1 and block.dedup_hits == 1
+
+
+def test_parameters_are_never_offloaded(monkeypatch):
+    model = make_model()
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    recorded = []
+    original = actoff._runtime.Record
+
+    class SpyRecord(original):
+        __slots__ = ()
+
+        def __init__(self, tensor, run, index):
+            recorded.append(tensor.untyped_storage().data_ptr())
+            super().__init__(tensor, run, index)
+
+    monkeypatch.setattr(actoff._runtime, "Record", SpyRecord)
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    train(model, 1)
+    assert recorded, "nothing was recorded"
+    assert not param_storages.intersection(recorded)
+    assert all(b.skipped_param_bytes > 0 for b in actoff.stats().blocks.values())
+
+
+def test_min_bytes_is_respected():
+    expected, actual = baseline_and_offloaded(2, policy="cpu", min_bytes="1MiB")
+    assert_same_history(expected, actual)
+    stats = actoff.stats()
+    assert stats.total_bytes_saved == 0  # every activation of the tiny model is under 1 MiB
+    assert all(b.skipped_small_bytes > 0 for b in stats.blocks.values())
+    # And with a threshold in between, only tensors at or over it are taken.
+    actoff.reset()
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=8192)
+    train(model, 1)
+    recorded_sizes = [r.layout.nbytes for run in get_runtime().step.runs for r in run.records]
+    assert recorded_sizes and min(recorded_sizes) >= 8192
+
+
+@pytest.mark.parametrize("policy", ["keep", "cpu"])
+def test_retain_graph_backward_twice(policy):
+    expected, actual = baseline_and_offloaded(
+        2, policy=policy, min_bytes=0, train_kwargs={"retain_graph": True}
+    )
+    assert_same_history(expected, actual)
+
+
+def test_everything_released_after_backward():
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    train(model, 2)
+    runtime = get_runtime()
+    step = runtime.step
+    records = [r for run in step.runs for r in run.records]
+    assert records and all(r.state is State.RELEASED for r in records)
+    assert step.live == 0
+    arena = next(iter(runtime.arenas.values()))
+    assert arena.used == 0
+
+
+def test_host_arena_allocated_once():
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    train(model, 1)
+    after_first = actoff.stats().host_allocations
+    train(model, 3)
+    assert after_first >= 1
+    assert actoff.stats().host_allocations == after_first
+
+
+@pytest.mark.parametrize("policy", ["keep", "cpu"])
+def test_inplace_modification_after_save_is_caught(policy):
+    @actoff.offload(policy=policy, min_bytes=0)
+    def block(x):
+        y = x * 2.0
+        return y.sin(), y  # sin saves y
+
+    x = torch.randn(128, requires_grad=True)
+    out, y = block(x)
+    y.add_(1.0)  # modify a saved tensor in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_inplace_before_save_is_fine():
+    @actoff.offload(policy="cpu", min_bytes=0)
+    def block(x):
+        y = x * 2.0
+        y.add_(1.0)
+        return y.sin()
+
+    x = torch.randn(128, requires_grad=True)
+    block(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2.0 * torch.cos(2.0 * x.detach() + 1.0), rtol=0, atol=0)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_exception_in_forward_then_clean_step():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    layer = model.layers[1]
+    original = layer.forward
+
+    def failing(*args, **kwargs):
+        original(*args, **kwargs)
+        raise _Boom("boom")
+
+    layer.forward = failing
+    with pytest.raises(_Boom):
+        model.loss(torch.randint(0, 256, (2, 33)))
+    layer.forward = original
+    assert get_runtime().thread.stack == []
+    assert_same_history(train(reference, 2), train(model, 2))
+    arena = next(iter(get_runtime().arenas.values()))
+    assert arena.used == 0
+
+
+class _FailingBackward(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailingBackward.fail:
+            raise _Boom("backward failed")
+        return grad
+
+
+def test_exception_in_backward_then_clean_step():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    tokens = torch.randint(0, 256, (2, 33))
+    with pytest.raises(_Boom):
+        logits = model(tokens)
+        _FailingBackward.apply(logits).sum().backward()
+    del logits
+    assert_same_history(train(reference, 2), train(model, 2))
+
+
+def test_no_grad_and_eval_pass_through():
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    tokens = torch.randint(0, 256, (2, 33))
+    with torch.no_grad():
+        model(tokens)
+    assert get_runtime().step is None
+    model.eval()
+    model(tokens).sum().backward()
+    assert get_runtime().step is None
+    model.train()
+    model(tokens).sum().backward()
+    assert get_runtime().step is not None
+
+
+def test_nested_scopes_pass_through():
+    inner = torch.nn.Linear(16, 16)
+    actoff.offload(inner, name="inner", policy="cpu", min_bytes=0)
+    outer = torch.nn.Sequential(inner, torch.nn.Tanh())
+    actoff.offload(outer, name="outer", policy="cpu", min_bytes=0)
+    x = torch.randn(8, 16, requires_grad=True)
+    outer(x).sum().backward()
+    assert set(actoff.stats().blocks) == {"outer"}
+
+
+def test_no_offload_region_inside_a_scope():
+    @actoff.offload(policy="cpu", min_bytes=0, name="mixed")
+    def mixed(x):
+        a = (x * 2.0).sin()
+        with actoff.no_offload():
+            b = (x * 3.0).cos()
+        return a + b
+
+    x = torch.randn(256, requires_grad=True)
+    mixed(x).sum().backward()
+    expected = 2.0 * torch.cos(2.0 * x.detach()) - 3.0 * torch.sin(3.0 * x.detach())
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+    assert actoff.stats().blocks["mixed"].tensors == 1  # only (x * 2.0) from outside no_offload
+
+
+def test_host_budget_keeps_the_rest_on_device():
+    expected, actual = baseline_and_offloaded(2, policy="cpu", min_bytes=0, host_budget="200KiB")
+    assert_same_history(expected, actual)
+    stats = actoff.stats()
+    over = sum(b.over_budget_bytes for b in stats.blocks.values())
+    assert over > 0
+    assert stats.host_capacity <= 200 * 1024
+
+
+def test_unusual_saved_tensors_are_exact():
+    # Expanded (stride 0), transposed, gappy, offset views, integer indices, complex values.
+    @actoff.offload(policy="cpu", min_bytes=0, name="odd")
+    def odd(x, table):
+        expanded = x[:1].expand(64, 32)  # stride 0 along dim 0
+        transposed = x.t()
+        gappy = x[:, ::4]
+        index = torch.arange(0, 64, 2)
+        picked = table[index]  # saves the int64 index
+        z = torch.complex(x, x * 0.5)
+        return (expanded * transposed.t()).sum() + (gappy * gappy).sum() + picked.sum() + (z * z).abs().sum()
+
+    x = torch.randn(64, 32, requires_grad=True)
+    table = torch.randn(64, 32, requires_grad=True)
+    odd(x, table).backward()
+    got = (x.grad.clone(), table.grad.clone())
+    x.grad = table.grad = None
+    with actoff.no_offload():
+        odd.__wrapped__(x, table).backward()
+    torch.testing.assert_close(got[0], x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], table.grad, rtol=0, atol=0)
+    assert actoff.stats().blocks["odd"].bytes_per_tier["cpu"] > 0

@@ -1,0 +1,121 @@
+"""offload on a class, an instance or a function; offload_ in place; errors and pass-through."""
+
+import copy
+
+import pytest
+import torch
+from _helpers import assert_same_history, make_model, train
+
+import actoff
+from actoff.reference import Block
+
+
+def test_decorating_a_class_makes_every_instance_a_scope():
+    @actoff.offload(policy="cpu", min_bytes=0)
+    class Tanh(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.linear(x).tanh()
+
+    first, second = Tanh(), Tanh()
+    x = torch.randn(8, 16, requires_grad=True)
+    second(first(x)).sum().backward()
+    assert set(actoff.stats().blocks) == {"Tanh#0", "Tanh#1"}
+    assert actoff.stats().total_bytes_offloaded > 0
+
+
+def test_bare_decorator_without_arguments_uses_the_global_config():
+    actoff.set_config(policy="cpu", min_bytes=0)
+
+    @actoff.offload
+    class Square(torch.nn.Module):
+        def forward(self, x):
+            return x * x
+
+    x = torch.randn(64, requires_grad=True)
+    Square()(x * 1.0).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=0, atol=0)
+    assert actoff.stats().blocks["Square#0"].bytes_per_tier["cpu"] > 0
+
+
+def test_instance_offload_returns_the_same_module_and_keeps_state_dict():
+    model = make_model()
+    keys = set(model.state_dict())
+    layer = model.layers[0]
+    assert actoff.offload(layer, policy="cpu", min_bytes=0) is layer
+    assert set(model.state_dict()) == keys
+    copy.deepcopy(model)  # still copyable
+    train(model, 1)
+    assert set(actoff.stats().blocks) == {"Block#0"}
+
+
+def test_offload_twice_does_not_nest():
+    model = make_model()
+    actoff.offload(model.layers[0], policy="keep", min_bytes=0, name="first")
+    actoff.offload(model.layers[0], policy="cpu", min_bytes=0, name="second")
+    train(model, 1)
+    assert set(actoff.stats().blocks) == {"second"}
+    assert actoff.stats().blocks["second"].bytes_per_tier["cpu"] > 0
+
+
+def test_offload_function():
+    @actoff.offload(policy="cpu", min_bytes=0, name="fn")
+    def gelu_mlp(x, weight):
+        return torch.nn.functional.gelu(x @ weight)
+
+    x = torch.randn(16, 32, requires_grad=True)
+    weight = torch.randn(32, 32, requires_grad=True)
+    gelu_mlp(x * 1.0, weight).sum().backward()
+    got = (x.grad.clone(), weight.grad.clone())
+    x.grad = weight.grad = None
+    gelu_mlp.__wrapped__(x * 1.0, weight).sum().backward()
+    torch.testing.assert_close(got[0], x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], weight.grad, rtol=0, atol=0)
+
+
+def test_offload_with_filter_fn_names_scopes_by_qualified_name():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, filter_fn=lambda module, name: name.startswith("layers.") and name.count(".") == 1,
+                    policy="cpu", min_bytes=0)  # fmt: skip
+    assert_same_history(train(reference, 2), train(model, 2))
+    assert set(actoff.stats().blocks) == {"layers.0", "layers.1"}
+
+
+def test_offload_with_explicit_config():
+    model = make_model()
+    config = actoff.Config(policy="cpu", min_bytes=0, keep_last=1)
+    actoff.offload_(model, block_cls=Block, config=config)
+    train(model, 1)
+    blocks = actoff.stats().blocks
+    assert blocks["layers.0"].bytes_per_tier["cpu"] > 0
+    assert blocks["layers.1"].bytes_per_tier["cpu"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({}, TypeError, "exactly one of block_cls"),
+        ({"block_cls": Block, "filter_fn": lambda m, n: True}, TypeError, "exactly one of block_cls"),
+        ({"block_cls": torch.nn.LSTM}, ValueError, "no submodule of Transformer matched"),
+        ({"block_cls": Block, "polcy": "cpu"}, TypeError, "no field 'polcy'"),
+        ({"block_cls": Block, "policy": "turbo"}, ValueError, "ACTOFF_POLICY"),
+    ],
+)
+def test_offload_inplace_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        actoff.offload_(make_model(), **kwargs)
+
+
+def test_offload_rejects_other_objects():
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        actoff.offload(42)
+    with pytest.raises(TypeError, match="got class int"):
+        actoff.offload(int)
+    with pytest.raises(TypeError, match="offload_\\(\\) takes an nn.Module"):
+        actoff.offload_("model", block_cls=Block)
+    with pytest.raises(TypeError, match="expects an actoff.Config"):
+        actoff.offload(torch.nn.Linear(2, 2), config={"policy": "cpu"})
