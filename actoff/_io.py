@@ -149,7 +149,7 @@ class PythonEngine(IoEngine):
             if moved == 0:
                 kind = "made no progress" if op == "pwrite" else "is a short read"
                 raise OSError(
-                    errno_codes.ENOSPC if op == "pwrite" else 0,
+                    errno_codes.ENOSPC if op == "pwrite" else errno_codes.EIO,
                     f"{_describe(op, self.path, nbytes, offset)} {kind}: {done} of {nbytes} "
                     f"bytes moved (file size {self.file_size()})",
                 )

@@ -300,6 +300,15 @@ class Runtime:
                 still.append(run)
         step.in_flight = still
 
+    def flush(self) -> None:
+        """Finish every copy out of the current step (writes included) before returning."""
+        with self.lock:
+            step = self.step
+            if step is None:
+                return
+            step.last_placed = None  # nothing is exempt: force all
+            self._progress(step)
+
     def _advance(self, record: Record, *, force: bool) -> None:
         """Move an OFFLOADING record on; ``force`` waits (stream-side where possible)."""
         run = record.run

@@ -173,7 +173,7 @@ void IoEngine::execute(const Request& request) {
       out << describe(op, path_, request.nbytes, request.offset)
           << (request.is_write ? " made no progress" : " is a short read") << ": " << done
           << " of " << request.nbytes << " bytes moved (file size " << file_size() << ")";
-      finish(*request.state, done, request.is_write ? ENOSPC : 0, out.str());
+      finish(*request.state, done, request.is_write ? ENOSPC : EIO, out.str());
       return;
     }
     done += static_cast<std::size_t>(moved);

@@ -9,7 +9,7 @@
 // - Thread-safety: every public method may be called from any thread. Requests are served
 //   by `num_threads` workers in no particular order; two requests on overlapping ranges are
 //   not ordered with respect to each other (the caller orders them by waiting).
-// - Errors: a failed request never throws from the worker; its Future holds the error and
+// - Errors (a short read carries EIO): a failed request never throws from the worker; its Future holds the error and
 //   `wait()` throws IoError with the operation, path, offset, size and errno text. A read
 //   that reaches the end of the file early is an error ("short read"), never a silent
 //   partial buffer. The constructor and reserve() throw IoError directly.

@@ -9,7 +9,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "actoff compiled core: the POSIX asynchronous I/O engine";
 
   // I/O failures surface as Python OSError(errno, message): callers catch OSError, and
-  // .errno says what failed (0 for a short read or a closed engine).
+  // .errno says what failed (EIO for a short read, 0 for a closed engine).
   py::register_exception_translator([](std::exception_ptr pointer) {
     try {
       if (pointer) std::rethrow_exception(pointer);

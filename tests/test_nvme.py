@@ -1,0 +1,262 @@
+"""NVMe tier: extents, the store's file, exact training, and every fault path with real OS errors."""
+
+import copy
+import itertools
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from _helpers import assert_same_history, baseline_and_offloaded, make_model, train
+
+import actoff
+from actoff._nvme import ExtentAllocator, NvmeStore
+from actoff._runtime import get_runtime
+from actoff.reference import Block
+
+pytestmark = pytest.mark.nvme
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_extent_allocator_never_overlaps_and_coalesces():
+    rng = random.Random(0)
+    extents = ExtentAllocator()
+    live = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            extents.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(extents.alloc(rng.randrange(1, 50_000)))
+        spans = sorted((e.offset, e.offset + e.size) for e in live)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+        assert all(e.offset % 4096 == 0 and e.size % 4096 == 0 for e in live)
+    for extent in live:
+        extents.free(extent)
+    assert extents._free == [(0, extents.end)]  # fully coalesced
+    assert extents.live_bytes == 0
+
+
+def test_store_round_trip_and_removal(nvme_dir):
+    store = NvmeStore(nvme_dir, backend="posix")
+    assert os.path.basename(store.path).startswith(f"actoff-rank0-pid{os.getpid()}-")
+    data = torch.randn(10_000)
+    extent, future = store.write(data, data.numel() * 4)
+    future.wait()
+    back = torch.empty_like(data)
+    store.read(back, extent, data.numel() * 4).wait()
+    assert torch.equal(back, data)
+    store.close()
+    assert os.listdir(nvme_dir) == []
+
+
+@pytest.mark.parametrize("keep_last", [0, 1])
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["separate_qkv", "fused_qkv"])
+def test_nvme_policy_bit_exact(nvme_dir, keep_last, fused_qkv):
+    expected, actual = baseline_and_offloaded(
+        4,
+        model_changes={"fused_qkv": fused_qkv},
+        policy="nvme",
+        nvme_dir=nvme_dir,
+        min_bytes=0,
+        keep_last=keep_last,
+    )
+    assert_same_history(expected, actual)
+    stats = actoff.stats()
+    assert stats.blocks["layers.0"].bytes_per_tier["nvme"] == stats.blocks["layers.0"].bytes_saved
+    assert stats.nvme_file_bytes > 0 and stats.io_backend.startswith("posix")
+
+
+def test_nvme_with_verify_is_exact(nvme_dir):
+    expected, actual = baseline_and_offloaded(2, policy="nvme", nvme_dir=nvme_dir, min_bytes=0, verify=True)
+    assert_same_history(expected, actual)
+
+
+def test_cpu_tier_with_verify_is_exact():
+    expected, actual = baseline_and_offloaded(2, policy="cpu", min_bytes=0, verify=True)
+    assert_same_history(expected, actual)
+
+
+def test_file_stops_growing_after_the_first_step(nvme_dir):
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    train(model, 1)
+    store = get_runtime().stores.stores()[0]
+    growths, size = store.growths, store.file_size()
+    train(model, 3)
+    assert store.growths == growths and store.file_size() == size
+    assert store.extents.live_bytes == 0  # every extent returned at the end of backward
+
+
+def test_no_file_left_after_reset(nvme_dir):
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    train(model, 2)
+    assert len(os.listdir(nvme_dir)) == 1
+    actoff.reset()
+    assert os.listdir(nvme_dir) == []
+
+
+def _run_script(body: str, nvme_dir: str, check: bool = True) -> subprocess.CompletedProcess:
+    script = textwrap.dedent(
+        f"""
+        import sys, copy, torch, warnings
+        sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+        import actoff
+        from _helpers import make_model, train, assert_same_history
+        from actoff.reference import Block
+        NVME_DIR = {nvme_dir!r}
+        """
+    ) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=check)
+
+
+def test_no_file_left_at_process_exit(nvme_dir):
+    _run_script(
+        """
+        model = make_model()
+        actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=NVME_DIR, min_bytes=0)
+        train(model, 2)
+        assert len(__import__("os").listdir(NVME_DIR)) == 1
+        """,
+        nvme_dir,
+    )
+    assert os.listdir(nvme_dir) == []
+
+
+def test_no_file_left_after_an_uncaught_exception_mid_step(nvme_dir):
+    result = _run_script(
+        """
+        model = make_model()
+        actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=NVME_DIR, min_bytes=0)
+        loss = model.loss(torch.randint(0, 256, (2, 33)))
+        raise SystemError("crash between forward and backward")
+        """,
+        nvme_dir,
+        check=False,
+    )
+    assert result.returncode != 0 and "crash between forward and backward" in result.stderr
+    assert os.listdir(nvme_dir) == []
+
+
+def test_write_failure_falls_back_with_one_warning_and_exact_gradients(nvme_dir):
+    # A real EFBIG: the file may not grow past 64 KiB, far less than one step needs.
+    result = _run_script(
+        """
+        import resource
+        model = make_model()
+        reference = copy.deepcopy(model)
+        expected = train(reference, 3)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=NVME_DIR, min_bytes=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            actual = train(model, 3)
+        assert_same_history(expected, actual)
+        messages = [str(w.message) for w in caught if "NVMe write failed" in str(w.message)]
+        print("WARNINGS", len(messages))
+        print(messages[0])
+        print("FALLBACK", sum(b.write_fallback_bytes for b in actoff.stats().blocks.values()))
+        """,
+        nvme_dir,
+    )
+    assert "WARNINGS 1" in result.stdout
+    assert "File too large" in result.stdout and "exact values" in result.stdout
+    fallback = int(result.stdout.split("FALLBACK ")[1].split()[0])
+    assert fallback > 0
+
+
+def _store_fds(path: str) -> list[int]:
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == path:
+                fds.append(int(name))
+        except OSError:
+            pass
+    return fds
+
+
+def test_pwrite_error_mid_step_keeps_values(nvme_dir):
+    # Swap the store's descriptors for read-only ones: every later pwrite fails with EBADF.
+    model = make_model()
+    reference = copy.deepcopy(model)
+    expected = train(reference, 1) + train(reference, 1)  # two calls: same tokens twice
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    actual = train(model, 1)
+    store = get_runtime().stores.stores()[0]
+    readonly = os.open(store.path, os.O_RDONLY)
+    fds = _store_fds(store.path)
+    assert fds
+    for fd in fds:
+        if fd != readonly:
+            os.dup2(readonly, fd)
+    with pytest.warns(RuntimeWarning, match="NVMe write failed.*Bad file descriptor"):
+        actual += train(model, 1)
+    os.close(readonly)
+    assert_same_history(expected, actual)
+
+
+def test_truncated_file_raises_in_the_training_thread(nvme_dir):
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    loss = model.loss(torch.randint(0, 256, (2, 33)))
+    get_runtime().flush()
+    store = get_runtime().stores.stores()[0]
+    os.truncate(store.path, 0)
+    with pytest.raises(
+        RuntimeError,
+        match=r"reading a saved activation of block 'layers\.\d' back from NVMe failed.*short read",
+    ):
+        loss.backward()
+
+
+def test_corrupted_byte_is_detected_with_verify(nvme_dir):
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0, verify=True)
+    loss = model.loss(torch.randint(0, 256, (2, 33)))
+    runtime = get_runtime()
+    runtime.flush()
+    record = runtime.step.runs[0].records[0]
+    store = runtime.stores.stores()[0]
+    with open(store.path, "r+b") as handle:
+        handle.seek(record.extent.offset + 5)
+        byte = handle.read(1)
+        handle.seek(record.extent.offset + 5)
+        handle.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(RuntimeError, match="came back corrupted.*ACTOFF_VERIFY=1"):
+        loss.backward()
+
+
+def test_kvikio_backend_requires_the_package(nvme_dir):
+    if actoff.kvikio_available():
+        pytest.skip("kvikio is installed here")
+    model = make_model()
+    actoff.offload_(
+        model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0, io_backend="kvikio"
+    )
+    with pytest.raises(ModuleNotFoundError, match="kvikio"):
+        train(model, 1)
+
+
+@pytest.mark.gpu
+def test_nvme_on_cuda_is_exact(nvme_dir):
+    model = make_model().cuda()
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    tokens = torch.randint(0, 256, (2, 65)).cuda()
+
+    def run(m):
+        out = []
+        for _ in range(3):
+            loss = m.loss(tokens)
+            loss.backward()
+            out.append((loss.detach().clone(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            for p in m.parameters():
+                p.grad = None
+        return out
+
+    assert_same_history(run(reference), run(model))
+    print("nvme backend:", actoff.stats().io_backend)
