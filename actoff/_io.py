@@ -2,7 +2,7 @@
 
 Every engine has the same small interface: ``pwrite(buffer, nbytes, offset)`` and
 ``pread(buffer, nbytes, offset)`` take a contiguous tensor (host memory; device memory too for
-kvikio) and return a future with ``done()`` and ``wait()``; ``wait()`` raises ``OSError``
+kvikio) and return a future with ``done()``, ``wait()`` and ``elapsed()`` (seconds of I/O); ``wait()`` raises ``OSError``
 naming the operation, path, offset, size and errno text. ``reserve(nbytes)`` preallocates.
 """
 
@@ -13,6 +13,7 @@ import errno as errno_codes
 import importlib.util
 import os
 import threading
+import time
 
 import torch
 
@@ -37,6 +38,9 @@ class FailedFuture:
 
     def wait(self) -> int:
         raise self.error
+
+    def elapsed(self) -> float:
+        return 0.0
 
 
 def _describe(op: str, path: str, nbytes: int, offset: int) -> str:
@@ -100,7 +104,13 @@ class _PyFuture:
         return self._future.done()
 
     def wait(self) -> int:
-        return self._future.result()
+        return self._future.result()[0]
+
+    def elapsed(self) -> float:
+        """Seconds a worker spent on the request (0 until done or if it failed)."""
+        if not self._future.done() or self._future.exception() is not None:
+            return 0.0
+        return self._future.result()[1]
 
 
 class PythonEngine(IoEngine):
@@ -130,7 +140,8 @@ class PythonEngine(IoEngine):
                 )
             return _PyFuture(self._pool.submit(self._run, op, view, nbytes, offset))
 
-    def _run(self, op: str, view: memoryview, nbytes: int, offset: int) -> int:
+    def _run(self, op: str, view: memoryview, nbytes: int, offset: int) -> tuple[int, float]:
+        started = time.perf_counter()
         done = 0
         while done < nbytes:
             try:
@@ -154,7 +165,7 @@ class PythonEngine(IoEngine):
                     f"bytes moved (file size {self.file_size()})",
                 )
             done += moved
-        return done
+        return done, time.perf_counter() - started
 
     def pwrite(self, buffer: torch.Tensor, nbytes: int, offset: int):
         return self._submit("pwrite", buffer, nbytes, offset)
@@ -199,6 +210,7 @@ class _KvikioFuture:
     def wait(self) -> int:
         try:
             moved = self._future.get()
+            self._finished = self._finished or time.perf_counter()
         except Exception as error:  # kvikio raises RuntimeError for I/O failures
             raise OSError(errno_codes.EIO, f"{self._describe} failed: {error}") from error
         if moved != self._nbytes:

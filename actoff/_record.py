@@ -104,7 +104,6 @@ class Record:
         "fetch_ticket",
         "host_slot",
         "index",
-        "io_started",
         "layout",
         "run",
         "saved_version",
@@ -135,7 +134,6 @@ class Record:
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
         self.copy_source: torch.Tensor | None = None  # held while a copy reads it
         self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
-        self.io_started = 0.0  # perf_counter() when the NVMe request was submitted
 
     def to(self, state: State) -> None:
         """Move to ``state``; raise `RecordStateError` if the machine forbids it."""

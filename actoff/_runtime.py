@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-import time
 import warnings
 import zlib
 from collections.abc import Callable
@@ -267,7 +266,6 @@ class Runtime:
                 record.checksum = _crc(source)
             record.extent, record.write_future = store.write(source, layout.nbytes)
             record.store = store
-            record.io_started = time.perf_counter()
             record.copy_source = source
             record.tier = "nvme"
             record.to(State.OFFLOADING)
@@ -326,7 +324,6 @@ class Runtime:
             # The whole aligned slot: aligned address, size and offset take O_DIRECT.
             record.extent, record.write_future = store.write(slot.raw(), slot.capacity)
             record.store = store
-            record.io_started = time.perf_counter()
         if record.write_future is not None:
             if not record.write_future.done() and not force:
                 return
@@ -335,7 +332,7 @@ class Runtime:
             except OSError as error:
                 self._write_failed(record, error)
                 return
-            self._account_io(run, "copy_ms", record.io_started)
+            self._account_io(run, "copy_ms", record.write_future)
             record.write_future = None
             if record.host_slot is not None:  # staging slot: the file has the bytes now
                 self.arena(run).free(record.host_slot)
@@ -365,9 +362,9 @@ class Runtime:
             run.step.timings.append((run, what, ticket))
 
     @staticmethod
-    def _account_io(run: ScopeRun, what: str, started: float) -> None:
-        # NVMe requests: time from submission until actoff saw them done (an upper bound).
-        setattr(run.stats, what, getattr(run.stats, what) + (time.perf_counter() - started) * 1e3)
+    def _account_io(run: ScopeRun, what: str, future: object) -> None:
+        # NVMe requests: the time the engine spent on them (queueing excluded).
+        setattr(run.stats, what, getattr(run.stats, what) + future.elapsed() * 1e3)
 
     def _write_failed(self, record: Record, error: OSError) -> None:
         # Nothing is lost: the bytes are still in the staging slot (-> cpu tier) or in the
@@ -439,7 +436,6 @@ class Runtime:
                 record.device_tensor = layout.rebuild(flat)
                 record.copy_source = flat[layout.pad :]
                 record.write_future = store.read(record.copy_source, record.extent, layout.nbytes)
-            record.io_started = time.perf_counter()
         else:
             host = record.host_slot.view(layout.dtype, layout.span)
             if run.config.verify:
@@ -479,7 +475,7 @@ class Runtime:
         future, record.write_future = record.write_future, None
         try:
             future.wait()
-            self._account_io(run, "fetch_ms", record.io_started)
+            self._account_io(run, "fetch_ms", future)
         except OSError as error:
             raise RuntimeError(
                 f"actoff: reading a saved activation of block {run.name!r} back from NVMe "

@@ -2,6 +2,7 @@
 #include "io_engine.h"
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fcntl.h>
 #include <sstream>
@@ -18,9 +19,11 @@ std::string describe(const char* op, const std::string& path, std::size_t nbytes
   return out.str();
 }
 
-void finish(RequestState& state, std::size_t bytes, int code, std::string message) {
+void finish(RequestState& state, std::size_t bytes, int code, std::string message,
+            double seconds = 0.0) {
   {
     std::lock_guard<std::mutex> lock(state.mutex);
+    state.seconds = seconds;
     state.bytes_done = bytes;
     state.error_code = code;
     state.error_message = std::move(message);
@@ -34,6 +37,11 @@ void finish(RequestState& state, std::size_t bytes, int code, std::string messag
 bool Future::done() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->done;
+}
+
+double Future::elapsed() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->seconds;
 }
 
 std::size_t Future::wait() const {
@@ -154,6 +162,10 @@ void IoEngine::worker_loop() {
 void IoEngine::execute(const Request& request) {
   const int fd = (direct_fd_ >= 0 && is_aligned(request)) ? direct_fd_ : buffered_fd_;
   const char* op = request.is_write ? "pwrite" : "pread";
+  const auto started = std::chrono::steady_clock::now();
+  auto seconds = [&started] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  };
   std::size_t done = 0;
   while (done < request.nbytes) {
     const std::size_t left = request.nbytes - done;
@@ -165,7 +177,8 @@ void IoEngine::execute(const Request& request) {
       const int code = errno;
       finish(*request.state, done, code,
              describe(op, path_, request.nbytes, request.offset) + " failed: " +
-                 std::strerror(code) + " (errno " + std::to_string(code) + ")");
+                 std::strerror(code) + " (errno " + std::to_string(code) + ")",
+             seconds());
       return;
     }
     if (moved == 0) {
@@ -173,12 +186,12 @@ void IoEngine::execute(const Request& request) {
       out << describe(op, path_, request.nbytes, request.offset)
           << (request.is_write ? " made no progress" : " is a short read") << ": " << done
           << " of " << request.nbytes << " bytes moved (file size " << file_size() << ")";
-      finish(*request.state, done, request.is_write ? ENOSPC : EIO, out.str());
+      finish(*request.state, done, request.is_write ? ENOSPC : EIO, out.str(), seconds());
       return;
     }
     done += static_cast<std::size_t>(moved);
   }
-  finish(*request.state, done, 0, std::string());
+  finish(*request.state, done, 0, std::string(), seconds());
 }
 
 }  // namespace actoff

@@ -48,6 +48,7 @@ struct RequestState {
   int error_code = 0;
   std::string error_message;  // empty when the request succeeded
   std::size_t bytes_done = 0;
+  double seconds = 0.0;  // time a worker spent on the request (not time in the queue)
 };
 
 // The caller's view of one request. Copyable; all copies observe the same request.
@@ -58,6 +59,8 @@ class Future {
   bool done() const;
   // Blocks until the request finished; throws IoError if it failed. Returns the bytes moved.
   std::size_t wait() const;
+  // Seconds a worker spent serving the request (0 until done).
+  double elapsed() const;
 
  private:
   std::shared_ptr<RequestState> state_;

@@ -21,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<actoff::Future>(m, "Future")
       .def("done", &actoff::Future::done, "True once the request finished (never blocks).")
+      .def("elapsed", &actoff::Future::elapsed, "Seconds a worker spent on the request.")
       .def("wait", &actoff::Future::wait, py::call_guard<py::gil_scoped_release>(),
            "Block until done; raise OSError on failure; return the bytes moved.");
 

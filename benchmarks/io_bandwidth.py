@@ -1,0 +1,195 @@
+"""I/O bandwidth of the NVMe tier's engines against raw baselines on the same file system.
+
+Every method writes then reads the same amount in 4 MiB requests; writes include fsync and
+the page cache is dropped (fadvise DONTNEED) before each read, so all methods hit the disk.
+On CUDA it also times pinned device-to-host and host-to-device copies.
+
+    python benchmarks/io_bandwidth.py --size 1GiB --dir /mnt/nvme --json io.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np
+import torch
+from _common import format_table, median, print_header, system_header, write_json
+
+import actoff
+from actoff._arena import ALIGNMENT
+from actoff._io import CppEngine, KvikioEngine, PythonEngine, _probe_kvikio
+
+CHUNK = 4 * 2**20
+
+
+def aligned_buffer(nbytes: int, misalign: int = 0) -> torch.Tensor:
+    raw = torch.empty(nbytes + 2 * ALIGNMENT, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    start = (-raw.data_ptr()) % ALIGNMENT + misalign
+    return raw[start : start + nbytes]
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def engine_method(make, misalign: int = 0):
+    def run(path: str, data: torch.Tensor, op: str) -> None:
+        engine = make(path)
+        buffer = data if misalign == 0 else aligned_buffer(data.numel(), misalign)
+        if misalign and op == "write":
+            buffer.copy_(data)
+        engine.reserve(data.numel())
+        futures = []
+        for offset in range(0, data.numel(), CHUNK):
+            part = buffer[offset : offset + CHUNK]
+            call = engine.pwrite if op == "write" else engine.pread
+            futures.append(call(part, part.numel(), offset))
+        for future in futures:
+            future.wait()
+        if op == "write":
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        engine.close()
+
+    return run
+
+
+def raw_numpy(path: str, data: torch.Tensor, op: str) -> None:
+    array = data.numpy()
+    if op == "write":
+        with open(path, "r+b") as handle:
+            array.tofile(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    else:
+        with open(path, "rb") as handle:
+            handle.readinto(memoryview(array))
+
+
+def raw_os(path: str, data: torch.Tensor, op: str) -> None:
+    view = memoryview(data.numpy())
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for offset in range(0, data.numel(), CHUNK):
+            part = view[offset : offset + CHUNK]
+            if op == "write":
+                os.pwrite(fd, part, offset)
+            else:
+                os.preadv(fd, [part], offset)
+        if op == "write":
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="256MiB", help="bytes per method and direction")
+    parser.add_argument("--dir", help="directory on the disk to test (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", default="1,4,8", help="engine thread counts")
+    parser.add_argument("--json", help="write records to this path")
+    args = parser.parse_args(argv)
+
+    size = actoff.parse_size(args.size, what="--size") // CHUNK * CHUNK or CHUNK
+    directory = args.dir or tempfile.mkdtemp(prefix="actoff-io-")
+    os.makedirs(directory, exist_ok=True)
+    header = system_header(directory)
+    header.update(size=f"{size / 2**20:.0f} MiB in {CHUNK // 2**20} MiB requests", directory=directory)
+    print_header("actoff I/O bandwidth", header)
+
+    methods = {}
+    if actoff.HAS_EXTENSION:
+        for threads in (int(t) for t in args.threads.split(",")):
+            methods[f"engine-cpp-t{threads}-direct"] = engine_method(lambda p, t=threads: CppEngine(p, t))
+        methods["engine-cpp-t4-buffered"] = engine_method(
+            lambda p: CppEngine(p, 4, allow_direct=False), misalign=64
+        )
+    methods["engine-python-t4"] = engine_method(lambda p: PythonEngine(p, 4))
+    if _probe_kvikio(directory):
+        methods["kvikio"] = engine_method(KvikioEngine)
+    methods["raw-numpy"] = raw_numpy
+    methods["raw-os-pwrite"] = raw_os
+
+    data = aligned_buffer(size)
+    data.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+    back = aligned_buffer(size)
+    records = []
+    path = os.path.join(directory, "bandwidth.bin")
+    try:
+        for name, method in methods.items():
+            for op in ("write", "read"):
+                seconds = []
+                for _ in range(args.repeats):
+                    if op == "write":
+                        with open(path, "wb") as handle:
+                            handle.truncate(size)
+                    drop_cache(path)
+                    start = time.perf_counter()
+                    method(path, data if op == "write" else back, op)
+                    seconds.append(time.perf_counter() - start)
+                if op == "read" and not np.array_equal(back.numpy(), data.numpy()):
+                    raise SystemExit(f"{name}: data read back differs from data written")
+                records.append({"method": name, "op": op, "gbps": size / median(seconds) / 1e9,
+                                "seconds": median(seconds)})  # fmt: skip
+                print(f"   {name:<26} {op:<5} {records[-1]['gbps']:.2f} GB/s", file=sys.stderr, flush=True)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    if torch.cuda.is_available():
+        device = torch.empty(size, dtype=torch.uint8, device="cuda")
+        pinned = aligned_buffer(size)
+        for op, fn in (("d2h", lambda: pinned.copy_(device, non_blocking=True)),
+                       ("h2d", lambda: device.copy_(pinned, non_blocking=True))):  # fmt: skip
+            fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                fn()
+            torch.cuda.synchronize()
+            records.append(
+                {
+                    "method": "cuda-pinned",
+                    "op": op,
+                    "gbps": size * args.repeats / (time.perf_counter() - start) / 1e9,
+                }
+            )
+
+    print(format_table(records, [("method", "method"), ("op", "op"), ("gbps", "GB/s")]))
+    print()
+    for op in ("write", "read"):
+        engine = max((r["gbps"] for r in records if r["op"] == op and "engine" in r["method"]), default=0.0)
+        raw = max(
+            (r["gbps"] for r in records if r["op"] == op and r["method"].startswith("raw")), default=0.0
+        )
+        ratio = engine / raw if raw else float("nan")
+        verdict = "meets" if ratio >= 0.9 else "misses"
+        print(
+            f"{op:<5}: best engine {engine:.2f} GB/s, best raw {raw:.2f} GB/s, ratio {ratio:.2f} ({verdict} the 0.9x target)"
+        )
+    if args.json:
+        write_json(args.json, header, records)
+        print(f"records written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

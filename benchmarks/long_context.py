@@ -1,0 +1,434 @@
+"""Long-context training benchmark: actoff's policies side by side with the alternatives.
+
+Each (policy, sequence length) runs in a fresh process, so an out-of-memory error or a crash
+in one does not take the others. Prints a system header and a table; ``--json`` writes one
+record per policy and length; ``--plot`` draws memory over one step and tokens/s and peak
+memory against sequence length.
+
+    python benchmarks/long_context.py                       # CPU default, about a minute
+    python benchmarks/long_context.py --preset 7b --seq 8k,16k,32k --layers 4 --json out.json
+    python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,checkpoint,cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import format_table, print_header, progress, system_header, write_json
+
+BASELINES = ("keep", "checkpoint", "save_on_cpu")
+ACTOFF_POLICIES = ("cpu", "nvme")
+PLANNED = ("tokenwise", "recompute", "auto")  # part of the design; rejected clearly until they land
+ALL_POLICIES = BASELINES + ACTOFF_POLICIES
+
+PRESETS = {
+    # name: model preset, layers, default lengths, batch, dtype
+    "cpu": {"model": "small", "layers": 4, "seq": "512,1024", "batch": 1, "dtype": "float32"},
+    "1b": {"model": "1b", "layers": 8, "seq": "8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
+    "7b": {"model": "7b", "layers": 4, "seq": "4k,8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
+}
+# Dense bf16 peak FLOP/s for MFU (datasheet values).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"4k,8k,16384"`` -> ``[4096, 8192, 16384]``."""
+    lengths = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        lengths.append(int(float(part.rstrip("k")) * scale))
+    if not lengths or min(lengths) < 2:
+        raise SystemExit(f"--seq {text!r}: give lengths like 4k,8k,16384")
+    return lengths
+
+
+# ---------------------------------------------------------------------------------- worker
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _apply_policy(model, policy: str, nvme_dir: str | None):
+    """Returns a context manager to run each step under (for save_on_cpu)."""
+    import torch
+    import torch.utils.checkpoint
+
+    import actoff
+    from actoff.reference import Block
+
+    if policy == "keep":
+        return contextlib.nullcontext
+    if policy == "checkpoint":
+
+        class Checkpointed(torch.nn.Module):
+            def __init__(self, block):
+                super().__init__()
+                self.block = block
+
+            def forward(self, x, cos, sin):
+                return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+        model.layers = torch.nn.ModuleList(Checkpointed(b) for b in model.layers)
+        return contextlib.nullcontext
+    if policy == "save_on_cpu":
+        pin = torch.cuda.is_available()
+        return lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
+    # actoff policies read the rest of their settings from ACTOFF_* (e.g. ACTOFF_KEEP_LAST).
+    overrides = {"policy": policy}
+    if policy == "nvme" or (nvme_dir and os.environ.get("ACTOFF_NVME_DIR") is None):
+        overrides["nvme_dir"] = nvme_dir
+    actoff.offload_(model, block_cls=Block, config=actoff.Config.from_env(**overrides))
+    return contextlib.nullcontext
+
+
+def worker(spec: dict) -> dict:
+    import torch
+
+    import actoff
+    from actoff._runtime import get_runtime
+    from actoff.reference import ModelConfig, Transformer
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, spec["dtype"])
+    config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
+    torch.manual_seed(0)
+    model = Transformer(config).to(device=device, dtype=dtype)
+    step_context = _apply_policy(model, spec["policy"], spec.get("nvme_dir"))
+    tokens = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"] + 1), device=device)
+    runtime = get_runtime()
+
+    timeline: list[tuple[float, int, int, int]] = []
+    sampling = {"on": False, "t0": 0.0}
+
+    def sample() -> None:
+        if not sampling["on"]:
+            return
+        if cuda:
+            torch.cuda.synchronize()
+            device_bytes = torch.cuda.memory_allocated()
+        else:
+            device_bytes = _rss_bytes()
+        host = sum(a.used for a in runtime.arenas.values())
+        nvme = sum(s.extents.live_bytes for s in runtime.stores.stores())
+        timeline.append((time.perf_counter() - sampling["t0"], device_bytes, host, nvme))
+
+    def after_forward(module, args, output):
+        sample()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: (sample(), grad)[1])
+
+    for layer in model.layers:
+        layer.register_forward_hook(after_forward)
+
+    def step() -> None:
+        with step_context():
+            loss = model.loss(tokens)
+        loss.backward()
+        sample()
+
+    def timed_step() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    record = {key: spec[key] for key in ("policy", "seq", "batch", "model", "layers", "dtype")}
+    try:
+        for _ in range(spec["warmup"]):
+            step()
+        for parameter in model.parameters():  # keep grads allocated: static memory counted once
+            if parameter.grad is not None:
+                parameter.grad.zero_()
+        if cuda:
+            torch.cuda.synchronize()
+            static_bytes = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        times = [timed_step() for _ in range(max(spec["steps"] - 1, 0))]
+        sampling["on"], sampling["t0"] = True, time.perf_counter()
+        sample()
+        times.append(timed_step())
+        sampling["on"] = False
+    except torch.cuda.OutOfMemoryError as error:
+        record.update(status="oom", error=str(error).splitlines()[0])
+        return record
+    except Exception as error:  # reported per policy; the other policies still run
+        record.update(status="error", error=f"{type(error).__name__}: {error}")
+        return record
+
+    times.sort()
+    step_s = times[len(times) // 2]
+    tokens_per_step = spec["batch"] * spec["seq"]
+    stats = actoff.stats()
+    record.update(
+        status="ok",
+        step_ms=step_s * 1e3,
+        tokens_per_s=tokens_per_step / step_s,
+        act_keep_bytes=sum(b.bytes_per_tier["keep"] for b in stats.blocks.values()),
+        act_cpu_bytes=sum(b.bytes_per_tier["cpu"] for b in stats.blocks.values()),
+        act_nvme_bytes=sum(b.bytes_per_tier["nvme"] for b in stats.blocks.values()),
+        copy_ms=sum(b.copy_ms for b in stats.blocks.values()),
+        fetch_ms=sum(b.fetch_ms for b in stats.blocks.values()),
+        host_arena_bytes=stats.host_capacity,
+        nvme_file_bytes=stats.nvme_file_bytes,
+        io_backend=stats.io_backend,
+        rss_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        timeline=timeline,
+    )
+    offloaded = record["act_cpu_bytes"] + record["act_nvme_bytes"]
+    record["copy_gbps"] = offloaded / (record["copy_ms"] * 1e6) if record["copy_ms"] > 0 else None
+    if cuda:
+        peak_alloc, peak_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        record.update(
+            peak_allocated_bytes=peak_alloc,
+            peak_reserved_bytes=peak_reserved,
+            fragmentation_bytes=peak_reserved - peak_alloc,
+            activation_peak_bytes=peak_alloc - static_bytes,
+        )
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        flops = config.flops_per_token(spec["seq"]) * tokens_per_step
+        record["mfu"] = flops / step_s / peak if peak and spec["dtype"] == "bfloat16" else None
+    else:
+        record.update(peak_allocated_bytes=None, peak_reserved_bytes=None, fragmentation_bytes=None,
+                      activation_peak_bytes=None, mfu=None)  # fmt: skip
+    return record
+
+
+# ---------------------------------------------------------------------------------- parent
+def run_one(spec: dict, timeout_s: float) -> dict:
+    """Run one (policy, length) in a fresh process and return its record."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {**spec, "status": "timeout", "error": f"over {timeout_s:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        status = "oom" if "out of memory" in done.stderr.lower() else "crash"
+        return {**spec, "status": status, "error": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def add_derived(records: list[dict]) -> None:
+    """Share of transfer time hidden under compute, against ``keep`` at the same length."""
+    keep = {r["seq"]: r for r in records if r["policy"] == "keep" and r.get("status") == "ok"}
+    for record in records:
+        base = keep.get(record["seq"])
+        transfer_s = (record.get("copy_ms") or 0) / 1e3 + (record.get("fetch_ms") or 0) / 1e3
+        if record.get("status") != "ok" or base is None or transfer_s <= 0:
+            record["hidden_share"] = None
+            continue
+        overhead_s = max(0.0, (record["step_ms"] - base["step_ms"]) / 1e3)
+        record["hidden_share"] = max(0.0, 1.0 - overhead_s / transfer_s)
+        record["step_vs_keep"] = record["step_ms"] / base["step_ms"]
+
+
+def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s: float) -> tuple[int, int]:
+    """Doubling then bisection to the longest length that trains; returns (ok, probes)."""
+    probes, good, bad, seq = 0, 0, None, start
+    while seq <= limit:
+        probes += 1
+        ok = (
+            run_one({**base, "policy": policy, "seq": seq, "steps": 1, "warmup": 0}, timeout_s)["status"]
+            == "ok"
+        )
+        print(f"   {policy:<12} seq {seq:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
+        if not ok:
+            bad = seq
+            break
+        good, seq = seq, seq * 2
+    if bad is None:
+        return good, probes
+    step = max(256, start // 8)
+    while bad - good > step:
+        middle = (good + bad) // 2 // step * step or step
+        if middle in (good, bad):
+            break
+        probes += 1
+        ok = (
+            run_one({**base, "policy": policy, "seq": middle, "steps": 1, "warmup": 0}, timeout_s)["status"]
+            == "ok"
+        )
+        print(f"   {policy:<12} seq {middle:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
+        good, bad = (middle, bad) if ok else (good, middle)
+    return good, probes
+
+
+def gib(value: float | None) -> float | None:
+    return None if value is None else value / 2**30
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if r.get("status") == "ok"]
+    policies = list(dict.fromkeys(r["policy"] for r in ok))
+    longest = max((r["seq"] for r in ok), default=0)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    memory_label = "GPU allocated" if any(r.get("peak_allocated_bytes") for r in ok) else "process RSS"
+    for policy in policies:
+        record = next((r for r in ok if r["policy"] == policy and r["seq"] == longest), None)
+        if record and record.get("timeline"):
+            t, dev, host, nvme = zip(*record["timeline"], strict=True)
+            (line,) = axes[0].plot(t, [v / 2**30 for v in dev], label=f"{policy}: {memory_label}")
+            if any(host):
+                axes[0].plot(
+                    t, [v / 2**30 for v in host], "--", color=line.get_color(), label=f"{policy}: host"
+                )
+            if any(nvme):
+                axes[0].plot(
+                    t, [v / 2**30 for v in nvme], ":", color=line.get_color(), label=f"{policy}: NVMe"
+                )
+    axes[0].set(title=f"memory over one step (seq {longest})", xlabel="seconds", ylabel="GiB")
+    axes[0].legend(fontsize=7)
+    for policy in policies:
+        rows = sorted((r for r in ok if r["policy"] == policy), key=lambda r: r["seq"])
+        seqs = [r["seq"] for r in rows]
+        axes[1].plot(seqs, [r["tokens_per_s"] for r in rows], marker="o", label=policy)
+        peak = [gib(r.get("peak_allocated_bytes") or r.get("rss_peak_bytes")) for r in rows]
+        axes[2].plot(seqs, peak, marker="o", label=policy)
+    axes[1].set(title="throughput", xlabel="sequence length", ylabel="tokens/s", xscale="log")
+    ylabel = "peak GPU allocated (GiB)" if memory_label == "GPU allocated" else "peak process RSS (GiB)"
+    axes[2].set(title="peak memory", xlabel="sequence length", ylabel=ylabel, xscale="log")
+    for axis in axes[1:]:
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape and defaults (cpu without a GPU, else 7b)",
+    )
+    parser.add_argument("--seq", help="sequence lengths, e.g. 4k,8k,16k")
+    parser.add_argument("--layers", type=int, help="number of blocks")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument(
+        "--policies", default=",".join(ALL_POLICIES), help=f"comma list of {', '.join(ALL_POLICIES)}"
+    )
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--nvme-dir", help="directory for the nvme policy (default: a temp dir)")
+    parser.add_argument("--json", help="write records to this path")
+    parser.add_argument("--plot", help="write a PNG to this path")
+    parser.add_argument(
+        "--find-max-seq", action="store_true", help="longest trainable length per policy (CUDA)"
+    )
+    parser.add_argument("--max-seq", default="1024k", help="upper limit for --find-max-seq")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+
+    import torch
+
+    preset_name = args.preset or ("7b" if torch.cuda.is_available() else "cpu")
+    preset = PRESETS[preset_name]
+    if preset_name != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
+    policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
+    for policy in policies:
+        if policy in PLANNED:
+            raise SystemExit(
+                f"policy {policy!r} is part of actoff's design but not available in this version"
+            )
+        if policy not in ALL_POLICIES:
+            raise SystemExit(f"unknown policy {policy!r}: choose from {', '.join(ALL_POLICIES)}")
+    lengths = parse_lengths(args.seq or preset["seq"])
+    nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
+    os.makedirs(nvme_dir, exist_ok=True)
+    base = {"model": preset["model"], "layers": args.layers or preset["layers"], "batch": args.batch or preset["batch"],
+            "dtype": preset["dtype"], "steps": args.steps, "warmup": args.warmup, "nvme_dir": nvme_dir}  # fmt: skip
+
+    header = system_header(nvme_dir)
+    header.update(
+        preset=preset_name,
+        model=f"{base['model']}-shaped, {base['layers']} layers, batch {base['batch']}, {base['dtype']}",
+    )
+    print_header("actoff long-context benchmark", header)
+
+    try:
+        if args.find_max_seq:
+            return _find_max(policies, base, lengths[0], parse_lengths(args.max_seq)[0], args, header)
+        jobs = [(policy, seq) for seq in lengths for policy in policies]
+        records = [run_one({**base, "policy": p, "seq": s}, args.timeout)
+                   for p, s in progress(jobs, len(jobs), lambda job: f"{job[0]} seq={job[1]}")]  # fmt: skip
+    finally:
+        if not args.nvme_dir:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+    add_derived(records)
+    for record in records:
+        for key in ("act_keep_bytes", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
+                    "peak_reserved_bytes", "fragmentation_bytes", "activation_peak_bytes", "rss_peak_bytes"):  # fmt: skip
+            record[key.replace("_bytes", "_gib")] = gib(record.get(key))
+    columns = [
+        ("policy", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"),
+        ("tokens_per_s", "tok/s"), ("mfu", "MFU"), ("peak_allocated_gib", "peak GiB"),
+        ("peak_reserved_gib", "reserved GiB"), ("fragmentation_gib", "frag GiB"),
+        ("activation_peak_gib", "act peak GiB"), ("act_keep_gib", "keep GiB"), ("act_cpu_gib", "cpu GiB"),
+        ("act_nvme_gib", "nvme GiB"), ("copy_gbps", "copy GB/s"), ("hidden_share", "hidden"),
+        ("fetch_ms", "fetch ms"), ("rss_peak_gib", "RSS GiB"),
+    ]  # fmt: skip
+    print(format_table(records, columns))
+    for record in records:
+        if record.get("status") != "ok":
+            print(f"   {record['policy']} seq {record['seq']}: {record['status']}: {record.get('error', '')}")
+    print("\nkeep/cpu/nvme GiB: activation bytes actoff placed per tier; hidden: share of copy time not added to the "
+          "step compared with keep; peak/act-peak GiB are GPU figures (RSS on CPU).")  # fmt: skip
+    if args.json:
+        write_json(args.json, header, records)
+        print(f"records written to {args.json}")
+    if args.plot:
+        plot(records, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if all(r.get("status") == "ok" for r in records) else 1
+
+
+def _find_max(policies: list[str], base: dict, start: int, limit: int, args, header: dict) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--find-max-seq needs a CUDA GPU: on a CPU every tier shares the same host memory")
+    records = []
+    for policy in policies:
+        longest, probes = find_max_seq(policy, base, start, limit, args.timeout)
+        records.append({"policy": policy, "max_seq": longest, "probes": probes})
+    print(format_table(records, [("policy", "policy"), ("max_seq", "longest seq"), ("probes", "probes")]))
+    if args.json:
+        write_json(args.json, header, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

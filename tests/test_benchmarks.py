@@ -1,0 +1,56 @@
+"""Smoke tests of the benchmarks: every policy at a tiny size; JSON fields and a real PNG.
+
+The figures are never asserted as timings (these machines are noisy).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import actoff
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_long_context_smoke(tmp_path):
+    out_json, out_png = tmp_path / "lc.json", tmp_path / "lc.png"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--preset", "cpu",
+               "--seq", "64", "--layers", "1", "--steps", "1", "--warmup", "0",
+               "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "device" in done.stdout and "io_backend" in done.stdout  # system header
+    data = json.loads(out_json.read_text())
+    assert data["system"]["actoff"] == actoff.__version__
+    policies = {r["policy"] for r in data["records"]}
+    assert policies == {"keep", "checkpoint", "save_on_cpu", "cpu", "nvme"}
+    for record in data["records"]:
+        assert record["status"] == "ok"
+        for key in ("seq", "step_ms", "tokens_per_s", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
+                    "fragmentation_bytes", "copy_gbps", "hidden_share", "rss_peak_bytes", "timeline"):  # fmt: skip
+            assert key in record, key
+    by_policy = {r["policy"]: r for r in data["records"]}
+    assert by_policy["cpu"]["act_cpu_bytes"] > 0 and by_policy["nvme"]["act_nvme_bytes"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_long_context_rejects_unavailable_policies():
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--policies", "tokenwise"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "not available in this version" in done.stderr
+
+
+def test_io_bandwidth_smoke(tmp_path):
+    out_json = tmp_path / "io.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "io_bandwidth.py"), "--size", "8MiB",
+               "--repeats", "1", "--threads", "1", "--dir", str(tmp_path / "io"), "--json", str(out_json)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = json.loads(out_json.read_text())["records"]
+    assert {r["op"] for r in records} == {"write", "read"}
+    assert any("engine" in r["method"] for r in records) and any(
+        r["method"].startswith("raw") for r in records
+    )
+    assert all(r["gbps"] > 0 for r in records)
+    assert "target" in done.stdout
