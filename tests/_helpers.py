@@ -16,14 +16,21 @@ def make_model(seed: int = 0, **changes) -> Transformer:
 
 
 def train(model: torch.nn.Module, steps: int = 3, *, batch: int = 2, seq: int = 33, seed: int = 1,
-          retain_graph: bool = False):  # fmt: skip
-    """Run ``steps`` SGD steps; return per step the loss and every parameter's gradient."""
+          retain_graph: bool = False, before_backward=None):  # fmt: skip
+    """Run ``steps`` SGD steps; return per step the loss and every parameter's gradient.
+
+    Tokens are drawn on the CPU (same on every device) and moved to the model's device;
+    ``before_backward()`` runs between forward and backward (e.g. to stall a stream).
+    """
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     history = []
     for _ in range(steps):
-        tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator)
+        tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
         loss = model.loss(tokens)
+        if before_backward is not None:
+            before_backward()
         loss.backward(retain_graph=retain_graph)
         if retain_graph:
             loss.backward()

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import assert_same_history, make_model
+from _helpers import assert_same_history, make_model, train
 
 import actoff
 from actoff._device import CpuBackend, backend_for
@@ -49,20 +49,12 @@ def test_forced_race_still_exact():
     for model_ in (model, reference):
         model_.layers = torch.nn.ModuleList(Sleepy(b) for b in model_.layers)
     actoff.offload_(model, block_cls=Sleepy, policy="cpu", min_bytes=0)
-    tokens = torch.randint(0, 256, (2, 257), device="cuda")
 
-    def run(m):
-        history = []
-        for _ in range(3):
-            loss = m.loss(tokens)
-            torch.cuda._sleep(20_000_000)
-            loss.backward()
-            history.append((loss.detach().clone(), {n: p.grad.clone() for n, p in m.named_parameters()}))
-            for p in m.parameters():
-                p.grad = None
-        return history
+    def stall():
+        torch.cuda._sleep(20_000_000)
 
-    assert_same_history(run(reference), run(model))
+    expected = train(reference, 3, seq=257, before_backward=stall)
+    assert_same_history(expected, train(model, 3, seq=257, before_backward=stall))
     assert actoff.stats().total_bytes_offloaded > 0
 
 
@@ -96,18 +88,6 @@ def test_cuda_pinned_arena_and_exact_gradients():
     reference = copy.deepcopy(model)
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
 
-    def cuda_train(m):
-        m_history = []
-        for seed in range(3):
-            gen = torch.Generator().manual_seed(seed)
-            tokens = torch.randint(0, 256, (2, 65), generator=gen).cuda()
-            loss = m.loss(tokens)
-            loss.backward()
-            m_history.append((loss.detach().clone(), {n: p.grad.clone() for n, p in m.named_parameters()}))
-            for p in m.parameters():
-                p.grad = None
-        return m_history
-
-    assert_same_history(cuda_train(reference), cuda_train(model))
+    assert_same_history(train(reference, 3, seq=65), train(model, 3, seq=65))
     arena = next(iter(actoff._runtime.get_runtime().arenas.values()))
     assert arena._chunks[0].buffer.is_pinned()
