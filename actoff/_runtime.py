@@ -466,7 +466,7 @@ class Runtime:
             self._finish_read(record)
         run.backend.wait(record.fetch_ticket)
         self._account(run, "fetch_ms", record.fetch_ticket)
-        record.fetch_ticket = None
+        # The ticket stays: Note [host slot reuse] needs it when the slot is freed.
         record.to(State.READY)
         return record.device_tensor
 
@@ -514,8 +514,10 @@ class Runtime:
                     # Kept for retain_graph: drop the device copy; the host copy stays.
                     if record.state is State.READY and record.tier != "keep":
                         if record.tier == "nvme" and record.host_slot is not None:
+                            record.fetch_ticket.synchronize()  # Note [host slot reuse]
                             self.arena(run).free(record.host_slot)
                             record.host_slot = None
+                        record.fetch_ticket = None
                         record.device_tensor = None
                         record.to(State.OFFLOADED)
                     run.fetch_issued = False
@@ -535,7 +537,11 @@ class Runtime:
             if record.copy_ticket is not None and state is State.OFFLOADING:
                 record.copy_ticket.synchronize()
                 self._account(run, "copy_ms", record.copy_ticket)
-            if record.fetch_ticket is not None and state is State.FETCHING:
+            if record.fetch_ticket is not None:
+                # Note [host slot reuse]: the compute stream waited for the copy back, but the
+                # host did not. A freed slot can be refilled at once by an NVMe read on a host
+                # thread while the DMA still reads it, so the copy must be over first. It
+                # almost always is: the tensor was used before its handle was dropped.
                 record.fetch_ticket.synchronize()
             if record.write_future is not None:
                 # The record is going away; nothing needs its bytes any more.
