@@ -13,7 +13,7 @@ __all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "se
 
 # Every policy DESIGN.md names; IMPLEMENTED_POLICIES are the ones this version runs.
 POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "auto")
-IMPLEMENTED_POLICIES = ("keep", "cpu", "nvme")
+IMPLEMENTED_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute")
 PLANNERS = ("mip", "greedy", "off")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 
@@ -91,9 +91,11 @@ class Config:
         2
     """
 
-    #: Where offloaded activations go: ``keep`` (stay on the device), ``cpu`` (host memory),
-    #: ``nvme`` (a file under ``nvme_dir``). ``recompute``, ``tokenwise`` and ``auto`` are
-    #: part of the design and rejected with a clear message until they land.
+    #: Where activations go: ``keep`` (stay on the device), ``cpu`` (host memory), ``nvme``
+    #: (a file under ``nvme_dir``), ``tokenwise`` (token ranges split between cpu, nvme and
+    #: recompute by the fractions below), ``recompute`` (every token-local activation
+    #: recomputed; block inputs and attention outputs kept in host memory). ``auto`` is
+    #: part of the design and rejected with a clear message until it lands.
     policy: str = "cpu"
     #: Token fraction stored in host memory under ``tokenwise`` (the rest: nvme, recompute).
     cpu_fraction: float = 1.0
@@ -165,10 +167,12 @@ class Config:
                 raise TypeError(f"{_where(name)} must be a path, got {type(value).__name__}")
             if value is not None:
                 set_(self, name, os.fspath(value) or None)
-        if self.policy == "nvme" and self.nvme_dir is None:
+        if (
+            self.policy == "nvme" or (self.policy == "tokenwise" and self.nvme_fraction > 0)
+        ) and self.nvme_dir is None:
             raise ValueError(
-                "ACTOFF_POLICY='nvme' needs a directory: set ACTOFF_NVME_DIR (Config.nvme_dir) "
-                "to a directory on a fast local disk"
+                f"ACTOFF_POLICY={self.policy!r} with NVMe placement needs a directory: set "
+                "ACTOFF_NVME_DIR (Config.nvme_dir) to a directory on a fast local disk"
             )
         if self.nvme_dir is not None:
             check_writable_dir(self.nvme_dir, _where("nvme_dir"))

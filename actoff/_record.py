@@ -96,6 +96,7 @@ class Record:
 
     __slots__ = (
         "__weakref__",
+        "canon",
         "checksum",
         "copy_source",
         "copy_ticket",
@@ -108,9 +109,11 @@ class Record:
         "run",
         "saved_version",
         "source",
+        "split",
         "state",
         "store",
         "tier",
+        "whole",
         "write_future",
     )
 
@@ -134,6 +137,11 @@ class Record:
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
         self.copy_source: torch.Tensor | None = None  # held while a copy reads it
         self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
+        # Token-wise placement (actoff._tokenwise): the token-dimension view of the span,
+        # whether the record must stay whole (block input, mixer saves), and its ranges once split.
+        self.canon = None
+        self.whole = False
+        self.split = None
 
     def to(self, state: State) -> None:
         """Move to ``state``; raise `RecordStateError` if the machine forbids it."""

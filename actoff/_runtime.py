@@ -29,8 +29,11 @@ import torch
 from ._arena import HostArena
 from ._config import Config
 from ._device import DeviceBackend, Ticket, backend_for
+from ._pack import pack_rows, scatter_rows
+from ._recompute import CaptureMode, ReplayMismatch, ReplayMode, autograd_status, rows_like, slice_inputs
 from ._record import Record, State
 from ._stats import TIERS, BlockStats, Stats
+from ._tokenwise import TokenRanges, canonical_view, token_ranges, unique_dim
 
 __all__ = ["Handle", "Runtime", "ScopeRun", "get_runtime"]
 
@@ -97,11 +100,31 @@ class ScopeRun:
         self.stats = BlockStats(name, calls=1)
         self.placed = False
         self.fetch_issued = False
+        # Token-wise runs only (see Note [token-wise replay] in actoff._recompute).
+        self.tokenwise = False
+        self.events: list[int] | None = None  # record index per non-parameter save, -1: not a record
+        self.in_mixer = 0
+        self.seq_len = 0
+        self.fn: Callable[..., Any] | None = None
+        self.kwarg_names: list[str] = []
+        self.inputs: list[Any] = []  # flattened args then kwargs: Record, or the value itself
+        self.input_status: list[str | None] = []  # autograd_status of each input at capture
+        self.mixer_outputs: list[Any] = []  # Record, or the tensor itself
+        self.owned: list[Handle] = []  # handles actoff holds for inputs and mixer outputs
+        self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.ranges: TokenRanges | None = None
+        self.children: list[Record] = []  # packed rows, one record per stored tier
+        self.bundles: dict[str, tuple[Record, list[int], tuple[int, int]]] = {}
+        self.split_records: list[Record] = []
+        self.split_live = 0
+        self.split_pending = 0
+        self.replay_rows: dict[int, torch.Tensor] | None = None
 
     # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.runtime.thread.disabled:
             return tensor
+        events = self.events if not self.in_mixer else None
         nbytes = tensor.numel() * tensor.element_size()
         if (
             type(tensor) is not torch.Tensor
@@ -112,36 +135,91 @@ class ScopeRun:
         ):
             if isinstance(tensor, torch.nn.Parameter):
                 self.stats.skipped_param_bytes += nbytes
-            else:
-                self.stats.skipped_other_bytes += nbytes
+                return tensor
+            self.stats.skipped_other_bytes += nbytes
+            if events is not None:
+                events.append(-1)
             return tensor
         storage = tensor.untyped_storage().data_ptr()
-        if storage in self.param_storages or (tensor.is_leaf and tensor.requires_grad):
+        if param_like(tensor, storage, self.param_storages):
             self.stats.skipped_param_bytes += nbytes
             return tensor
         if nbytes < self.config.min_bytes:
             self.stats.skipped_small_bytes += nbytes
+            if events is not None:
+                events.append(-1)
             return tensor
+        handle = self._handle_for(tensor, storage)
+        if events is not None:
+            events.append(handle.record.index)
+        return handle
+
+    def _handle_for(self, tensor: torch.Tensor, storage: int) -> Handle:
         # The storage offset is part of the key: q/k/v views of one fused projection share a
         # storage and must not collide. The version keeps a modified tensor apart.
-        key = (
-            storage,
-            tensor.storage_offset(),
-            tensor.shape,
-            tensor.stride(),
-            tensor.dtype,
-            tensor._version,
-        )
+        key = (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
         handle = self.dedup.get(key)
         if handle is not None:
             self.stats.dedup_hits += 1
             return handle
         record = Record(tensor, self, len(self.records))
+        if self.tokenwise:
+            if self.in_mixer:
+                record.whole = True  # the mixer's saves are not replayed: stored whole
+            else:
+                record.canon = canonical_view(tensor, self.seq_len)
         self.records.append(record)
         self.step.live += 1
         handle = Handle(record)
         self.dedup[key] = handle
         return handle
+
+    def keep_whole(self, value: Any) -> Any:
+        """A record (stored whole, held by actoff) for a block input or mixer output tensor, or
+        the value itself when actoff would not offload it (small, a parameter, not a tensor)."""
+        if (
+            not isinstance(value, torch.Tensor)
+            or type(value) is not torch.Tensor
+            or value.device != self.device
+        ):
+            return value
+        storage = value.untyped_storage().data_ptr() if value.numel() else 0
+        if (
+            value.numel() == 0
+            or value.layout != torch.strided
+            or param_like(value, storage, self.param_storages)
+            or value.numel() * value.element_size() < self.config.min_bytes
+        ):
+            return value
+        handle = self._handle_for(value, storage)
+        handle.record.whole = True
+        self.owned.append(handle)
+        return handle.record
+
+    def capture_mixer_output(self, output: Any) -> None:
+        self.mixer_outputs.append(self.keep_whole(output))
+
+
+TOKENWISE_POLICIES = ("tokenwise", "recompute")
+
+
+def whole_tier(config: Config) -> str:
+    """Where a policy puts what it stores whole: the block's input, mixer saves, fallbacks."""
+    if config.policy in ("cpu", "nvme", "keep"):
+        return config.policy
+    return (
+        "nvme"
+        if config.policy == "tokenwise" and config.cpu_fraction == 0 and config.nvme_fraction > 0
+        else "cpu"
+    )
+
+
+def param_like(tensor: torch.Tensor, storage: int, param_storages: set[int]) -> bool:
+    """Parameters, buffers and their views (by storage), and leaves that require grad."""
+    if storage in param_storages or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = tensor._base
+    return base is not None and base.is_leaf and base.requires_grad
 
 
 def _unpack(packed: Any) -> torch.Tensor:
@@ -161,6 +239,8 @@ class Runtime:
         self.steps_completed = 0
         self.arenas: dict[torch.device, HostArena] = {}
         self.last_stats: dict[str, BlockStats] = {}
+        self.verified: set[str] = set()  # blocks whose token-wise replay matched
+        self.verdicts: dict[str, str] = {}  # blocks placed whole, and why
         self._warned: set[str] = set()
         from ._nvme import StoreRegistry  # deferred: _nvme imports nothing from here at load
 
@@ -181,10 +261,16 @@ class Runtime:
             return fn(*args, **kwargs)
         device = _find_device(args, kwargs, module)
         run = self._begin(name, config, module, device)
+        if run.tokenwise:
+            self._capture_inputs(run, fn, args, kwargs)
         self.thread.stack.append(run)
         try:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, _unpack):
-                output = fn(*args, **kwargs)
+                if run.tokenwise:
+                    with CaptureMode(run):
+                        output = fn(*args, **kwargs)
+                else:
+                    output = fn(*args, **kwargs)
         except BaseException:
             self.thread.stack.pop()
             self._abort(run)
@@ -221,14 +307,32 @@ class Runtime:
                 for tensor in (*module.parameters(), *module.buffers()):
                     params.add(tensor.untyped_storage().data_ptr())
             run = ScopeRun(self, step, name, config, backend_for(device), params)
+            run.tokenwise = config.policy in TOKENWISE_POLICIES and self.verdicts.get(name) is None
             step.runs.append(run)
             return run
+
+    def _capture_inputs(self, run: ScopeRun, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """What the re-forward needs: the inputs (kept whole), the function, the RNG state."""
+        token_dim = run.config.token_dim
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None or first.dim() <= token_dim:
+            run.tokenwise = False  # no token dimension to slice: placed whole
+            return
+        run.seq_len = first.shape[token_dim]
+        run.fn, run.kwarg_names = fn, list(kwargs)
+        values = (*args, *kwargs.values())
+        run.input_status = [autograd_status(value) for value in values]
+        run.inputs = [run.keep_whole(value) for value in values]
+        run.events = []
+        cuda_state = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
+        run.rng = (torch.get_rng_state(), cuda_state)
 
     def _abort(self, run: ScopeRun) -> None:
         # An exception inside the scope: nothing is copied; the records stay resident and
         # are released when the partial graph holding their handles is freed.
         with self.lock:
             run.dedup.clear()
+            run.owned.clear()
             run.step.aborted = True
             for other in run.step.pending:
                 other.placed = True  # never placed now: their graph is being torn down
@@ -237,6 +341,8 @@ class Runtime:
     def _seal(self, run: ScopeRun) -> None:
         with self.lock:
             run.dedup.clear()  # Note [pack is hot]: the handles now live in autograd only
+            if run.tokenwise:
+                self._prepare_tokenwise(run)
             step = run.step
             if run.config.policy == "keep":
                 run.placed = True
@@ -249,12 +355,190 @@ class Runtime:
     # ------------------------------------------------------------------ placement
     def _place(self, run: ScopeRun) -> None:
         run.placed = True
-        policy = run.config.policy
+        tier = whole_tier(run.config)
+        if run.tokenwise:
+            self._place_split(run)
         for record in run.records:
             if record.state is State.RESIDENT:
-                self._offload(record, policy)
+                self._offload(record, tier)
+        if not run.split_records:
+            run.owned.clear()  # nothing will be recomputed: inputs and mixer outputs go
         run.step.in_flight.append(run)
         run.step.last_placed = run
+
+    # ------------------------------------------------------------------ token-wise
+    def _prepare_tokenwise(self, run: ScopeRun) -> None:
+        """Choose the ranges and the records to split; verify the replay once per block."""
+        config = run.config
+        cpu, nvme = (
+            (0.0, 0.0) if config.policy == "recompute" else (config.cpu_fraction, config.nvme_fraction)
+        )
+        run.ranges = token_ranges(run.seq_len, cpu, nvme)
+        run.split_records = [
+            r for r in run.records if r.canon is not None and not r.whole and not r.layout.compact
+        ]
+        if not run.split_records:
+            run.tokenwise = False
+            return
+        if run.ranges.recompute_len == 0 or run.name in self.verified:
+            return
+        reason = self._verify_replay(run)
+        if reason is None:
+            self.verified.add(run.name)
+            return
+        self.verdicts[run.name] = reason
+        run.tokenwise = False
+        run.split_records = []
+        self.warn_once(
+            f"tokenwise:{run.name}",
+            f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its activations "
+            f"are placed whole ({whole_tier(config)}) from now on; gradients stay exact.",
+        )
+
+    def _verify_replay(self, run: ScopeRun) -> str | None:
+        """Re-run the recompute on live tensors and compare: ``None`` if it matches, else why."""
+        start, stop = run.ranges.recompute
+        try:
+            rows = self._replay(run)
+        except ReplayMismatch as error:
+            return str(error)
+        except Exception as error:  # the block cannot run on a token slice at all
+            return f"the re-forward on tokens [{start}, {stop}) raised {type(error).__name__}: {error}"
+        for record in run.split_records:
+            original = record.canon.view(record.layout.flat(record.device_tensor.detach())).narrow(
+                record.canon.dim, start, stop - start
+            )
+            replayed = rows[record.index]
+            tolerance = 1e-5 if original.dtype in (torch.float32, torch.float64) else 2e-2
+            if not original.is_floating_point():
+                matches = torch.equal(original, replayed)
+            else:
+                scale = max(float(original.abs().max()), 1.0) if original.numel() else 1.0
+                matches = torch.allclose(replayed, original, rtol=tolerance, atol=tolerance * scale)
+            if not matches:
+                return (
+                    f"saved tensor {record.index} (shape {list(record.layout.size)}) differs after "
+                    f"recompute on tokens [{start}, {stop}) (attention written out without a "
+                    "registered token mixer, positions computed inside the block, or dropout?)"
+                )
+        return None
+
+    def _replay(self, run: ScopeRun) -> dict[int, torch.Tensor]:
+        """Note [token-wise replay]: the block's forward on the recomputed token rows."""
+        start, stop = run.ranges.recompute
+        length = stop - start
+        values = [self._whole_value(v) for v in run.inputs]
+        with torch.enable_grad():  # backward runs with grad off; the sliced inputs need it on
+            sliced = slice_inputs(values, run.input_status, run.seq_len, run.config.token_dim, start, stop)
+        split = len(values) - len(run.kwarg_names)
+        args, kwargs = sliced[:split], dict(zip(run.kwarg_names, sliced[split:], strict=True))
+        mixer_rows = []
+        for value in run.mixer_outputs:
+            full = self._whole_value(value)
+            dim = unique_dim(tuple(full.shape), run.seq_len) if isinstance(full, torch.Tensor) else None
+            if dim is None:
+                raise ReplayMismatch("a token mixer's output has no unique token dimension")
+            mixer_rows.append(rows_like(full, dim, start, stop))
+        wanted = {r.index: r for r in run.split_records}
+        events, rows, count = run.events, {}, [0]
+
+        def pack(tensor: torch.Tensor) -> None:
+            storage = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
+            if isinstance(tensor, torch.nn.Parameter) or param_like(tensor, storage, run.param_storages):
+                return None
+            k = count[0]
+            count[0] += 1
+            if k >= len(events):
+                raise ReplayMismatch(f"the re-forward saved more tensors than the forward ({len(events)})")
+            record = wanted.get(events[k])
+            if record is not None and record.index not in rows:
+                expected = list(record.canon.shape)
+                expected[record.canon.dim] = length
+                candidate = tensor if list(tensor.shape) == expected else tensor._base
+                if candidate is None or list(candidate.shape) != expected:
+                    raise ReplayMismatch(
+                        f"saved tensor {k} has shape {list(tensor.shape)}; the forward's record "
+                        f"{record.index} needs {expected} on {length} tokens"
+                    )
+                rows[record.index] = candidate.detach()
+            return None
+
+        mode = ReplayMode(mixer_rows)
+        devices = [run.device] if run.device.type == "cuda" else []
+        self.thread.stack.append(run)  # nested scopes inside the block pass through
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                torch.set_rng_state(run.rng[0])
+                if run.rng[1] is not None:
+                    torch.cuda.set_rng_state(run.rng[1], run.device)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed), mode:
+                    run.fn(*args, **kwargs)
+        finally:
+            self.thread.stack.pop()
+        if count[0] != len(events):
+            raise ReplayMismatch(f"the re-forward saved {count[0]} tensors, the forward {len(events)}")
+        if mode.calls != len(mixer_rows):
+            raise ReplayMismatch(
+                f"the re-forward called the token mixer {mode.calls} times, the forward {len(mixer_rows)}"
+            )
+        missing = [i for i in wanted if i not in rows]
+        if missing:
+            raise ReplayMismatch(f"the re-forward did not produce records {missing}")
+        return rows
+
+    def _whole_value(self, value: Any) -> Any:
+        return self._materialize(value) if isinstance(value, Record) else value
+
+    def _place_split(self, run: ScopeRun) -> None:
+        """Pack the stored token rows of every split record into one buffer per tier."""
+        ranges = run.ranges
+        for tier, (low, high) in (("cpu", (0, ranges.cpu_end)), ("nvme", (ranges.cpu_end, ranges.nvme_end))):
+            if high <= low:
+                continue
+            views = [
+                r.canon.view(r.layout.flat(r.device_tensor)).narrow(r.canon.dim, low, high - low)
+                for r in run.split_records
+            ]
+            buffer, offsets = pack_rows(views)
+            child = Record(buffer, run, -1)
+            run.step.live += 1
+            run.children.append(child)
+            run.bundles[tier] = (child, offsets, (low, high))
+            self._offload(child, tier)
+        for record in run.split_records:
+            record.split = ranges
+            record.tier = "tokenwise"
+            record.device_tensor = None  # the packed copies hold what is stored
+            record.to(State.OFFLOADING)
+            record.to(State.OFFLOADED)
+        run.split_live = len(run.split_records)
+
+    def _rebuild(self, record: Record) -> torch.Tensor:
+        """A split record again: stored rows scattered back, dropped rows recomputed."""
+        run, layout = record.run, record.layout
+        if run.replay_rows is None:
+            for child in run.children:
+                self._materialize(child)
+            run.replay_rows = self._replay(run) if run.ranges.recompute_len else {}
+            run.split_pending = len(run.split_records)
+        flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
+        canon = record.canon.view(flat, layout.pad)
+        position = run.split_records.index(record)
+        for child, offsets, (low, high) in run.bundles.values():
+            scatter_rows(
+                child.device_tensor, [offsets[position]], [canon.narrow(record.canon.dim, low, high - low)]
+            )
+        start, stop = run.ranges.recompute
+        if stop > start:
+            canon.narrow(record.canon.dim, start, stop - start).copy_(run.replay_rows.pop(record.index))
+        record.device_tensor = layout.rebuild(flat)
+        record.to(State.FETCHING)
+        record.to(State.READY)
+        run.split_pending -= 1
+        if run.split_pending == 0:  # every split record rebuilt: drop the packed device copies
+            for child in run.children:
+                self._evict(child)
+        return record.device_tensor
 
     def _offload(self, record: Record, tier: str) -> None:
         run, layout = record.run, record.layout
@@ -290,7 +574,7 @@ class Runtime:
         for run in step.in_flight:
             force = run is not step.last_placed
             busy = False
-            for record in run.records:
+            for record in (*run.records, *run.children):
                 if record.state is State.OFFLOADING:
                     self._advance(record, force=force)
                     busy = busy or record.state is State.OFFLOADING
@@ -413,8 +697,8 @@ class Runtime:
 
     def _prefetch(self, run: ScopeRun) -> None:
         run.fetch_issued = True
-        for record in run.records:
-            if record.state is State.OFFLOADED and record.live_source() is None:
+        for record in (*run.records, *run.children):
+            if record.state is State.OFFLOADED and record.split is None and record.live_source() is None:
                 self._fetch(record)
 
     def _fetch(self, record: Record) -> None:
@@ -460,6 +744,8 @@ class Runtime:
             if live is not None:  # forwarding: the original is still alive, serve it
                 record.run.stats.forwarded += 1
                 return live
+            if record.split is not None:
+                return self._rebuild(record)
             self._fetch(record)
         run = record.run
         if record.tier == "nvme" and record.write_future is not None:
@@ -510,19 +796,26 @@ class Runtime:
                 setattr(run.stats, what, getattr(run.stats, what) + ticket.elapsed_ms())
             step.timings.clear()
             for run in step.runs:
-                for record in run.records:
+                for record in (*run.records, *run.children):
                     # Kept for retain_graph: drop the device copy; the host copy stays.
                     if record.state is State.READY and record.tier != "keep":
-                        if record.tier == "nvme" and record.host_slot is not None:
-                            record.fetch_ticket.synchronize()  # Note [host slot reuse]
-                            self.arena(run).free(record.host_slot)
-                            record.host_slot = None
-                        record.fetch_ticket = None
-                        record.device_tensor = None
-                        record.to(State.OFFLOADED)
-                    run.fetch_issued = False
+                        self._evict(record)
+                run.fetch_issued = False
+                run.replay_rows = None
             self.steps_completed += 1
             self._publish(step)
+
+    def _evict(self, record: Record) -> None:
+        """READY -> OFFLOADED: drop the device copy, keep what is stored off the device."""
+        if record.state is not State.READY:
+            return
+        if record.tier == "nvme" and record.host_slot is not None:
+            record.fetch_ticket.synchronize()  # Note [host slot reuse]
+            self.arena(record.run).free(record.host_slot)
+            record.host_slot = None
+        record.fetch_ticket = None
+        record.device_tensor = None
+        record.to(State.OFFLOADED)
 
     # ------------------------------------------------------------------ release
     def release(self, record: Record) -> None:
@@ -555,6 +848,12 @@ class Runtime:
             record.device_tensor = record.copy_source = None
             record.copy_ticket = record.fetch_ticket = None
             record.to(State.RELEASED)
+            if record.split is not None:
+                run.split_live -= 1
+                if run.split_live == 0:  # nothing left to rebuild: the stored rows can go
+                    run.owned.clear()
+                    for child in run.children:
+                        self.release(child)
             step = run.step
             step.live -= 1
             if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
@@ -605,6 +904,7 @@ class Runtime:
             self.last_stats = {}
             self.steps_completed = 0
             self.arenas = {}  # slots still held by live graphs keep their chunk alive
+            self.verified, self.verdicts, self._warned = set(), {}, set()
             self.stores.close()
 
 
@@ -624,7 +924,13 @@ def _collect(step: Step) -> dict[str, BlockStats]:
         for record in run.records:
             block.tensors += 1
             block.bytes_saved += record.layout.nbytes
-            block.bytes_per_tier[record.tier] += record.layout.nbytes
+            if record.split is None:
+                block.bytes_per_tier[record.tier] += record.layout.nbytes
+                continue
+            row_bytes = record.layout.nbytes // record.split.seq_len
+            block.bytes_per_tier["cpu"] += row_bytes * record.split.cpu_end
+            block.bytes_per_tier["nvme"] += row_bytes * (record.split.nvme_end - record.split.cpu_end)
+            block.bytes_per_tier["recompute"] += row_bytes * record.split.recompute_len
     return blocks
 
 

@@ -269,6 +269,7 @@ def test_unusual_saved_tensors_are_exact():
     # Expanded (stride 0), transposed, gappy, offset views, integer indices, complex values.
     @actoff.offload(policy="cpu", min_bytes=0, name="odd")
     def odd(x, table):
+        x = x * 1.0  # views of a leaf that requires grad are never offloaded: use a non-leaf
         expanded = x[:1].expand(64, 32)  # stride 0 along dim 0
         transposed = x.t()
         gappy = x[:, ::4]

@@ -1,0 +1,173 @@
+"""Token-wise recompute: token mixers, the forward capture, and the re-forward on sliced tokens.
+
+Note [token-wise replay]: a slice of a block's input gives the same slice of every token-local
+activation; only the token mixer (attention) needs all tokens. So the dropped rows of every
+saved tensor are rebuilt by re-running the block's forward on the sliced inputs (RNG state
+restored) while a TorchFunctionMode serves the mixer's output rows from its stored output.
+Saved tensors arrive in the same order as in the forward pass (parameters, recognised by
+storage, and the mixer's own saves are left out of the order on both passes), so the i-th
+repacked tensor gives record i its rows. Any difference in count or shape is a mismatch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ._tokenwise import unique_dim
+
+if TYPE_CHECKING:
+    from ._runtime import ScopeRun
+
+__all__ = ["ReplayMismatch", "is_token_mixer", "register_token_mixer"]
+
+_MIXERS: set[Callable[..., Any]] = {F.scaled_dot_product_attention}
+_lock = threading.Lock()
+
+
+class ReplayMismatch(RuntimeError):
+    """The re-forward did not save what the forward saved (count, shape or a mixer)."""
+
+
+def register_token_mixer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare ``fn`` a token mixer (like attention): token-wise recompute serves its output rows
+    from the stored output instead of calling it. Returns the function to call from then on.
+
+    torch functions are registered as they are; a Python function (a flash-attn kernel, say) is
+    wrapped so that actoff can see its calls, and the wrapper is returned: use that.
+
+    Example:
+        >>> import torch, actoff
+        >>> def my_attention(q, k, v):
+        ...     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> my_attention = actoff.register_token_mixer(my_attention)
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> my_attention(q, q, q).shape
+        torch.Size([1, 2, 8, 4])
+    """
+    if not callable(fn):
+        raise TypeError(f"register_token_mixer expects a function, got {type(fn).__name__}")
+    if fn in _MIXERS:
+        return fn
+    if isinstance(fn, torch._C._FunctionBase) or type(fn).__name__ == "builtin_function_or_method":
+        wrapped = fn
+    else:
+
+        def dispatcher(*args: Any, **kwargs: Any) -> tuple:
+            return tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+
+        wrapped = torch.overrides.wrap_torch_function(dispatcher)(fn)
+    with _lock:
+        _MIXERS.add(wrapped)
+    return wrapped
+
+
+def is_token_mixer(fn: object) -> bool:
+    return fn in _MIXERS
+
+
+class CaptureMode(TorchFunctionMode):
+    """Forward pass of a token-wise run: notes each mixer call and keeps its output whole."""
+
+    def __init__(self, run: ScopeRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _MIXERS:
+            return func(*args, **kwargs)
+        run = self.run
+        run.in_mixer += 1
+        try:
+            output = func(*args, **kwargs)
+        finally:
+            run.in_mixer -= 1
+        run.capture_mixer_output(output)
+        return output
+
+
+class ReplayMode(TorchFunctionMode):
+    """Re-forward of a token-wise run: mixer calls return the stored output rows, in order."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.outputs = outputs
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _MIXERS:
+            return func(*args, **kwargs)
+        if self.calls >= len(self.outputs):
+            raise ReplayMismatch("the re-forward called the token mixer more often than the forward did")
+        output = self.outputs[self.calls]
+        self.calls += 1
+        return output
+
+
+def rows_like(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` along ``dim`` as a new tensor with ``full``'s memory layout.
+
+    The layout matters: it decides which later ``.contiguous()``/``reshape`` calls copy, and
+    so what the next layers save (FIELD_NOTES: the replayed attention output).
+    """
+    rows = full.narrow(dim, start, stop - start)
+    order = sorted(range(full.dim()), key=lambda i: (-full.stride(i), i))  # outermost first
+    strides = [0] * full.dim()
+    step = 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= rows.shape[i]
+    # A base tensor (not a permuted view): later views of it then have the same _base shape
+    # as in the forward pass, where the mixer returned a base with these strides.
+    out = torch.empty_strided(rows.shape, strides, dtype=full.dtype, device=full.device)
+    out.copy_(rows)
+    return out
+
+
+def autograd_status(value: Any) -> str | None:
+    """How a block input took part in autograd: ``None`` (not at all), ``"leaf"`` (a leaf that
+    requires grad), ``"leaf_view"`` (a view of one) or ``"intermediate"``."""
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        return None
+    if value.is_leaf:
+        return "leaf"
+    base = value._base
+    return "leaf_view" if base is not None and base.is_leaf and base.requires_grad else "intermediate"
+
+
+def _with_status(status: str | None, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` made to take part in autograd as the original input did, so the pack filter
+    classifies the saves of both passes alike (an exact clone makes an intermediate)."""
+    if status is None or not rows.is_floating_point():
+        return rows
+    leaf = rows.requires_grad_(True)
+    if status == "leaf":
+        return leaf
+    return leaf.view_as(leaf) if status == "leaf_view" else leaf.clone()
+
+
+def slice_inputs(values: list[Any], statuses: list[str | None], seq_len: int, token_dim: int,
+                 start: int, stop: int) -> list[Any]:  # fmt: skip
+    """Slice every tensor input along its token dimension (the configured one for the first
+    tensor, else the unique dimension of length ``seq_len``); others pass as they are.
+    ``statuses`` (from `autograd_status` at capture) say how each took part in autograd."""
+    out = []
+    first = True
+    for value, status in zip(values, statuses, strict=True):
+        if isinstance(value, torch.Tensor):
+            dim = (
+                token_dim if first and value.dim() > token_dim and value.shape[token_dim] == seq_len else None
+            )
+            dim = dim if dim is not None else unique_dim(tuple(value.shape), seq_len)
+            first = False
+            if dim is not None:
+                value = _with_status(status, value.detach().narrow(dim, start, stop - start))
+        out.append(value)
+    return out
