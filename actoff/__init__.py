@@ -18,6 +18,7 @@ Example:
 
 from ._config import Config, get_config, parse_size, set_config
 from ._io import kvikio_available
+from ._recompute import register_token_mixer
 from ._runtime import get_runtime
 from ._scope import no_offload, offload, offload_
 from ._stats import BlockStats, Stats
@@ -42,6 +43,7 @@ __all__ = [
     "offload",
     "offload_",
     "parse_size",
+    "register_token_mixer",
     "reset",
     "set_config",
     "stats",

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ReplayMismatch", "is_token_mixer", "register_token_mixer"]
 
-_MIXERS: set[Callable[..., Any]] = {F.scaled_dot_product_attention}
+# Each mixer and the token dimension of its output (None: the unique dimension of length S).
+_MIXERS: dict[Callable[..., Any], int | None] = {F.scaled_dot_product_attention: -2}
 _lock = threading.Lock()
 
 
@@ -34,9 +35,11 @@ class ReplayMismatch(RuntimeError):
     """The re-forward did not save what the forward saved (count, shape or a mixer)."""
 
 
-def register_token_mixer(fn: Callable[..., Any]) -> Callable[..., Any]:
+def register_token_mixer(fn: Callable[..., Any], *, token_dim: int | None = None) -> Callable[..., Any]:
     """Declare ``fn`` a token mixer (like attention): token-wise recompute serves its output rows
     from the stored output instead of calling it. Returns the function to call from then on.
+    ``token_dim`` is the token dimension of its output (e.g. ``-3`` for flash-attn's
+    ``(B, S, heads, D)``); by default the unique dimension of the sequence's length.
 
     torch functions are registered as they are; a Python function (a flash-attn kernel, say) is
     wrapped so that actoff can see its calls, and the wrapper is returned: use that.
@@ -63,12 +66,19 @@ def register_token_mixer(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         wrapped = torch.overrides.wrap_torch_function(dispatcher)(fn)
     with _lock:
-        _MIXERS.add(wrapped)
+        _MIXERS[wrapped] = token_dim
     return wrapped
 
 
-def is_token_mixer(fn: object) -> bool:
-    return fn in _MIXERS
+def mixer_token_dim(fn: Callable[..., Any], output: Any, seq_len: int) -> int | None:
+    """Token dimension of a mixer's output, or ``None`` if it has none we can trust."""
+    if not isinstance(output, torch.Tensor):
+        return None
+    dim = _MIXERS.get(fn)
+    if dim is None:
+        return unique_dim(tuple(output.shape), seq_len)
+    dim = dim % output.dim()
+    return dim if output.shape[dim] == seq_len else None
 
 
 class CaptureMode(TorchFunctionMode):
@@ -88,7 +98,7 @@ class CaptureMode(TorchFunctionMode):
             output = func(*args, **kwargs)
         finally:
             run.in_mixer -= 1
-        run.capture_mixer_output(output)
+        run.capture_mixer_output(output, mixer_token_dim(func, output, run.seq_len))
         return output
 
 

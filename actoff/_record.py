@@ -96,6 +96,7 @@ class Record:
 
     __slots__ = (
         "__weakref__",
+        "base_info",
         "canon",
         "checksum",
         "copy_source",
@@ -140,6 +141,7 @@ class Record:
         # Token-wise placement (actoff._tokenwise): the token-dimension view of the span,
         # whether the record must stay whole (block input, mixer saves), and its ranges once split.
         self.canon = None
+        self.base_info = None  # (shape, stride) of a merged view's base, for token dims
         self.whole = False
         self.split = None
 

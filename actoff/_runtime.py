@@ -33,7 +33,7 @@ from ._pack import pack_rows, scatter_rows
 from ._recompute import CaptureMode, ReplayMismatch, ReplayMode, autograd_status, rows_like, slice_inputs
 from ._record import Record, State
 from ._stats import TIERS, BlockStats, Stats
-from ._tokenwise import TokenRanges, canonical_view, token_ranges, unique_dim
+from ._tokenwise import TokenRanges, base_info, detect_canon, token_ranges
 
 __all__ = ["Handle", "Runtime", "ScopeRun", "get_runtime"]
 
@@ -109,7 +109,7 @@ class ScopeRun:
         self.kwarg_names: list[str] = []
         self.inputs: list[Any] = []  # flattened args then kwargs: Record, or the value itself
         self.input_status: list[str | None] = []  # autograd_status of each input at capture
-        self.mixer_outputs: list[Any] = []  # Record, or the tensor itself
+        self.mixer_outputs: list[tuple[Any, int | None]] = []  # (Record or tensor, token dim)
         self.owned: list[Handle] = []  # handles actoff holds for inputs and mixer outputs
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.ranges: TokenRanges | None = None
@@ -167,7 +167,7 @@ class ScopeRun:
             if self.in_mixer:
                 record.whole = True  # the mixer's saves are not replayed: stored whole
             else:
-                record.canon = canonical_view(tensor, self.seq_len)
+                record.base_info = base_info(tensor)
         self.records.append(record)
         self.step.live += 1
         handle = Handle(record)
@@ -196,8 +196,8 @@ class ScopeRun:
         self.owned.append(handle)
         return handle.record
 
-    def capture_mixer_output(self, output: Any) -> None:
-        self.mixer_outputs.append(self.keep_whole(output))
+    def capture_mixer_output(self, output: Any, token_dim: int | None) -> None:
+        self.mixer_outputs.append((self.keep_whole(output), token_dim))
 
 
 TOKENWISE_POLICIES = ("tokenwise", "recompute")
@@ -239,7 +239,8 @@ class Runtime:
         self.steps_completed = 0
         self.arenas: dict[torch.device, HostArena] = {}
         self.last_stats: dict[str, BlockStats] = {}
-        self.verified: set[str] = set()  # blocks whose token-wise replay matched
+        # (block, seq_len) -> {record index: (size, stride, Canon)} from a verified probe replay
+        self.token_plans: dict[tuple[str, int], dict[int, tuple]] = {}
         self.verdicts: dict[str, str] = {}  # blocks placed whole, and why
         self._warned: set[str] = set()
         from ._nvme import StoreRegistry  # deferred: _nvme imports nothing from here at load
@@ -368,64 +369,87 @@ class Runtime:
 
     # ------------------------------------------------------------------ token-wise
     def _prepare_tokenwise(self, run: ScopeRun) -> None:
-        """Choose the ranges and the records to split; verify the replay once per block."""
+        """Choose the ranges and the records to split; probe and verify once per block and length."""
         config = run.config
         cpu, nvme = (
             (0.0, 0.0) if config.policy == "recompute" else (config.cpu_fraction, config.nvme_fraction)
         )
         run.ranges = token_ranges(run.seq_len, cpu, nvme)
-        run.split_records = [
-            r for r in run.records if r.canon is not None and not r.whole and not r.layout.compact
-        ]
+        candidates = [r for r in run.records if not r.whole and not r.layout.compact]
+        if not candidates or run.ranges.cpu_end == run.seq_len:
+            run.tokenwise = False  # nothing to split (or every token to host memory): whole
+            return
+        key = (run.name, run.seq_len)
+        plan = self.token_plans.get(key)
+        if plan is None:
+            plan, reason = self._probe(run, candidates)
+            if plan is None:
+                self.verdicts[run.name] = reason
+                run.tokenwise = False
+                self.warn_once(
+                    f"tokenwise:{run.name}",
+                    f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its "
+                    f"activations are placed whole ({whole_tier(config)}) from now on; gradients stay exact.",
+                )
+                return
+            self.token_plans[key] = plan
+        for record in candidates:
+            entry = plan.get(record.index)
+            if entry is not None and entry[:2] == (record.layout.size, record.layout.stride):
+                record.canon = entry[2]
+                run.split_records.append(record)
         if not run.split_records:
             run.tokenwise = False
-            return
-        if run.ranges.recompute_len == 0 or run.name in self.verified:
-            return
-        reason = self._verify_replay(run)
-        if reason is None:
-            self.verified.add(run.name)
-            return
-        self.verdicts[run.name] = reason
-        run.tokenwise = False
-        run.split_records = []
-        self.warn_once(
-            f"tokenwise:{run.name}",
-            f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its activations "
-            f"are placed whole ({whole_tier(config)}) from now on; gradients stay exact.",
-        )
 
-    def _verify_replay(self, run: ScopeRun) -> str | None:
-        """Re-run the recompute on live tensors and compare: ``None`` if it matches, else why."""
-        start, stop = run.ranges.recompute
+    def _probe(self, run: ScopeRun, candidates: list[Record]) -> tuple[dict[int, tuple] | None, str]:
+        """Re-run the block on its last tokens while everything is live: find each record's
+        token dimension (the one that shrank) and check the rows against the real ones."""
+        seq_len = run.seq_len
+        recompute = run.ranges.recompute_len
+        length = recompute if 0 < recompute < seq_len else seq_len // 2
+        if length < 1:
+            return None, f"a sequence of {seq_len} token(s) cannot be sliced"
+        start = seq_len - length
         try:
-            rows = self._replay(run)
+            saved = self._replay(run, start, seq_len, detect=candidates)
         except ReplayMismatch as error:
-            return str(error)
+            return None, str(error)
         except Exception as error:  # the block cannot run on a token slice at all
-            return f"the re-forward on tokens [{start}, {stop}) raised {type(error).__name__}: {error}"
-        for record in run.split_records:
-            original = record.canon.view(record.layout.flat(record.device_tensor.detach())).narrow(
-                record.canon.dim, start, stop - start
+            return (
+                None,
+                f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}",
             )
-            replayed = rows[record.index]
-            tolerance = 1e-5 if original.dtype in (torch.float32, torch.float64) else 2e-2
-            if not original.is_floating_point():
-                matches = torch.equal(original, replayed)
-            else:
-                scale = max(float(original.abs().max()), 1.0) if original.numel() else 1.0
-                matches = torch.allclose(replayed, original, rtol=tolerance, atol=tolerance * scale)
-            if not matches:
-                return (
+        plan: dict[int, tuple] = {}
+        for record in candidates:
+            replayed = saved.get(record.index)
+            if replayed is None:
+                continue
+            view = (record.layout.size, record.layout.stride)
+            canon = detect_canon(view, record.base_info, replayed, seq_len, length)
+            if canon is None:
+                continue  # no token dimension we can trust: stored whole
+            original = canon.view(record.layout.flat(record.device_tensor.detach())).narrow(
+                canon.dim, start, length
+            )
+            if not _rows_match(original, canon.source(replayed).detach()):
+                return None, (
                     f"saved tensor {record.index} (shape {list(record.layout.size)}) differs after "
-                    f"recompute on tokens [{start}, {stop}) (attention written out without a "
+                    f"recompute on tokens [{start}, {seq_len}) (attention written out without a "
                     "registered token mixer, positions computed inside the block, or dropout?)"
                 )
-        return None
+            plan[record.index] = (record.layout.size, record.layout.stride, canon)
+        if not plan:
+            return None, "no saved tensor has a token dimension"
+        return plan, ""
 
-    def _replay(self, run: ScopeRun) -> dict[int, torch.Tensor]:
-        """Note [token-wise replay]: the block's forward on the recomputed token rows."""
-        start, stop = run.ranges.recompute
+    def _replay(
+        self, run: ScopeRun, start: int, stop: int, *, detect: list[Record] | None = None
+    ) -> dict[int, torch.Tensor]:
+        """Note [token-wise replay]: the block's forward on token rows ``[start, stop)``.
+
+        Returns, per record, its re-forward save: for ``detect``'s records the saved tensor as
+        it is (to find the token dimension), else the rows in the record's canonical shape.
+        """
         length = stop - start
         values = [self._whole_value(v) for v in run.inputs]
         with torch.enable_grad():  # backward runs with grad off; the sliced inputs need it on
@@ -433,13 +457,11 @@ class Runtime:
         split = len(values) - len(run.kwarg_names)
         args, kwargs = sliced[:split], dict(zip(run.kwarg_names, sliced[split:], strict=True))
         mixer_rows = []
-        for value in run.mixer_outputs:
-            full = self._whole_value(value)
-            dim = unique_dim(tuple(full.shape), run.seq_len) if isinstance(full, torch.Tensor) else None
+        for value, dim in run.mixer_outputs:
             if dim is None:
-                raise ReplayMismatch("a token mixer's output has no unique token dimension")
-            mixer_rows.append(rows_like(full, dim, start, stop))
-        wanted = {r.index: r for r in run.split_records}
+                raise ReplayMismatch("a token mixer's output has no token dimension actoff can find")
+            mixer_rows.append(rows_like(self._whole_value(value), dim, start, stop))
+        wanted = {r.index: r for r in (detect if detect is not None else run.split_records)}
         events, rows, count = run.events, {}, [0]
 
         def pack(tensor: torch.Tensor) -> None:
@@ -451,16 +473,20 @@ class Runtime:
             if k >= len(events):
                 raise ReplayMismatch(f"the re-forward saved more tensors than the forward ({len(events)})")
             record = wanted.get(events[k])
-            if record is not None and record.index not in rows:
-                expected = list(record.canon.shape)
-                expected[record.canon.dim] = length
-                candidate = tensor if list(tensor.shape) == expected else tensor._base
-                if candidate is None or list(candidate.shape) != expected:
-                    raise ReplayMismatch(
-                        f"saved tensor {k} has shape {list(tensor.shape)}; the forward's record "
-                        f"{record.index} needs {expected} on {length} tokens"
-                    )
-                rows[record.index] = candidate.detach()
+            if record is None or record.index in rows:
+                return None
+            if detect is not None:
+                rows[record.index] = tensor
+                return None
+            expected = list(record.canon.shape)
+            expected[record.canon.dim] = length
+            candidate = record.canon.source(tensor)
+            if candidate is None or list(candidate.shape) != expected:
+                raise ReplayMismatch(
+                    f"saved tensor {k} has shape {list(tensor.shape)}; the forward's record "
+                    f"{record.index} needs {expected} on {length} tokens"
+                )
+            rows[record.index] = candidate.detach()
             return None
 
         mode = ReplayMode(mixer_rows)
@@ -481,9 +507,10 @@ class Runtime:
             raise ReplayMismatch(
                 f"the re-forward called the token mixer {mode.calls} times, the forward {len(mixer_rows)}"
             )
-        missing = [i for i in wanted if i not in rows]
-        if missing:
-            raise ReplayMismatch(f"the re-forward did not produce records {missing}")
+        if detect is None:
+            missing = [i for i in wanted if i not in rows]
+            if missing:
+                raise ReplayMismatch(f"the re-forward did not produce records {missing}")
         return rows
 
     def _whole_value(self, value: Any) -> Any:
@@ -519,7 +546,8 @@ class Runtime:
         if run.replay_rows is None:
             for child in run.children:
                 self._materialize(child)
-            run.replay_rows = self._replay(run) if run.ranges.recompute_len else {}
+            start, stop = run.ranges.recompute
+            run.replay_rows = self._replay(run, start, stop) if stop > start else {}
             run.split_pending = len(run.split_records)
         flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
         canon = record.canon.view(flat, layout.pad)
@@ -904,7 +932,7 @@ class Runtime:
             self.last_stats = {}
             self.steps_completed = 0
             self.arenas = {}  # slots still held by live graphs keep their chunk alive
-            self.verified, self.verdicts, self._warned = set(), {}, set()
+            self.token_plans, self.verdicts, self._warned = {}, {}, set()
             self.stores.close()
 
 
@@ -932,6 +960,18 @@ def _collect(step: Step) -> dict[str, BlockStats]:
             block.bytes_per_tier["nvme"] += row_bytes * (record.split.nvme_end - record.split.cpu_end)
             block.bytes_per_tier["recompute"] += row_bytes * record.split.recompute_len
     return blocks
+
+
+def _rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
+    """Recomputed rows against the real ones: equal for integers; for floats within float32
+    reassociation (1e-5) or half-precision rounding (2e-2), relative to the largest value."""
+    if original.shape != replayed.shape:
+        return False
+    if not original.is_floating_point():
+        return torch.equal(original, replayed)
+    tolerance = 1e-5 if original.dtype in (torch.float32, torch.float64) else 2e-2
+    scale = max(float(original.abs().max()), 1.0) if original.numel() else 1.0
+    return torch.allclose(replayed, original, rtol=tolerance, atol=tolerance * scale)
 
 
 def _copy_stats(block: BlockStats) -> BlockStats:

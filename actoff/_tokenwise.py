@@ -9,7 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Canon", "TokenRanges", "auto_fractions", "canonical_view", "token_ranges", "unique_dim"]
+__all__ = [
+    "Canon",
+    "TokenRanges",
+    "auto_fractions",
+    "base_info",
+    "changed_dim",
+    "detect_canon",
+    "token_ranges",
+    "unique_dim",
+]
 
 
 def unique_dim(shape: tuple[int, ...], size: int) -> int | None:
@@ -26,57 +35,41 @@ def unique_dim(shape: tuple[int, ...], size: int) -> int | None:
 class Canon:
     """How to see a saved tensor's storage span as a tensor with a token dimension.
 
-    ``shape``/``stride``/``offset`` are relative to the record's copied span (elements);
-    ``dim`` is the token dimension in ``shape``.
+    ``shape``/``stride`` describe the saved view itself, or its ``_base`` when ``on_base``
+    (linear layers save ``(B*S, H)`` views of ``(B, S, H)`` tensors: no dimension is S);
+    ``dim`` is the token dimension in ``shape``. Offsets are relative to the copied span.
     """
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
     dim: int
+    on_base: bool = False
 
     def view(self, flat: torch.Tensor, pad: int = 0) -> torch.Tensor:
         """The canonical tensor over a 1-D buffer holding ``pad`` spare elements, then the span."""
-        return flat.as_strided(self.shape, self.stride, pad + self.offset)
+        return flat.as_strided(self.shape, self.stride, pad)
 
-    def row_elements(self) -> int:
-        """Elements in one token row (all dimensions but the token one)."""
-        count = 1
-        for i, n in enumerate(self.shape):
-            if i != self.dim:
-                count *= n
-        return count
+    def source(self, saved: torch.Tensor) -> torch.Tensor | None:
+        """The tensor to take rows from among a re-forward's save: the view or its base."""
+        return saved._base if self.on_base else saved
 
 
-def canonical_view(tensor: torch.Tensor, seq_len: int) -> Canon | None:
-    """Token-dimension view of ``tensor``: on the tensor itself if exactly one dimension has the
-    sequence length, else on its ``_base`` when the tensor is a merged view of it (linear layers
-    save ``(B*S, H)``); ``None`` when neither works (the tensor is then stored whole).
+def base_info(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Shape and strides of ``tensor._base`` when the view covers exactly the base's memory
+    (a merged view such as ``(B*S, H)`` of ``(B, S, H)``), else ``None``.
 
-    Offsets are relative to the tensor's own storage offset (the start of its copied span).
-
-    >>> base = torch.zeros(2, 16, 8)
-    >>> canonical_view(base.view(32, 8), 16).dim
-    1
+    >>> base_info(torch.zeros(2, 16, 8).view(32, 8))
+    ((2, 16, 8), (128, 8, 1))
     """
-    dim = unique_dim(tuple(tensor.shape), seq_len)
-    if dim is not None:
-        return Canon(tuple(tensor.shape), tuple(tensor.stride()), 0, dim)
     base = tensor._base
-    if base is None or base.numel() != tensor.numel():
+    if (
+        base is None
+        or base.numel() != tensor.numel()
+        or base.storage_offset() != tensor.storage_offset()
+        or not (_dense(tensor) and _dense(base))
+    ):
         return None
-    dim = unique_dim(tuple(base.shape), seq_len)
-    if dim is None or base.storage_offset() != tensor.storage_offset():
-        return None
-    # The view must cover exactly the base's elements in the base's memory order.
-    if not _same_memory(tensor, base):
-        return None
-    return Canon(tuple(base.shape), tuple(base.stride()), 0, dim)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Both are dense (no gaps, no overlap) over the same elements, so either can view them."""
-    return _dense(a) and _dense(b)
+    return tuple(base.shape), tuple(base.stride())
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -86,6 +79,45 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def changed_dim(
+    forward_shape: tuple[int, ...], replay_shape: tuple[int, ...], seq_len: int, length: int
+) -> int | None:
+    """The token dimension, found by comparing a save of the forward pass (``seq_len`` tokens)
+    with the same save of a re-forward on ``length`` tokens: the one dimension that went from
+    ``seq_len`` to ``length``. Dimensions that merely equal ``seq_len`` (a hidden size of 4096
+    at 4096 tokens) do not change and are not mistaken for it.
+
+    >>> changed_dim((2, 128, 128), (2, 64, 128), 128, 64)
+    1
+    >>> changed_dim((256, 128), (128, 128), 128, 64) is None  # (B*S, H): not on the view
+    True
+    """
+    if len(forward_shape) != len(replay_shape) or seq_len == length:
+        return None
+    diff = [i for i, (a, b) in enumerate(zip(forward_shape, replay_shape, strict=True)) if a != b]
+    if len(diff) == 1 and forward_shape[diff[0]] == seq_len and replay_shape[diff[0]] == length:
+        return diff[0]
+    return None
+
+
+def detect_canon(
+    view: tuple[tuple[int, ...], tuple[int, ...]],
+    base: tuple[tuple[int, ...], tuple[int, ...]] | None,
+    replayed: torch.Tensor,
+    seq_len: int,
+    length: int,
+) -> Canon | None:
+    """The `Canon` of a record from its forward view (and base) and its re-forward save."""
+    dim = changed_dim(view[0], tuple(replayed.shape), seq_len, length)
+    if dim is not None:
+        return Canon(view[0], view[1], dim)
+    if base is not None and replayed._base is not None:
+        dim = changed_dim(base[0], tuple(replayed._base.shape), seq_len, length)
+        if dim is not None:
+            return Canon(base[0], base[1], dim, on_base=True)
+    return None
 
 
 @dataclass(frozen=True)
