@@ -24,7 +24,7 @@ from ._tokenwise import unique_dim
 if TYPE_CHECKING:
     from ._runtime import ScopeRun
 
-__all__ = ["ReplayMismatch", "is_token_mixer", "register_token_mixer"]
+__all__ = ["ReplayMismatch", "mixer_token_dim", "register_token_mixer"]
 
 # Each mixer and the token dimension of its output (None: the unique dimension of length S).
 _MIXERS: dict[Callable[..., Any], int | None] = {F.scaled_dot_product_attention: -2}
