@@ -11,9 +11,8 @@ from dataclasses import dataclass, fields
 
 __all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "set_config"]
 
-# Every policy DESIGN.md names; IMPLEMENTED_POLICIES are the ones this version runs.
+# Every policy DESIGN.md names.
 POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "auto")
-IMPLEMENTED_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute")
 PLANNERS = ("mip", "greedy", "off")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 
@@ -94,8 +93,8 @@ class Config:
     #: Where activations go: ``keep`` (stay on the device), ``cpu`` (host memory), ``nvme``
     #: (a file under ``nvme_dir``), ``tokenwise`` (token ranges split between cpu, nvme and
     #: recompute by the fractions below), ``recompute`` (every token-local activation
-    #: recomputed; block inputs and attention outputs kept in host memory). ``auto`` is
-    #: part of the design and rejected with a clear message until it lands.
+    #: recomputed; block inputs and attention outputs kept in host memory), ``auto`` (the
+    #: stored fraction from MEMO's closed form, decided after the first step).
     policy: str = "cpu"
     #: Token fraction stored in host memory under ``tokenwise`` (the rest: nvme, recompute).
     cpu_fraction: float = 1.0
@@ -117,6 +116,9 @@ class Config:
     plan_cache: str | None = None
     #: NVMe I/O engine: ``auto`` (kvikio when it really works, else posix), ``kvikio``, ``posix``.
     io_backend: str = "auto"
+    #: Host link bandwidth for ``auto`` in bytes per second (``25GB`` = 25e9 B/s); ``None``:
+    #: measured once with a pinned copy.
+    host_bandwidth: int | None = None
     #: Worker threads of the POSIX I/O engine.
     io_threads: int = 4
     #: Checksum every offloaded range and check it when it comes back.
@@ -132,11 +134,6 @@ class Config:
                 raise TypeError(f"{_where(name)} must be a string, got {type(value).__name__}")
             set_(self, name, value.strip().lower())
         _check_choice("policy", self.policy, POLICIES)
-        if self.policy not in IMPLEMENTED_POLICIES:
-            raise ValueError(
-                f"{_where('policy')}={self.policy!r} is part of actoff's design but not "
-                f"available in this version; use one of {', '.join(IMPLEMENTED_POLICIES)}"
-            )
         _check_choice("planner", self.planner, PLANNERS)
         _check_choice("io_backend", self.io_backend, IO_BACKENDS)
 
@@ -153,7 +150,7 @@ class Config:
             )
 
         set_(self, "min_bytes", _as_size("min_bytes", self.min_bytes, allow_bare=True))
-        for name in ("host_budget", "gpu_budget"):
+        for name in ("host_budget", "gpu_budget", "host_bandwidth"):
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _as_size(name, value, allow_bare=False))
@@ -202,7 +199,7 @@ class Config:
             text = raw.strip()
             if name in ("nvme_dir", "plan_cache"):
                 values[name] = text or None
-            elif name in ("host_budget", "gpu_budget") and text.lower() in ("", "none"):
+            elif name in ("host_budget", "gpu_budget", "host_bandwidth") and text.lower() in ("", "none"):
                 values[name] = None
             else:
                 values[name] = text

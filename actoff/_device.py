@@ -12,7 +12,7 @@ import time
 
 import torch
 
-__all__ = ["CpuBackend", "CudaBackend", "DeviceBackend", "Ticket", "backend_for"]
+__all__ = ["CpuBackend", "CudaBackend", "DeviceBackend", "Stopwatch", "Ticket", "backend_for"]
 
 
 class Ticket:
@@ -56,6 +56,41 @@ class DeviceBackend:
     def wait(self, ticket: Ticket) -> None:
         """Make the caller's current stream wait for ``ticket`` (no host blocking)."""
         raise NotImplementedError
+
+    def stopwatch(self) -> Stopwatch:
+        """Time work queued on the current stream between ``start()`` and ``stop()``."""
+        return Stopwatch()
+
+    def stall(self, ticket: Ticket) -> Ticket:
+        """How long the current stream will wait for ``ticket`` from now (0 on the CPU, where
+        a prefetched copy has already happened)."""
+        return Ticket(0.0)
+
+    def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+        """Measured device-to-host copy bandwidth in bytes per second (memcpy on the CPU)."""
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = self.host_empty(nbytes)
+        self.copy_to_host(dst, src).synchronize()  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            ticket = self.copy_to_host(dst, src)
+            ticket.synchronize()
+            best = min(best, ticket.elapsed_ms())
+        return nbytes / max(best, 1e-6) * 1e3
+
+
+class Stopwatch(Ticket):
+    """Wall time on the CPU; a pair of events on CUDA (see `CudaBackend.stopwatch`)."""
+
+    __slots__ = ("_start",)
+
+    def start(self) -> Stopwatch:
+        self._start = time.perf_counter()
+        return self
+
+    def stop(self) -> Stopwatch:
+        self.elapsed_s = time.perf_counter() - self._start
+        return self
 
 
 class CpuBackend(DeviceBackend):
@@ -149,6 +184,50 @@ class CudaBackend(DeviceBackend):
     def wait(self, ticket: Ticket) -> None:
         if isinstance(ticket, _CudaTicket):
             torch.cuda.current_stream(self.device).wait_event(ticket.end)
+
+    def stopwatch(self) -> Stopwatch:
+        return _CudaStopwatch(self.device)
+
+    def stall(self, ticket: Ticket) -> Ticket:
+        if not isinstance(ticket, _CudaTicket):
+            return Ticket(0.0)
+        marker = torch.cuda.Event(enable_timing=True)
+        marker.record(torch.cuda.current_stream(self.device))
+        return _Stall(marker, ticket.end)
+
+
+class _Stall(_CudaTicket):
+    """From a point on the compute stream to the end of a copy; negative means no wait."""
+
+    def elapsed_ms(self) -> float:
+        return max(0.0, self.start.elapsed_time(self.end))
+
+
+class _CudaStopwatch(Stopwatch):
+    __slots__ = ("device", "end", "start_event")
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.start_event = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> Stopwatch:
+        self.start_event.record(torch.cuda.current_stream(self.device))
+        return self
+
+    def stop(self) -> Stopwatch:
+        self.end.record(torch.cuda.current_stream(self.device))
+        return self
+
+    def query(self) -> bool:
+        return self.end.query()
+
+    def synchronize(self) -> None:
+        self.end.synchronize()
+
+    def elapsed_ms(self) -> float:
+        return self.start_event.elapsed_time(self.end)
 
 
 _backends: dict[torch.device, DeviceBackend] = {}

@@ -33,7 +33,7 @@ from ._pack import pack_rows, scatter_rows
 from ._recompute import CaptureMode, ReplayMismatch, ReplayMode, autograd_status, rows_like, slice_inputs
 from ._record import Record, State
 from ._stats import TIERS, BlockStats, Stats
-from ._tokenwise import TokenRanges, base_info, detect_canon, token_ranges
+from ._tokenwise import AutoDecision, TokenRanges, auto_fractions, base_info, detect_canon, token_ranges
 
 __all__ = ["Handle", "Runtime", "ScopeRun", "get_runtime"]
 
@@ -119,6 +119,8 @@ class ScopeRun:
         self.split_live = 0
         self.split_pending = 0
         self.replay_rows: dict[int, torch.Tensor] | None = None
+        self.forward_watch = None  # time of the forward (the auto policy's T_layer)
+        self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
     # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -200,7 +202,7 @@ class ScopeRun:
         self.mixer_outputs.append((self.keep_whole(output), token_dim))
 
 
-TOKENWISE_POLICIES = ("tokenwise", "recompute")
+TOKENWISE_POLICIES = ("tokenwise", "recompute", "auto")
 
 
 def whole_tier(config: Config) -> str:
@@ -242,6 +244,8 @@ class Runtime:
         # (block, seq_len) -> {record index: (size, stride, Canon)} from a verified probe replay
         self.token_plans: dict[tuple[str, int], dict[int, tuple]] = {}
         self.verdicts: dict[str, str] = {}  # blocks placed whole, and why
+        self.auto_decisions: dict[str, AutoDecision] = {}
+        self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         from ._nvme import StoreRegistry  # deferred: _nvme imports nothing from here at load
 
@@ -268,8 +272,10 @@ class Runtime:
         try:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, _unpack):
                 if run.tokenwise:
+                    run.forward_watch = run.backend.stopwatch().start()
                     with CaptureMode(run):
                         output = fn(*args, **kwargs)
+                    run.forward_watch.stop()
                 else:
                     output = fn(*args, **kwargs)
         except BaseException:
@@ -371,11 +377,23 @@ class Runtime:
     def _prepare_tokenwise(self, run: ScopeRun) -> None:
         """Choose the ranges and the records to split; probe and verify once per block and length."""
         config = run.config
-        cpu, nvme = (
-            (0.0, 0.0) if config.policy == "recompute" else (config.cpu_fraction, config.nvme_fraction)
-        )
-        run.ranges = token_ranges(run.seq_len, cpu, nvme)
         candidates = [r for r in run.records if not r.whole and not r.layout.compact]
+        if config.policy == "auto":
+            decision = self.auto_decisions.get(run.name)
+            if decision is None:  # first step: measure, store whole, decide after backward
+                run.auto_sample = (
+                    sum(v.layout.nbytes for v in run.inputs if isinstance(v, Record)),
+                    sum(v.layout.nbytes for v, _ in run.mixer_outputs if isinstance(v, Record)),
+                    sum(r.layout.nbytes for r in candidates),
+                )
+                run.tokenwise = False
+                return
+            cpu, nvme = decision.cpu_fraction, decision.nvme_fraction
+        elif config.policy == "recompute":
+            cpu, nvme = 0.0, 0.0
+        else:
+            cpu, nvme = config.cpu_fraction, config.nvme_fraction
+        run.ranges = token_ranges(run.seq_len, cpu, nvme)
         if not candidates or run.ranges.cpu_end == run.seq_len:
             run.tokenwise = False  # nothing to split (or every token to host memory): whole
             return
@@ -547,7 +565,9 @@ class Runtime:
             for child in run.children:
                 self._materialize(child)
             start, stop = run.ranges.recompute
+            watch = run.backend.stopwatch().start()
             run.replay_rows = self._replay(run, start, stop) if stop > start else {}
+            self._account(run, "recompute_ms", watch.stop())
             run.split_pending = len(run.split_records)
         flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
         canon = record.canon.view(flat, layout.pad)
@@ -778,6 +798,10 @@ class Runtime:
         run = record.run
         if record.tier == "nvme" and record.write_future is not None:
             self._finish_read(record)
+        if state is State.FETCHING:  # prefetched: only a copy still in flight makes us wait
+            self._account(run, "wait_ms", run.backend.stall(record.fetch_ticket))
+        else:  # fetched just now: backward waits for the whole copy
+            self._account(run, "wait_ms", record.fetch_ticket)
         run.backend.wait(record.fetch_ticket)
         self._account(run, "fetch_ms", record.fetch_ticket)
         # The ticket stays: Note [host slot reuse] needs it when the slot is freed.
@@ -823,6 +847,7 @@ class Runtime:
                 ticket.synchronize()  # long done by now: backward has ended
                 setattr(run.stats, what, getattr(run.stats, what) + ticket.elapsed_ms())
             step.timings.clear()
+            self._decide_auto(step)
             for run in step.runs:
                 for record in (*run.records, *run.children):
                     # Kept for retain_graph: drop the device copy; the host copy stays.
@@ -832,6 +857,30 @@ class Runtime:
                 run.replay_rows = None
             self.steps_completed += 1
             self._publish(step)
+
+    def _decide_auto(self, step: Step) -> None:
+        """The auto policy, after its first step: MEMO's closed form per block."""
+        for run in step.runs:
+            if run.auto_sample is None or run.name in self.auto_decisions:
+                continue
+            config = run.config
+            bandwidth = config.host_bandwidth
+            if bandwidth is None:
+                if run.device not in self.bandwidths:
+                    self.bandwidths[run.device] = run.backend.host_bandwidth()
+                bandwidth = self.bandwidths[run.device]
+            run.forward_watch.synchronize()
+            input_bytes, attention_bytes, other_bytes = run.auto_sample
+            self.auto_decisions[run.name] = auto_fractions(
+                bandwidth_bytes_per_s=bandwidth,
+                t_layer_s=run.forward_watch.elapsed_ms() / 1e3,
+                input_bytes=input_bytes,
+                attention_bytes=attention_bytes,
+                other_bytes=other_bytes,
+                num_layers=len(step.runs),
+                host_budget=config.host_budget,
+                nvme_available=config.nvme_dir is not None,
+            )
 
     def _evict(self, record: Record) -> None:
         """READY -> OFFLOADED: drop the device copy, keep what is stored off the device."""
@@ -923,6 +972,7 @@ class Runtime:
                 host_allocations=sum(a.num_allocations for a in self.arenas.values()),
                 nvme_file_bytes=self.stores.file_bytes(),
                 io_backend=self.stores.backend_name(),
+                auto=dict(self.auto_decisions),
             )
 
     def close(self) -> None:
@@ -933,6 +983,7 @@ class Runtime:
             self.steps_completed = 0
             self.arenas = {}  # slots still held by live graphs keep their chunk alive
             self.token_plans, self.verdicts, self._warned = {}, {}, set()
+            self.auto_decisions = {}
             self.stores.close()
 
 
@@ -947,6 +998,7 @@ def _collect(step: Step) -> dict[str, BlockStats]:
         for name in (
             "dedup_hits", "skipped_param_bytes", "skipped_small_bytes", "skipped_other_bytes",
             "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms", "fetch_ms",
+            "wait_ms", "recompute_ms",
         ):  # fmt: skip
             setattr(block, name, getattr(block, name) + getattr(source, name))
         for record in run.records:

@@ -28,6 +28,8 @@ class BlockStats:
     write_fallback_bytes: int = 0  # NVMe writes that failed and fell back to another tier
     copy_ms: float = 0.0  # time of the copies out (device to host, host to file)
     fetch_ms: float = 0.0  # time of the copies back
+    wait_ms: float = 0.0  # time backward waited for copies back (0: prefetch hid them)
+    recompute_ms: float = 0.0  # time of token-wise re-forwards in backward
     forwarded: int = 0  # unpacks served by a still-live tensor instead of a fetch
 
     @property
@@ -54,6 +56,7 @@ class Stats:
     host_allocations: int = 0  # host buffers ever allocated (constant after the first step)
     nvme_file_bytes: int = 0  # size of the NVMe files
     io_backend: str = "none"  # I/O engine of the NVMe tier, once used
+    auto: dict = field(default_factory=dict)  # block -> actoff._tokenwise.AutoDecision
 
     @property
     def total_bytes_saved(self) -> int:
@@ -72,8 +75,11 @@ class Stats:
             "keep",
             "cpu",
             "nvme",
+            "recompute",
             "copy ms",
             "fetch ms",
+            "wait ms",
+            "recompute ms",
         )
         rows = [header]
         for block in self.blocks.values():
@@ -83,9 +89,11 @@ class Stats:
                     str(block.calls),
                     str(block.tensors),
                     format_bytes(block.bytes_saved),
-                    *(format_bytes(block.bytes_per_tier[t]) for t in ("keep", "cpu", "nvme")),
+                    *(format_bytes(block.bytes_per_tier[t]) for t in TIERS),
                     f"{block.copy_ms:.2f}",
                     f"{block.fetch_ms:.2f}",
+                    f"{block.wait_ms:.2f}",
+                    f"{block.recompute_ms:.2f}",
                 )
             )
         totals = BlockStats("total")
@@ -93,8 +101,8 @@ class Stats:
             totals.calls += block.calls
             totals.tensors += block.tensors
             totals.bytes_saved += block.bytes_saved
-            totals.copy_ms += block.copy_ms
-            totals.fetch_ms += block.fetch_ms
+            for attr in ("copy_ms", "fetch_ms", "wait_ms", "recompute_ms"):
+                setattr(totals, attr, getattr(totals, attr) + getattr(block, attr))
             for tier in TIERS:
                 totals.bytes_per_tier[tier] += block.bytes_per_tier[tier]
         rows.append(
@@ -103,9 +111,11 @@ class Stats:
                 str(totals.calls),
                 str(totals.tensors),
                 format_bytes(totals.bytes_saved),
-                *(format_bytes(totals.bytes_per_tier[t]) for t in ("keep", "cpu", "nvme")),
+                *(format_bytes(totals.bytes_per_tier[t]) for t in TIERS),
                 f"{totals.copy_ms:.2f}",
                 f"{totals.fetch_ms:.2f}",
+                f"{totals.wait_ms:.2f}",
+                f"{totals.recompute_ms:.2f}",
             )
         )
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -123,4 +133,11 @@ class Stats:
             f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}"
             f"   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
         )
+        for name, decision in self.auto.items():
+            lines.append(
+                f"auto {name}: cpu {decision.cpu_fraction:.2f}, nvme {decision.nvme_fraction:.2f} "
+                f"({decision.reason}; link {decision.bandwidth_gbps:.1f} GB/s, block forward "
+                f"{decision.t_layer_ms:.2f} ms, input {format_bytes(decision.input_bytes)}, attention "
+                f"{format_bytes(decision.attention_bytes)}, other {format_bytes(decision.other_bytes)})"
+            )
         return "\n".join(lines)

@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import format_table, print_header, progress, system_header, write_json
 
 BASELINES = ("keep", "checkpoint", "save_on_cpu")
-ACTOFF_POLICIES = ("cpu", "nvme")
-PLANNED = ("tokenwise", "recompute", "auto")  # part of the design; rejected clearly until they land
-ALL_POLICIES = BASELINES + ACTOFF_POLICIES
+ACTOFF_POLICIES = ("cpu", "nvme", "tokenwise", "recompute", "auto")
+# tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
+DEFAULT_POLICIES = (*BASELINES, "cpu", "nvme", "tokenwise:0.5:0", "tokenwise:0.25:0.25", "recompute", "auto")
 
 PRESETS = {
     # name: model preset, layers, default lengths, batch, dtype
@@ -88,8 +88,12 @@ def _apply_policy(model, policy: str, nvme_dir: str | None):
         pin = torch.cuda.is_available()
         return lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
     # actoff policies read the rest of their settings from ACTOFF_* (e.g. ACTOFF_KEEP_LAST).
-    overrides = {"policy": policy}
-    if policy == "nvme" or (nvme_dir and os.environ.get("ACTOFF_NVME_DIR") is None):
+    name, *fractions = policy.split(":")
+    overrides: dict[str, object] = {"policy": name}
+    if fractions:
+        overrides["cpu_fraction"] = float(fractions[0])
+        overrides["nvme_fraction"] = float(fractions[1]) if len(fractions) > 1 else 0.0
+    if nvme_dir and os.environ.get("ACTOFF_NVME_DIR") is None:
         overrides["nvme_dir"] = nvme_dir
     actoff.offload_(model, block_cls=Block, config=actoff.Config.from_env(**overrides))
     return contextlib.nullcontext
@@ -184,14 +188,19 @@ def worker(spec: dict) -> dict:
         act_keep_bytes=sum(b.bytes_per_tier["keep"] for b in stats.blocks.values()),
         act_cpu_bytes=sum(b.bytes_per_tier["cpu"] for b in stats.blocks.values()),
         act_nvme_bytes=sum(b.bytes_per_tier["nvme"] for b in stats.blocks.values()),
+        act_recompute_bytes=sum(b.bytes_per_tier["recompute"] for b in stats.blocks.values()),
         copy_ms=sum(b.copy_ms for b in stats.blocks.values()),
         fetch_ms=sum(b.fetch_ms for b in stats.blocks.values()),
+        wait_ms=sum(b.wait_ms for b in stats.blocks.values()),
+        recompute_ms=sum(b.recompute_ms for b in stats.blocks.values()),
+        auto={name: vars(d) for name, d in list(stats.auto.items())[:1]},
         host_arena_bytes=stats.host_capacity,
         nvme_file_bytes=stats.nvme_file_bytes,
         io_backend=stats.io_backend,
         rss_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         timeline=timeline,
     )
+    record["recompute_share"] = record["recompute_ms"] / record["step_ms"] if record["step_ms"] else None
     offloaded = record["act_cpu_bytes"] + record["act_nvme_bytes"]
     record["copy_gbps"] = offloaded / (record["copy_ms"] * 1e6) if record["copy_ms"] > 0 else None
     if cuda:
@@ -332,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="number of blocks")
     parser.add_argument("--batch", type=int)
     parser.add_argument(
-        "--policies", default=",".join(ALL_POLICIES), help=f"comma list of {', '.join(ALL_POLICIES)}"
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"comma list of {', '.join(BASELINES + ACTOFF_POLICIES)}; tokenwise:CPU:NVME sets fractions",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -359,12 +370,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
     policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
     for policy in policies:
-        if policy in PLANNED:
+        name, *fractions = policy.split(":")
+        if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
             raise SystemExit(
-                f"policy {policy!r} is part of actoff's design but not available in this version"
+                f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
             )
-        if policy not in ALL_POLICIES:
-            raise SystemExit(f"unknown policy {policy!r}: choose from {', '.join(ALL_POLICIES)}")
+        try:
+            [float(f) for f in fractions]
+        except ValueError:
+            raise SystemExit(
+                f"policy {policy!r}: write tokenwise:CPU_FRACTION:NVME_FRACTION, e.g. tokenwise:0.5:0"
+            ) from None
     lengths = parse_lengths(args.seq or preset["seq"])
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
     os.makedirs(nvme_dir, exist_ok=True)
@@ -389,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(nvme_dir, ignore_errors=True)
     add_derived(records)
     for record in records:
-        for key in ("act_keep_bytes", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
+        for key in ("act_keep_bytes", "act_cpu_bytes", "act_nvme_bytes", "act_recompute_bytes", "peak_allocated_bytes",
                     "peak_reserved_bytes", "fragmentation_bytes", "activation_peak_bytes", "rss_peak_bytes"):  # fmt: skip
             record[key.replace("_bytes", "_gib")] = gib(record.get(key))
     columns = [
@@ -397,15 +413,17 @@ def main(argv: list[str] | None = None) -> int:
         ("tokens_per_s", "tok/s"), ("mfu", "MFU"), ("peak_allocated_gib", "peak GiB"),
         ("peak_reserved_gib", "reserved GiB"), ("fragmentation_gib", "frag GiB"),
         ("activation_peak_gib", "act peak GiB"), ("act_keep_gib", "keep GiB"), ("act_cpu_gib", "cpu GiB"),
-        ("act_nvme_gib", "nvme GiB"), ("copy_gbps", "copy GB/s"), ("hidden_share", "hidden"),
-        ("fetch_ms", "fetch ms"), ("rss_peak_gib", "RSS GiB"),
+        ("act_nvme_gib", "nvme GiB"), ("act_recompute_gib", "recomp GiB"), ("copy_gbps", "copy GB/s"),
+        ("hidden_share", "hidden"), ("wait_ms", "wait ms"), ("recompute_share", "recomp share"),
+        ("rss_peak_gib", "RSS GiB"),
     ]  # fmt: skip
     print(format_table(records, columns))
     for record in records:
         if record.get("status") != "ok":
             print(f"   {record['policy']} seq {record['seq']}: {record['status']}: {record.get('error', '')}")
-    print("\nkeep/cpu/nvme GiB: activation bytes actoff placed per tier; hidden: share of copy time not added to the "
-          "step compared with keep; peak/act-peak GiB are GPU figures (RSS on CPU).")  # fmt: skip
+    print("\nkeep/cpu/nvme/recomp GiB: activation bytes actoff placed per tier; hidden: share of copy time not "
+          "added to the step compared with keep; wait ms: backward waiting for copies back; recomp share: "
+          "token-wise re-forward time / step time; peak GiB are GPU figures (RSS on CPU).")  # fmt: skip
     if args.json:
         write_json(args.json, header, records)
         print(f"records written to {args.json}")

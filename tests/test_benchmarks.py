@@ -24,7 +24,8 @@ def test_long_context_smoke(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["system"]["actoff"] == actoff.__version__
     policies = {r["policy"] for r in data["records"]}
-    assert policies == {"keep", "checkpoint", "save_on_cpu", "cpu", "nvme"}
+    assert policies == {"keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
+                        "tokenwise:0.25:0.25", "recompute", "auto"}  # fmt: skip
     for record in data["records"]:
         assert record["status"] == "ok"
         for key in ("seq", "step_ms", "tokens_per_s", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
@@ -32,13 +33,19 @@ def test_long_context_smoke(tmp_path):
             assert key in record, key
     by_policy = {r["policy"]: r for r in data["records"]}
     assert by_policy["cpu"]["act_cpu_bytes"] > 0 and by_policy["nvme"]["act_nvme_bytes"] > 0
+    assert by_policy["recompute"]["act_recompute_bytes"] > 0 and by_policy["recompute"]["recompute_share"] > 0
+    assert by_policy["tokenwise:0.25:0.25"]["act_nvme_bytes"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_long_context_rejects_unavailable_policies():
-    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--policies", "tokenwise"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "not available in this version" in done.stderr
+def test_long_context_rejects_unknown_policies():
+    for policy, message in (
+        ("turbo", "unknown policy 'turbo'"),
+        ("tokenwise:half", "tokenwise:CPU_FRACTION"),
+    ):
+        command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--policies", policy]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and message in done.stderr
 
 
 def test_io_bandwidth_smoke(tmp_path):

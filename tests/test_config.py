@@ -68,7 +68,7 @@ def test_config_is_frozen():
     ("variable", "value", "message"),
     [
         ("ACTOFF_POLICY", "fast", "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, auto"),
-        ("ACTOFF_POLICY", "auto", "ACTOFF_POLICY.*'auto'.*not available in this version"),
+        ("ACTOFF_HOST_BANDWIDTH", "fast", "ACTOFF_HOST_BANDWIDTH.*not a size"),
         ("ACTOFF_CPU_FRACTION", "1.5", "ACTOFF_CPU_FRACTION.*out of range"),
         ("ACTOFF_CPU_FRACTION", "-0.1", "ACTOFF_CPU_FRACTION.*out of range"),
         ("ACTOFF_NVME_FRACTION", "half", "ACTOFF_NVME_FRACTION.*'half' is not a number"),

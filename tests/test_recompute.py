@@ -279,3 +279,49 @@ def test_recompute_is_partial_and_skips_attention(recompute_fraction):
     assert abs(extra - expected) <= 0.02 * expected, (extra, expected)
     assert attention.calls == plain_attention.calls == config.num_layers  # never recomputed
     assert _attention_flops(counter) == _attention_flops(plain_counter)
+
+
+# ---------------------------------------------------------------------------------- auto
+def test_auto_decides_after_the_first_step_and_stays_close():
+    # A slow link (20 MB/s) cannot hide much of a block's activations in its forward time,
+    # so auto stores little and recomputes the rest from step two on.
+    model = make_model()
+    reference = copy.deepcopy(model)
+    expected = train(reference, 3)
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="20MB")
+    train(model, 1)
+    stats = actoff.stats()
+    assert set(stats.auto) == {"layers.0", "layers.1"}
+    assert stats.blocks["layers.0"].bytes_per_tier["recompute"] == 0  # first step: measured, stored whole
+    decision = stats.auto["layers.0"]
+    assert decision.bandwidth_gbps == pytest.approx(0.02)
+    assert decision.t_layer_ms > 0 and decision.input_bytes > 0 and decision.attention_bytes > 0
+    assert 0.0 <= decision.cpu_fraction < 1.0 and decision.nvme_fraction == 0.0
+    assert "auto layers.0: cpu" in str(stats)
+    # Steps two and three run the decision.
+    model2 = make_model()
+    actoff.reset()
+    actoff.offload_(model2, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="20MB")
+    history = train(model2, 3)
+    assert_close_history(expected, history)
+    assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] > 0
+    assert actoff.stats().blocks["layers.0"].recompute_ms > 0
+
+
+def test_auto_spills_to_nvme_when_the_host_budget_binds(nvme_dir):
+    model = make_model(num_layers=4)
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="1TB",
+                    host_budget="200KiB", nvme_dir=nvme_dir)  # fmt: skip
+    train(model, 2)
+    decision = actoff.stats().auto["layers.0"]
+    assert decision.reason == "host budget bound; spilling to NVMe"
+    assert decision.cpu_fraction < 1.0 and decision.nvme_fraction > 0
+    assert decision.cpu_fraction + decision.nvme_fraction == pytest.approx(1.0)
+
+
+def test_auto_measures_the_link_when_not_given():
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0)
+    train(model, 2)
+    decision = actoff.stats().auto["layers.0"]
+    assert decision.bandwidth_gbps > 0.05  # a memcpy on this CPU
