@@ -121,8 +121,13 @@ class Config:
     host_bandwidth: int | None = None
     #: Worker threads of the POSIX I/O engine.
     io_threads: int = 4
-    #: Checksum every offloaded range and check it when it comes back.
+    #: Seconds to wait for one NVMe request before calling the I/O worker dead (an error).
+    io_timeout: float = 300.0
+    #: Checksum every offloaded range and check it when it comes back; every
+    #: ``verify_interval`` steps also compare one recomputed token range with a kept copy.
     verify: bool = False
+    #: Steps between the recompute checks of ``verify``.
+    verify_interval: int = 100
     #: Token dimension of a block's input: 1 for ``(B, S, H)``, 0 for ``(S, B, H)``.
     token_dim: int = 1
 
@@ -154,7 +159,11 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _as_size(name, value, allow_bare=False))
-        for name, low in (("keep_last", 0), ("io_threads", 1), ("token_dim", 0)):
+        timeout = _as_float("io_timeout", self.io_timeout)
+        if timeout <= 0:
+            raise ValueError(f"{_where('io_timeout')}={timeout!r} is out of range: expected seconds > 0")
+        set_(self, "io_timeout", timeout)
+        for name, low in (("keep_last", 0), ("io_threads", 1), ("token_dim", 0), ("verify_interval", 1)):
             set_(self, name, _as_int(name, getattr(self, name), low))
         set_(self, "verify", _as_bool("verify", self.verify))
 

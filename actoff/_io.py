@@ -36,7 +36,7 @@ class FailedFuture:
     def done(self) -> bool:
         return True
 
-    def wait(self) -> int:
+    def wait(self, timeout: float = -1.0) -> int:
         raise self.error
 
     def elapsed(self) -> float:
@@ -103,8 +103,13 @@ class _PyFuture:
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self) -> int:
-        return self._future.result()[0]
+    def wait(self, timeout: float = -1.0) -> int:
+        try:
+            return self._future.result(None if timeout < 0 else timeout)[0]
+        except concurrent.futures.TimeoutError:
+            raise OSError(
+                errno_codes.ETIMEDOUT, f"I/O request not done after {timeout} s: an I/O worker hangs or died"
+            ) from None
 
     def elapsed(self) -> float:
         """Seconds a worker spent on the request (0 until done or if it failed)."""
@@ -207,7 +212,8 @@ class _KvikioFuture:
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self) -> int:
+    def wait(self, timeout: float = -1.0) -> int:
+        del timeout  # kvikio futures have no timeout
         try:
             moved = self._future.get()
             self._finished = self._finished or time.perf_counter()

@@ -6,6 +6,8 @@ import bisect
 import contextlib
 import errno as errno_codes
 import os
+import signal
+import sys
 import threading
 import uuid
 import weakref
@@ -108,6 +110,7 @@ class NvmeStore:
         self._lock = threading.Lock()
         # Runs on close(), when the store is collected, and at interpreter exit.
         self._finalizer = weakref.finalize(self, _remove, self.engine, self.path)
+        _exit_on_sigterm()
 
     def write(self, buffer: torch.Tensor, nbytes: int) -> tuple[Extent, object]:
         """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future."""
@@ -146,6 +149,20 @@ class NvmeStore:
     def close(self) -> None:
         """Finish queued I/O, close the file and remove it."""
         self._finalizer()
+
+
+_sigterm_installed = False
+
+
+def _exit_on_sigterm() -> None:
+    """Turn SIGTERM (what launchers send to stop a run) into a normal exit, so exit handlers
+    remove the NVMe files. Only when nobody else handles SIGTERM, and from the main thread."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    _sigterm_installed = True
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _io_error(error: OSError) -> OSError:

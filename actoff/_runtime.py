@@ -17,7 +17,7 @@ graph is freed), so ``retain_graph=True`` and partial backward passes need no sp
 from __future__ import annotations
 
 import collections
-import contextlib
+import errno
 import threading
 import warnings
 import zlib
@@ -119,6 +119,7 @@ class ScopeRun:
         self.split_live = 0
         self.split_pending = 0
         self.replay_rows: dict[int, torch.Tensor] | None = None
+        self.verify_rows: tuple[int, torch.Tensor] | None = None  # ACTOFF_VERIFY's kept copy
         self.forward_watch = None  # time of the forward (the auto policy's T_layer)
         self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
@@ -245,6 +246,7 @@ class Runtime:
         self.token_plans: dict[tuple[str, int], dict[int, tuple]] = {}
         self.verdicts: dict[str, str] = {}  # blocks placed whole, and why
         self.auto_decisions: dict[str, AutoDecision] = {}
+        self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         from ._nvme import StoreRegistry  # deferred: _nvme imports nothing from here at load
@@ -550,6 +552,15 @@ class Runtime:
             run.children.append(child)
             run.bundles[tier] = (child, offsets, (low, high))
             self._offload(child, tier)
+        start, stop = ranges.recompute
+        if run.config.verify and stop > start and run.step.number % run.config.verify_interval == 0:
+            # Keep one recomputed range: backward checks the re-forward against it.
+            record = run.split_records[0]
+            kept = record.canon.view(record.layout.flat(record.device_tensor.detach()))
+            run.verify_rows = (
+                record.index,
+                kept.narrow(record.canon.dim, start, stop - start).to("cpu", copy=True),
+            )
         for record in run.split_records:
             record.split = ranges
             record.tier = "tokenwise"
@@ -578,7 +589,17 @@ class Runtime:
             )
         start, stop = run.ranges.recompute
         if stop > start:
-            canon.narrow(record.canon.dim, start, stop - start).copy_(run.replay_rows.pop(record.index))
+            rows = run.replay_rows.pop(record.index)
+            if run.verify_rows is not None and run.verify_rows[0] == record.index:
+                if not _rows_match(run.verify_rows[1], rows.detach().cpu()):
+                    raise RuntimeError(
+                        f"actoff: recomputed token rows [{start}, {stop}) of a saved activation of block "
+                        f"{run.name!r} differ from the copy kept at forward time (ACTOFF_VERIFY=1): the "
+                        "block computed something else in backward (changed weights or state, "
+                        "nondeterministic ops). The step cannot continue with this activation."
+                    )
+                run.verify_rows = None
+            canon.narrow(record.canon.dim, start, stop - start).copy_(rows)
         record.device_tensor = layout.rebuild(flat)
         record.to(State.FETCHING)
         record.to(State.READY)
@@ -660,8 +681,8 @@ class Runtime:
             if not record.write_future.done() and not force:
                 return
             try:
-                record.write_future.wait()
-            except OSError as error:
+                record.write_future.wait(run.config.io_timeout)
+            except Exception as error:  # an OSError, a timeout, or a worker that died
                 self._write_failed(record, error)
                 return
             self._account_io(run, "copy_ms", record.write_future)
@@ -698,12 +719,17 @@ class Runtime:
         # NVMe requests: the time the engine spent on them (queueing excluded).
         setattr(run.stats, what, getattr(run.stats, what) + future.elapsed() * 1e3)
 
-    def _write_failed(self, record: Record, error: OSError) -> None:
+    def _write_failed(self, record: Record, error: Exception) -> None:
         # Nothing is lost: the bytes are still in the staging slot (-> cpu tier) or in the
         # device tensor, which the record still holds (-> keep).
         run = record.run
         run.stats.write_fallback_bytes += record.layout.nbytes
-        record.store.free(record.extent)
+        if _timed_out(error):
+            # Note [hung I/O]: a worker that hangs may still write this extent later: never
+            # hand it out again (and keep the source it reads from alive).
+            self.quarantine.append((record.extent, record.copy_source))
+        else:
+            record.store.free(record.extent)
         record.extent = None
         record.write_future = None
         if record.host_slot is not None:
@@ -812,9 +838,12 @@ class Runtime:
         run, layout = record.run, record.layout
         future, record.write_future = record.write_future, None
         try:
-            future.wait()
+            future.wait(run.config.io_timeout)
             self._account_io(run, "fetch_ms", future)
-        except OSError as error:
+        except Exception as error:  # an OSError, a timeout, or a worker that died
+            if _timed_out(error):  # Note [hung I/O]: the read may still land in this buffer
+                self.quarantine.append((record.host_slot, record.copy_source))
+                record.host_slot = None
             raise RuntimeError(
                 f"actoff: reading a saved activation of block {run.name!r} back from NVMe "
                 f"failed: {error}. The step cannot continue with this activation."
@@ -915,8 +944,12 @@ class Runtime:
                 record.fetch_ticket.synchronize()
             if record.write_future is not None:
                 # The record is going away; nothing needs its bytes any more.
-                with contextlib.suppress(OSError):
-                    record.write_future.wait()
+                try:
+                    record.write_future.wait(run.config.io_timeout)
+                except Exception as error:
+                    if _timed_out(error):  # Note [hung I/O]
+                        self.quarantine.append((record.host_slot, record.extent, record.copy_source))
+                        record.host_slot = record.extent = None
             if record.host_slot is not None:
                 self.arena(run).free(record.host_slot)
             if record.extent is not None:
@@ -1012,6 +1045,10 @@ def _collect(step: Step) -> dict[str, BlockStats]:
             block.bytes_per_tier["nvme"] += row_bytes * (record.split.nvme_end - record.split.cpu_end)
             block.bytes_per_tier["recompute"] += row_bytes * record.split.recompute_len
     return blocks
+
+
+def _timed_out(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno == errno.ETIMEDOUT
 
 
 def _rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:

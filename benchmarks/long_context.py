@@ -88,8 +88,9 @@ def _apply_policy(model, policy: str, nvme_dir: str | None):
         pin = torch.cuda.is_available()
         return lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
     # actoff policies read the rest of their settings from ACTOFF_* (e.g. ACTOFF_KEEP_LAST).
+    policy, verify = policy.removesuffix("+verify"), policy.endswith("+verify")
     name, *fractions = policy.split(":")
-    overrides: dict[str, object] = {"policy": name}
+    overrides: dict[str, object] = {"policy": name, "verify": verify or actoff.Config.from_env().verify}
     if fractions:
         overrides["cpu_fraction"] = float(fractions[0])
         overrides["nvme_fraction"] = float(fractions[1]) if len(fractions) > 1 else 0.0
@@ -249,6 +250,11 @@ def add_derived(records: list[dict]) -> None:
         overhead_s = max(0.0, (record["step_ms"] - base["step_ms"]) / 1e3)
         record["hidden_share"] = max(0.0, 1.0 - overhead_s / transfer_s)
         record["step_vs_keep"] = record["step_ms"] / base["step_ms"]
+    plain = {(r["policy"], r["seq"]): r for r in records if r.get("status") == "ok"}
+    for record in records:
+        base = plain.get((record["policy"].removesuffix("+verify"), record["seq"]))
+        if record["policy"].endswith("+verify") and base is not None and record.get("status") == "ok":
+            record["verify_cost"] = record["step_ms"] / base["step_ms"] - 1.0
 
 
 def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s: float) -> tuple[int, int]:
@@ -370,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
     policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
     for policy in policies:
-        name, *fractions = policy.split(":")
+        name, *fractions = policy.removesuffix("+verify").split(":")
         if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
             raise SystemExit(
                 f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
@@ -418,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         ("rss_peak_gib", "RSS GiB"),
     ]  # fmt: skip
     print(format_table(records, columns))
+    for record in records:
+        if record.get("verify_cost") is not None:
+            print(f"   ACTOFF_VERIFY cost for {record['policy'].removesuffix('+verify')} at seq {record['seq']}: "
+                  f"{record['verify_cost'] * 100:+.1f}% step time")  # fmt: skip
     for record in records:
         if record.get("status") != "ok":
             print(f"   {record['policy']} seq {record['seq']}: {record['status']}: {record.get('error', '')}")

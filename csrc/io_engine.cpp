@@ -44,9 +44,16 @@ double Future::elapsed() const {
   return state_->seconds;
 }
 
-std::size_t Future::wait() const {
+std::size_t Future::wait(double timeout_s) const {
   std::unique_lock<std::mutex> lock(state_->mutex);
-  state_->cv.wait(lock, [this] { return state_->done; });
+  if (timeout_s < 0) {
+    state_->cv.wait(lock, [this] { return state_->done; });
+  } else if (!state_->cv.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                  [this] { return state_->done; })) {
+    throw IoError("I/O request not done after " + std::to_string(timeout_s) +
+                      " s: an I/O worker hangs or died",
+                  ETIMEDOUT);
+  }
   if (!state_->error_message.empty()) throw IoError(state_->error_message, state_->error_code);
   return state_->bytes_done;
 }

@@ -58,7 +58,9 @@ class Future {
   // True once the request finished, successfully or not. Never blocks.
   bool done() const;
   // Blocks until the request finished; throws IoError if it failed. Returns the bytes moved.
-  std::size_t wait() const;
+  // With timeout_s >= 0, throws IoError(ETIMEDOUT) if the request is not done by then (a
+  // worker that hangs or died); the request itself is not cancelled.
+  std::size_t wait(double timeout_s = -1.0) const;
   // Seconds a worker spent serving the request (0 until done).
   double elapsed() const;
 

@@ -23,7 +23,9 @@ PYBIND11_MODULE(_C, m) {
       .def("done", &actoff::Future::done, "True once the request finished (never blocks).")
       .def("elapsed", &actoff::Future::elapsed, "Seconds a worker spent on the request.")
       .def("wait", &actoff::Future::wait, py::call_guard<py::gil_scoped_release>(),
-           "Block until done; raise OSError on failure; return the bytes moved.");
+           py::arg("timeout") = -1.0,
+           "Block until done (or raise OSError(ETIMEDOUT) after timeout seconds if >= 0); "
+           "raise OSError on failure; return the bytes moved.");
 
   py::class_<actoff::IoEngine>(m, "IoEngine")
       .def(py::init<const std::string&, std::size_t, bool, std::size_t>(), py::arg("path"),
