@@ -124,7 +124,11 @@ class Record:
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
         self.tier = "keep"
-        self.device_tensor: torch.Tensor | None = tensor
+        # Note [no cycle through autograd]: a detached alias (same storage, no grad_fn). The
+        # tensor itself would link record -> tensor -> grad_fn -> saved variable -> handle ->
+        # record, a cycle through C++ that Python's collector cannot see: a graph dropped
+        # without backward (an exception, a forward with no backward) would never be freed.
+        self.device_tensor: torch.Tensor | None = tensor.detach()
         # Note [version check]: saved_tensors_hooks turn off autograd's own check that a
         # saved tensor was not modified in place, so actoff makes it: a weak reference to
         # the tensor (never keeping its memory alive) and the version it was saved at.

@@ -306,6 +306,9 @@ class Runtime:
             # A new step starts after a backward began, after an aborted forward, or when a
             # module scope comes round again (a forward without backward in between).
             if step is None or step.backward_started or step.aborted or module_id in step.modules:
+                if step is not None:  # finish its copies: their sources can go now
+                    step.last_placed = None
+                    self._progress(step)
                 self._publish(step)
                 step = self.step = Step(self.steps_started)
                 self.steps_started += 1

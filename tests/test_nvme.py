@@ -1,6 +1,7 @@
 """NVMe tier: extents, the store's file, exact training, and every fault path with real OS errors."""
 
 import copy
+import gc
 import itertools
 import os
 import random
@@ -248,3 +249,91 @@ def test_nvme_on_cuda_is_exact(nvme_dir):
     actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
     assert_same_history(train(reference, 3, seq=65), train(model, 3, seq=65))
     print("nvme backend:", actoff.stats().io_backend)
+
+
+def _python_engine(monkeypatch):
+    import actoff._io
+
+    monkeypatch.setattr(actoff._io, "_C", None)  # the Python engine, whose workers we can break
+
+
+def test_a_write_worker_that_fails_falls_back(monkeypatch, nvme_dir):
+    _python_engine(monkeypatch)
+    from actoff._io import PythonEngine
+
+    original = PythonEngine._run
+
+    def broken(self, op, view, nbytes, offset):
+        if op == "pwrite":
+            raise RuntimeError("the I/O worker died")
+        return original(self, op, view, nbytes, offset)
+
+    monkeypatch.setattr(PythonEngine, "_run", broken)
+    expected, actual = None, None
+    with pytest.warns(RuntimeWarning, match="NVMe write failed.*the I/O worker died"):
+        expected, actual = baseline_and_offloaded(2, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    assert_same_history(expected, actual)
+
+
+def test_a_hung_read_raises_in_the_training_thread(monkeypatch, nvme_dir):
+    _python_engine(monkeypatch)
+    import threading
+
+    from actoff._io import PythonEngine
+
+    original = PythonEngine._run
+    release = threading.Event()
+
+    def hanging(self, op, view, nbytes, offset):
+        if op == "pread":
+            release.wait(30)
+        return original(self, op, view, nbytes, offset)
+
+    monkeypatch.setattr(PythonEngine, "_run", hanging)
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0, io_timeout=0.3)
+    loss = model.loss(torch.randint(0, 256, (2, 33)))
+    try:
+        with pytest.raises(RuntimeError, match="back from NVMe failed.*hangs or died"):
+            loss.backward()
+        assert get_runtime().quarantine  # the buffers a hung read may still fill are never reused
+    finally:
+        release.set()
+
+
+def test_sigterm_removes_the_file(nvme_dir):
+    result = _run_script(
+        """
+        import os, signal, time
+        model = make_model()
+        actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=NVME_DIR, min_bytes=0)
+        loss = model.loss(torch.randint(0, 256, (2, 33)))
+        assert len(os.listdir(NVME_DIR)) == 1
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("still running")
+        """,
+        nvme_dir,
+        check=False,
+    )
+    assert result.returncode == 143 and "still running" not in result.stdout
+    assert os.listdir(nvme_dir) == []
+
+
+def test_exception_mid_step_leaves_no_extent_and_next_steps_are_exact(nvme_dir):
+    model = make_model()
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    layer = model.layers[1]
+    original = layer.forward
+    layer.forward = lambda *a, **k: (_ for _ in ()).throw(KeyError("boom"))
+    with pytest.raises(KeyError):
+        model.loss(torch.randint(0, 256, (2, 33)))
+    layer.forward = original
+    assert_same_history(train(reference, 2), train(model, 2))
+    # The partial graph of the failed step (and its records) lives as long as the exception's
+    # traceback frames, which sit in reference cycles: the cycle collector frees them.
+    gc.collect()
+    assert get_runtime().stores.stores()[0].extents.live_bytes == 0
+    actoff.reset()
+    assert os.listdir(nvme_dir) == []

@@ -381,3 +381,33 @@ def test_forced_race_under_tokenwise_is_close():
         torch.testing.assert_close(loss_b, loss_a, rtol=1e-4, atol=1e-5)
         for name in grads_a:
             torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-3, atol=1e-5)
+
+
+class ScaledBlock(Block):
+    """A block whose output depends on state the user may change between forward and backward."""
+
+    scale = 1.0
+
+    def forward(self, x, cos, sin):
+        return super().forward(x * ScaledBlock.scale, cos, sin)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_verify_catches_a_block_that_changed_before_backward(verify):
+    torch.manual_seed(0)
+    model = TinyModel(lambda: ScaledBlock(ModelConfig.preset("tiny")))
+    actoff.offload_(
+        model, block_cls=ScaledBlock, policy="recompute", min_bytes=0, verify=verify, verify_interval=1
+    )
+    tokens = torch.randint(0, 256, (2, 33))
+    model.loss(tokens).backward()  # first step: probe passes
+    loss = model.loss(tokens)
+    ScaledBlock.scale = 1.5  # the re-forward in backward now computes something else
+    try:
+        if verify:
+            with pytest.raises(RuntimeError, match="differ from the copy kept at forward time"):
+                loss.backward()
+        else:
+            loss.backward()  # without ACTOFF_VERIFY this goes unnoticed: why the check exists
+    finally:
+        ScaledBlock.scale = 1.0

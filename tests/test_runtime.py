@@ -1,6 +1,7 @@
 """The runtime: exact gradients, dedup, parameters, retain_graph, in-place, exceptions, release."""
 
 import copy
+from typing import ClassVar
 
 import pytest
 import torch
@@ -288,3 +289,81 @@ def test_unusual_saved_tensors_are_exact():
     torch.testing.assert_close(got[0], x.grad, rtol=0, atol=0)
     torch.testing.assert_close(got[1], table.grad, rtol=0, atol=0)
     assert actoff.stats().blocks["odd"].bytes_per_tier["cpu"] > 0
+
+
+class _SaveMany(torch.autograd.Function):
+    """Saves whatever it is given; backward records what came back."""
+
+    seen: ClassVar[list] = []
+
+    @staticmethod
+    def forward(ctx, x, *extras):
+        ctx.save_for_backward(x, *extras)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SaveMany.seen = [(t.clone(), t.stride()) for t in ctx.saved_tensors]
+        return (grad * 2,) + (None,) * (len(ctx.saved_tensors) - 1)
+
+
+def _unusual_tensors():
+    base = torch.randn(16, 24)
+    computed = base * 3.0  # not a leaf
+    extras = [
+        torch.arange(400, dtype=torch.int64).reshape(20, 20),
+        torch.rand(300) > 0.5,
+        torch.complex(torch.randn(50), torch.randn(50)),
+        torch.empty(0, 7),
+        computed.t(),  # non-contiguous
+        computed[:1].expand(40, 24),  # stride 0
+        computed[2:].view(14, 2, 12)[:, 1, ::3],  # a view of a view, gappy
+        computed.half()[3:9],
+        torch.randn(5, 5, dtype=torch.float64).t(),
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        extras.append(torch.randn(64).to(torch.float8_e4m3fn))
+    return extras
+
+
+@pytest.mark.parametrize("policy", ["cpu", "nvme"])
+def test_unusual_saved_tensors_come_back_exactly(policy, nvme_dir):
+    @actoff.offload(policy=policy, min_bytes=0, nvme_dir=nvme_dir, name="many")
+    def many(x, *extras):
+        return _SaveMany.apply(x, *extras)
+
+    extras = _unusual_tensors()
+    x = torch.randn(8, 8, requires_grad=True)
+    many(x * 1.0, *extras).sum().backward()
+    back = _SaveMany.seen[1:]
+    assert len(back) == len(extras)
+    for original, (returned, stride) in zip(extras, back, strict=True):
+        assert returned.dtype == original.dtype and returned.shape == original.shape
+        if original.dtype == getattr(torch, "float8_e4m3fn", None):
+            assert torch.equal(returned.view(torch.uint8), original.view(torch.uint8))
+        else:
+            assert torch.equal(returned, original)
+        if original.numel() and original.stride()[-1] != 3:  # gappy views come back compact
+            assert stride == original.stride()
+    torch.testing.assert_close(x.grad, torch.full((8, 8), 2.0), rtol=0, atol=0)
+    assert actoff.stats().blocks["many"].bytes_offloaded > 0
+
+
+@pytest.mark.parametrize("policy", ["keep", "cpu", "nvme", "recompute"])
+def test_graph_dropped_without_backward_releases_everything(policy, nvme_dir):
+    # No reference cycle may run through autograd (Note [no cycle through autograd]): the
+    # records go the moment the graph goes, without waiting for the cycle collector.
+    import gc
+
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, nvme_dir=nvme_dir)
+    gc.disable()
+    try:
+        loss = model.loss(torch.randint(0, 256, (2, 33)))
+        records = [r for run in get_runtime().step.runs for r in run.records]
+        assert records and any(r.state is not State.RELEASED for r in records)
+        del loss
+        assert all(r.state is State.RELEASED for r in records)
+        assert get_runtime().step.live == 0
+    finally:
+        gc.enable()
