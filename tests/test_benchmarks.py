@@ -61,3 +61,11 @@ def test_io_bandwidth_smoke(tmp_path):
     )
     assert all(r["gbps"] > 0 for r in records)
     assert "target" in done.stdout
+
+
+def test_long_context_prints_the_cost_of_verify():
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64", "--layers", "1",
+               "--steps", "1", "--warmup", "1", "--policies", "recompute,recompute+verify"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ACTOFF_VERIFY cost for recompute at seq 64:" in done.stdout

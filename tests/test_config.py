@@ -84,6 +84,12 @@ def test_config_is_frozen():
         ("ACTOFF_IO_BACKEND", "gds", "ACTOFF_IO_BACKEND.*auto, kvikio, posix"),
         ("ACTOFF_VERIFY", "maybe", "ACTOFF_VERIFY.*not a boolean"),
         ("ACTOFF_POLCY", "cpu", "ACTOFF_POLCY is not an actoff setting"),
+        ("ACTOFF_IO_TIMEOUT", "0", "ACTOFF_IO_TIMEOUT.*seconds > 0"),
+        ("ACTOFF_IO_TIMEOUT", "soon", "ACTOFF_IO_TIMEOUT.*'soon' is not a number"),
+        ("ACTOFF_VERIFY_INTERVAL", "0", "ACTOFF_VERIFY_INTERVAL.*>= 1"),
+        ("ACTOFF_TOKEN_DIM", "-1", "ACTOFF_TOKEN_DIM.*>= 0"),
+        ("ACTOFF_HOST_BANDWIDTH", "25", "ACTOFF_HOST_BANDWIDTH.*no unit"),
+        ("ACTOFF_MIN_BYTES", "-5", "ACTOFF_MIN_BYTES.*not a size"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_is_allowed(variable, value, message):

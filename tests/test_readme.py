@@ -33,3 +33,21 @@ def test_settings_table_lists_every_config_field():
     readme = _readme()
     for field in dataclasses.fields(actoff.Config):
         assert f"`ACTOFF_{field.name.upper()}`" in readme, field.name
+
+
+def test_guarantees_table_names_existing_tests():
+    section = _readme().split("## Guarantees", 1)[1].split("\n## ", 1)[0]
+    checked = 0
+    for row in re.findall(r"^\|.*\|$", section, re.M):
+        current = None
+        for reference in re.findall(r"`(test_[^`]*|::[^`]*)`", row):
+            path, _, name = (
+                reference.partition("::") if not reference.startswith("::") else ("", "", reference[2:])
+            )
+            current = path or current
+            with open(os.path.join(ROOT, "tests", current)) as handle:
+                source = handle.read()
+            if name:
+                assert f"def {name}(" in source, f"{current}::{name} named in the README does not exist"
+                checked += 1
+    assert checked >= 20
