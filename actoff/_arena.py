@@ -45,6 +45,8 @@ class Slot:
     chunk: _Chunk
     offset: int
     nbytes: int
+    trace_index: int = -1  # its entry in the arena's trace, when tracing ...
+    trace_generation: int = -1  # ... of this trace (take_trace starts a new one)
 
     @property
     def capacity(self) -> int:
@@ -83,6 +85,12 @@ class HostArena:
         self.high_water = 0  # most bytes in use at once since the last consolidation
         self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
+        # Buffer trace for the planner, only while ``tracing``: [size, alloc time, free time
+        # or None, tag] on a logical clock that ticks at every alloc and free.
+        self.tracing = False
+        self.clock = 0
+        self.trace: list[list] = []
+        self.trace_generation = 0
 
     @property
     def capacity(self) -> int:
@@ -94,8 +102,9 @@ class HostArena:
         """Bytes currently handed out (including alignment padding)."""
         return sum(chunk.top for chunk in self._chunks if chunk.live)
 
-    def alloc(self, nbytes: int) -> Slot | None:
-        """A slot of ``nbytes``, or ``None`` when the budget does not allow it."""
+    def alloc(self, nbytes: int, tag: object = None) -> Slot | None:
+        """A slot of ``nbytes``, or ``None`` when the budget does not allow it. ``tag`` (the
+        block, say) goes into the trace."""
         size = align_up(max(nbytes, 1))
         with self._lock:
             chunk = next((c for c in self._chunks if c.capacity - c.top >= size), None)
@@ -103,7 +112,12 @@ class HostArena:
                 chunk = self._grow(size)
                 if chunk is None:
                     return None
-            slot = Slot(chunk, chunk.top, nbytes)
+            index = -1
+            if self.tracing:
+                self.clock += 1
+                self.trace.append([size, self.clock, None, tag])
+                index = len(self.trace) - 1
+            slot = Slot(chunk, chunk.top, nbytes, index, self.trace_generation)
             chunk.top += size
             chunk.live += 1
             self.high_water = max(self.high_water, self.used)
@@ -112,10 +126,29 @@ class HostArena:
     def free(self, slot: Slot) -> None:
         """Return ``slot``; its chunk rewinds when its last slot comes back."""
         with self._lock:
+            if self.tracing and slot.trace_generation == self.trace_generation and slot.trace_index >= 0:
+                self.clock += 1
+                self.trace[slot.trace_index][2] = self.clock
             chunk = slot.chunk
             chunk.live -= 1
             if chunk.live == 0:
                 chunk.top = 0
+
+    def take_trace(self) -> list[tuple[int, int, int, object]]:
+        """The finished buffers traced so far as ``(size, start, end, tag)``; starts a new trace.
+
+        >>> from actoff._device import CpuBackend
+        >>> arena = HostArena(CpuBackend())
+        >>> arena.tracing = True
+        >>> a = arena.alloc(10, tag="block0"); arena.free(a)
+        >>> arena.take_trace()
+        [(4096, 1, 2, 'block0')]
+        """
+        with self._lock:
+            done = [(size, start, end, tag) for size, start, end, tag in self.trace if end is not None]
+            self.trace = []  # slots still live belong to the old generation: not traced on
+            self.trace_generation += 1
+            return done
 
     def consolidate(self) -> None:
         """At a step boundary: merge several empty chunks into one of the high-water size."""

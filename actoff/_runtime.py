@@ -626,7 +626,7 @@ class Runtime:
             record.tier = "nvme"
             record.to(State.OFFLOADING)
             return
-        slot = self.arena(run).alloc(layout.nbytes)
+        slot = self.arena(run).alloc(layout.nbytes, tag=run.index)
         if slot is None:
             run.stats.over_budget_bytes += layout.nbytes
             return  # stays resident: the host budget is full
@@ -783,7 +783,7 @@ class Runtime:
         if record.tier == "nvme":
             store = record.store
             if run.backend.pinned:
-                slot = self.arena(run).alloc(layout.nbytes)
+                slot = self.arena(run).alloc(layout.nbytes, tag=run.index)
                 if slot is None:
                     raise RuntimeError(
                         f"actoff: no host staging memory to read {layout.nbytes} bytes back from "

@@ -90,25 +90,29 @@ def lower_bound(buffers: Sequence[Buffer], alignment: int = 1) -> int:
 
 
 def validate(buffers: Sequence[Buffer], offsets: Sequence[int], alignment: int = 1) -> int:
-    """Check a layout and return its peak; raise ``ValueError`` naming the first conflict."""
+    """Check a layout and return its peak; raise ``ValueError`` naming the first conflict.
+
+    With ``alignment`` > 1 a buffer occupies its size rounded up to it (as allocators hand
+    it out), for the overlap check and the peak alike, consistent with `lower_bound`."""
     if len(offsets) != len(buffers):
         raise ValueError(f"layout has {len(offsets)} offsets for {len(buffers)} buffers")
     for i, offset in enumerate(offsets):
         if offset < 0 or offset % alignment:
             raise ValueError(f"buffer {i}: offset {offset} is negative or not a multiple of {alignment}")
+    sizes = [_align(b.size, alignment) for b in buffers]
     order = sorted(range(len(buffers)), key=lambda i: buffers[i].start)
     active: list[int] = []
     for i in order:
         b = buffers[i]
         active = [j for j in active if buffers[j].end > b.start]
         for j in active:
-            if offsets[i] < offsets[j] + buffers[j].size and offsets[j] < offsets[i] + b.size:
+            if offsets[i] < offsets[j] + sizes[j] and offsets[j] < offsets[i] + sizes[i]:
                 raise ValueError(
                     f"buffers {j} and {i} are live together and overlap: [{offsets[j]}, "
-                    f"{offsets[j] + buffers[j].size}) and [{offsets[i]}, {offsets[i] + b.size})"
+                    f"{offsets[j] + sizes[j]}) and [{offsets[i]}, {offsets[i] + sizes[i]})"
                 )
         active.append(i)
-    return max((offsets[i] + buffers[i].size for i in range(len(buffers))), default=0)
+    return max((offsets[i] + sizes[i] for i in range(len(buffers))), default=0)
 
 
 _ORDERS = {
@@ -126,7 +130,11 @@ def _greedy(buffers: Sequence[Buffer], order: str, alignment: int) -> list[int]:
     for i in sorted(range(len(buffers)), key=lambda i: _ORDERS[order](buffers[i])):
         b = buffers[i]
         size = _align(b.size, alignment)
-        busy = sorted((offsets[j], offsets[j] + buffers[j].size) for j in placed if buffers[j].overlaps(b))
+        busy = sorted(
+            (offsets[j], offsets[j] + _align(buffers[j].size, alignment))
+            for j in placed
+            if buffers[j].overlaps(b)
+        )
         best: tuple[int, int] | None = None  # (gap size, offset)
         cursor = 0
         for low, high in busy:

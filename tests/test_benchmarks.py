@@ -69,3 +69,15 @@ def test_long_context_prints_the_cost_of_verify():
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ACTOFF_VERIFY cost for recompute at seq 64:" in done.stdout
+
+
+def test_planner_benchmark_smoke(tmp_path):
+    out_json = tmp_path / "planner.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "planner.py"), "--seq", "64", "--layers", "2",
+               "--random", "1", "--time-limit", "1", "--json", str(out_json)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = json.loads(out_json.read_text())["records"]
+    assert {r["method"] for r in records} == {"greedy", "flat MIP", "bi-level"}
+    assert all(r["ratio"] >= 1.0 for r in records)  # never below the lower bound
+    assert "bi-level on model traces" in done.stdout

@@ -1,0 +1,113 @@
+"""Planner benchmark: peak / lower bound and solve time for greedy, flat MIP and bi-level.
+
+Traces are recorded from the reference model (the host arena's buffers of one training step
+under a token-wise policy: sizes, lifetimes on the arena's clock, and the block of each) at
+several sequence lengths and layer counts; random instances are the hard, unstructured case.
+
+    python benchmarks/planner.py --json planner.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import format_table, print_header, system_header, write_json
+
+from actoff.planner import Buffer, solve, solve_bilevel
+
+
+def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[Buffer], list[int]]:
+    """One step's host-arena buffers (and their blocks) from the reference model."""
+    import torch
+
+    import actoff
+    from actoff._runtime import get_runtime
+    from actoff.reference import Block, ModelConfig, Transformer
+
+    actoff.reset()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("small", num_layers=layers))
+    actoff.offload_(model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0)
+    tokens = torch.randint(0, 1024, (1, seq + 1))
+    model.loss(tokens).backward()  # first step: probes the replay, warms the arena
+    arena = next(iter(get_runtime().arenas.values()))
+    arena.take_trace()
+    arena.tracing = True
+    model.loss(tokens).backward()
+    trace = arena.take_trace()
+    actoff.reset()
+    return [Buffer(size, start, end) for size, start, end, _ in trace], [tag for *_, tag in trace]
+
+
+def random_instance(seed: int, count: int = 60, horizon: int = 120) -> tuple[list[Buffer], list[int]]:
+    rng = random.Random(seed)
+    buffers = []
+    for _ in range(count):
+        start = rng.randint(0, horizon - 2)
+        buffers.append(Buffer(rng.randint(1, 100) * 512, start, min(horizon, start + rng.randint(1, 40))))
+    return buffers, [i // 6 for i in range(count)]  # arbitrary groups of six for bi-level
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", default="256,1024", help="sequence lengths of the model traces")
+    parser.add_argument("--layers", default="2,8", help="layer counts of the model traces")
+    parser.add_argument("--random", type=int, default=2, help="random instances")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="MIP time limit per solve (s)")
+    parser.add_argument("--json", help="write records to this path")
+    args = parser.parse_args(argv)
+
+    header = system_header()
+    header["time_limit"] = f"{args.time_limit:.0f} s per MIP"
+    print_header("actoff planner benchmark", header)
+    instances = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        for seq in (int(x) for x in args.seq.split(",")):
+            instances.append((f"model seq={seq} layers={layers}", *model_trace(seq, layers)))
+    for seed in range(args.random):
+        instances.append((f"random 60 buffers #{seed}", *random_instance(seed)))
+
+    records = []
+    for name, buffers, blocks in instances:
+        runs = {
+            "greedy": solve(buffers, method="greedy", alignment=4096),
+            "flat MIP": solve(buffers, method="mip", time_limit_s=args.time_limit, alignment=4096),
+            "bi-level": solve_bilevel(buffers, blocks, time_limit_s=args.time_limit, alignment=4096),
+        }
+        for method, layout in runs.items():
+            records.append({
+                "instance": name, "buffers": len(buffers), "method": method, "peak_mib": layout.peak / 2**20,
+                "lower_bound_mib": layout.lower_bound / 2**20, "ratio": layout.peak / max(layout.lower_bound, 1),
+                "optimal": layout.optimal, "solve_s": layout.solve_s, "chosen": layout.method,
+            })  # fmt: skip
+            print(
+                f"   {name:<28} {method:<9} {records[-1]['ratio']:.4f}  {layout.solve_s:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(format_table(records, [("instance", "instance"), ("buffers", "buffers"), ("method", "method"),
+                                 ("peak_mib", "peak MiB"), ("lower_bound_mib", "bound MiB"), ("ratio", "peak/bound"),
+                                 ("optimal", "proven"), ("solve_s", "solve s"), ("chosen", "layout from")]))  # fmt: skip
+    model_rows = [r for r in records if r["instance"].startswith("model") and r["method"] == "bi-level"]
+    worst = max((r["ratio"] for r in model_rows), default=float("nan"))
+    slowest = max((r["solve_s"] for r in model_rows), default=float("nan"))
+    verdict = "meets" if worst <= 1.01 and slowest < 60 else "misses"
+    print(f"\nbi-level on model traces: worst peak/bound {worst:.4f}, slowest {slowest:.1f} s "
+          f"({verdict} the target: within 1% of the bound in under 60 s)")  # fmt: skip
+    print("CUDA figures (fragmentation under the default allocator, expandable_segments and actoff's planned "
+          "allocator; the longest sequence that fits) need a GPU and the plan-replaying allocator: not measured here.")  # fmt: skip
+    if args.json:
+        write_json(args.json, header, records)
+        print(f"records written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
