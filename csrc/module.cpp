@@ -1,7 +1,12 @@
-// pybind11 bindings: actoff._C exposes the POSIX I/O engine (IoEngine, Future; errors raise OSError).
+// pybind11 bindings: actoff._C exposes the POSIX I/O engine (IoEngine, Future; errors raise
+// OSError) and the plan-replaying allocator core over host memory (HostReplayAllocator).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
 
 #include "io_engine.h"
+#include "replay_allocator.h"
 
 namespace py = pybind11;
 
@@ -53,4 +58,50 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("alignment", &actoff::IoEngine::alignment)
       .def_property_readonly("num_threads", &actoff::IoEngine::num_threads)
       .def_property_readonly("path", &actoff::IoEngine::path);
+
+  // The allocator core over host memory (aligned malloc as the fallback): what the tests
+  // drive. Addresses travel as integers.
+  py::class_<actoff::ReplayAllocator>(m, "HostReplayAllocator")
+      .def(py::init([] {
+        return new actoff::ReplayAllocator(
+            [](std::size_t size) {
+              void* pointer = std::aligned_alloc(512, (size + 511) / 512 * 512 + 512);
+              if (pointer == nullptr) throw std::bad_alloc();
+              return pointer;
+            },
+            [](void* pointer, std::size_t) { std::free(pointer); });
+      }))
+      .def("begin_record", &actoff::ReplayAllocator::begin_record)
+      .def("end_record",
+           [](actoff::ReplayAllocator& self) {
+             std::vector<std::tuple<std::size_t, std::int64_t, std::int64_t>> out;
+             for (const auto& event : self.end_record()) out.emplace_back(event.size, event.start, event.end);
+             return out;
+           })
+      .def(
+          "set_plan",
+          [](actoff::ReplayAllocator& self, const std::vector<std::size_t>& sizes,
+             const std::vector<std::size_t>& offsets, std::uintptr_t arena, std::size_t arena_bytes) {
+            self.set_plan(sizes, offsets, reinterpret_cast<void*>(arena), arena_bytes);
+          },
+          py::arg("sizes"), py::arg("offsets"), py::arg("arena"), py::arg("arena_bytes"))
+      .def("clear_plan", &actoff::ReplayAllocator::clear_plan)
+      .def("begin_step", &actoff::ReplayAllocator::begin_step)
+      .def("allocate",
+           [](actoff::ReplayAllocator& self, std::size_t size) {
+             return reinterpret_cast<std::uintptr_t>(self.allocate(size));
+           })
+      .def("deallocate",
+           [](actoff::ReplayAllocator& self, std::uintptr_t address) {
+             self.deallocate(reinterpret_cast<void*>(address));
+           })
+      .def("stats", [](const actoff::ReplayAllocator& self) {
+        auto stats = self.stats();
+        py::dict out;
+        out["served"] = stats.served;
+        out["diverged"] = stats.diverged;
+        out["fallback"] = stats.fallback;
+        out["live"] = stats.live;
+        return out;
+      });
 }
