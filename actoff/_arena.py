@@ -1,5 +1,9 @@
 """Host arena: host (pinned on CUDA) memory allocated once and handed out as aligned slots.
 
+With a plan (`install_plan`, from `actoff.planner`), request k of a step gets its planned
+offset in one chunk; a request that differs from the plan (size, count, or a planned range
+still occupied) is a divergence and falls back to the bump chunks below.
+
 A step's offloads are allocated in forward order and freed in backward order, so a bump
 allocator over a few chunks fits: a chunk rewinds when its last slot is freed. The first
 step may need several chunks; when a step ends with every chunk empty, they are replaced by
@@ -91,35 +95,86 @@ class HostArena:
         self.clock = 0
         self.trace: list[list] = []
         self.trace_generation = 0
+        # Planned offsets (see the module docstring).
+        self.plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # sizes, offsets
+        self.planned: _Chunk | None = None
+        self.request = 0  # request index within the step
+        self.divergences = 0  # since the last begin_step
+        self.total_divergences = 0
+        self._live_planned: dict[int, int] = {}  # offset -> end, in the planned chunk
 
     @property
     def capacity(self) -> int:
         """Bytes of host memory held by the arena."""
-        return sum(chunk.capacity for chunk in self._chunks)
+        planned = self.planned.capacity if self.planned is not None else 0
+        return planned + sum(chunk.capacity for chunk in self._chunks)
 
     @property
     def used(self) -> int:
         """Bytes currently handed out (including alignment padding)."""
-        return sum(chunk.top for chunk in self._chunks if chunk.live)
+        planned = sum(end - offset for offset, end in self._live_planned.items())
+        return planned + sum(chunk.top for chunk in self._chunks if chunk.live)
+
+    def begin_step(self) -> None:
+        """A new step: the next request is request 0 of the plan."""
+        with self._lock:
+            self.request = 0
+            self.divergences = 0
+
+    def install_plan(self, sizes: tuple[int, ...], offsets: tuple[int, ...], peak: int) -> None:
+        """Serve later steps at these offsets, in one chunk of ``peak`` bytes."""
+        with self._lock:
+            if self.planned is None or self.planned.capacity < peak or self._live_planned:
+                if not self._live_planned:
+                    self.planned = self._new_chunk(max(peak, ALIGNMENT))
+                else:  # slots of an older plan are still live: keep them, plan in a new chunk
+                    self.planned = self._new_chunk(max(peak, ALIGNMENT))
+                    self._live_planned = {}
+            self.plan = (tuple(sizes), tuple(offsets))
+            # Bump chunks with nothing live are no longer needed: give their memory back.
+            self._chunks = [chunk for chunk in self._chunks if chunk.live]
+
+    def drop_plan(self) -> None:
+        with self._lock:
+            self.plan = None
+
+    def _take_planned(self, size: int) -> int | None:
+        k = self.request
+        self.request += 1
+        sizes, offsets = self.plan
+        if k < len(sizes) and sizes[k] == size:
+            offset = offsets[k]
+            end = offset + size
+            if all(end <= low or high <= offset for low, high in self._live_planned.items()):
+                self._live_planned[offset] = end
+                return offset
+        self.divergences += 1
+        self.total_divergences += 1
+        return None
 
     def alloc(self, nbytes: int, tag: object = None) -> Slot | None:
         """A slot of ``nbytes``, or ``None`` when the budget does not allow it. ``tag`` (the
         block, say) goes into the trace."""
         size = align_up(max(nbytes, 1))
         with self._lock:
-            chunk = next((c for c in self._chunks if c.capacity - c.top >= size), None)
-            if chunk is None:
-                chunk = self._grow(size)
+            planned = self._take_planned(size) if self.plan is not None else None
+            if planned is not None:
+                chunk, offset = self.planned, planned
+            else:
+                chunk = next((c for c in self._chunks if c.capacity - c.top >= size), None)
                 if chunk is None:
-                    return None
+                    chunk = self._grow(size)
+                    if chunk is None:
+                        return None
+                offset = chunk.top
+                chunk.top += size
+                chunk.live += 1
             index = -1
             if self.tracing:
                 self.clock += 1
                 self.trace.append([size, self.clock, None, tag])
                 index = len(self.trace) - 1
-            slot = Slot(chunk, chunk.top, nbytes, index, self.trace_generation)
-            chunk.top += size
-            chunk.live += 1
+            slot = Slot(chunk, offset, nbytes, index, self.trace_generation)
             self.high_water = max(self.high_water, self.used)
             return slot
 
@@ -130,6 +185,9 @@ class HostArena:
                 self.clock += 1
                 self.trace[slot.trace_index][2] = self.clock
             chunk = slot.chunk
+            if chunk is self.planned and slot.offset in self._live_planned:
+                del self._live_planned[slot.offset]
+                return
             chunk.live -= 1
             if chunk.live == 0:
                 chunk.top = 0

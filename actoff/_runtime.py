@@ -17,7 +17,9 @@ graph is freed), so ``retain_graph=True`` and partial backward passes need no sp
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
+import hashlib
 import threading
 import warnings
 import zlib
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._arena import HostArena
+from ._arena import ALIGNMENT, HostArena
 from ._config import Config
 from ._device import DeviceBackend, Ticket, backend_for
 from ._pack import pack_rows, scatter_rows
@@ -34,6 +36,7 @@ from ._recompute import CaptureMode, ReplayMismatch, ReplayMode, autograd_status
 from ._record import Record, State
 from ._stats import TIERS, BlockStats, Stats
 from ._tokenwise import AutoDecision, TokenRanges, auto_fractions, base_info, detect_canon, token_ranges
+from .planner import Buffer, Layout, PlanCache, solve
 
 __all__ = ["Handle", "Runtime", "ScopeRun", "get_runtime"]
 
@@ -247,6 +250,7 @@ class Runtime:
         self.verdicts: dict[str, str] = {}  # blocks placed whole, and why
         self.auto_decisions: dict[str, AutoDecision] = {}
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
+        self.plans: dict[str, Layout] = {}  # trace signature -> layout (issue 5's planner)
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         from ._nvme import StoreRegistry  # deferred: _nvme imports nothing from here at load
@@ -310,6 +314,8 @@ class Runtime:
                     step.last_placed = None
                     self._progress(step)
                 self._publish(step)
+                for arena in self.arenas.values():
+                    arena.begin_step()
                 step = self.step = Step(self.steps_started)
                 self.steps_started += 1
             if module_id is not None:
@@ -980,6 +986,9 @@ class Runtime:
         if arena is None:
             arena = self.arenas[run.device] = HostArena(run.backend, run.config.host_budget)
         arena.budget = run.config.host_budget  # the budget of the config in force
+        if arena.plan is None and run.config.planner != "off" and not arena.tracing:
+            arena.take_trace()
+            arena.tracing = True  # trace this step: the planner lays it out at its end
         return arena
 
     def warn_once(self, key: str, message: str) -> None:
@@ -994,6 +1003,45 @@ class Runtime:
         if step.live == 0:
             for arena in self.arenas.values():
                 arena.consolidate()
+            self._plan_arenas(step)
+
+    def _plan_arenas(self, step: Step) -> None:
+        """After a step whose buffers are all back: lay out the next steps (issue 5's planner).
+
+        A traced step becomes a plan (from memory, the on-disk cache, or a solve); a step that
+        diverged from its plan drops it, and the next step is traced again.
+        """
+        config = step.runs[0].config
+        for arena in self.arenas.values():
+            if arena.plan is not None and arena.divergences:
+                arena.drop_plan()
+                continue
+            if arena.plan is not None or not arena.tracing:
+                continue
+            trace = arena.take_trace()
+            arena.tracing = False
+            if not trace or config.planner == "off":
+                continue
+            origin = min(start for _, start, _, _ in trace)
+            buffers = [Buffer(size, start - origin, end - origin) for size, start, end, _ in trace]
+            signature = hashlib.sha256(repr([dataclasses.astuple(b) for b in buffers]).encode()).hexdigest()
+            layout = self.plans.get(signature)
+            cache = PlanCache(config.plan_cache) if config.plan_cache else None
+            key = {
+                "kind": "host-arena",
+                "trace": signature,
+                "policy": config.policy,
+                "planner": config.planner,
+            }
+            if layout is None and cache is not None:
+                layout = cache.get(key, buffers, ALIGNMENT)
+            if layout is None:
+                method = "mip" if config.planner == "mip" else "greedy"
+                layout = solve(buffers, method=method, time_limit_s=30.0, alignment=ALIGNMENT)
+                if cache is not None:
+                    cache.put(key, buffers, layout)
+            self.plans[signature] = layout
+            arena.install_plan(tuple(b.size for b in buffers), layout.offsets, layout.peak)
 
     def stats(self) -> Stats:
         with self.lock:
@@ -1019,7 +1067,7 @@ class Runtime:
             self.steps_completed = 0
             self.arenas = {}  # slots still held by live graphs keep their chunk alive
             self.token_plans, self.verdicts, self._warned = {}, {}, set()
-            self.auto_decisions = {}
+            self.auto_decisions, self.plans = {}, {}
             self.stores.close()
 
 

@@ -57,3 +57,19 @@ def test_consolidation_makes_one_chunk_of_the_high_water_size():
     # The same step again fits without allocating.
     slots = [arena.alloc(big), arena.alloc(big)]
     assert arena.num_allocations == 3
+
+
+def test_planned_requests_get_their_offsets_and_divergence_falls_back():
+    arena = HostArena(CpuBackend())
+    arena.install_plan((4096, 8192, 4096), (0, 4096, 0), 12288)
+    arena.begin_step()
+    a = arena.alloc(4000)  # request 0: planned at 0
+    b = arena.alloc(8192)  # request 1: planned at 4096
+    assert (a.chunk, a.offset, b.chunk, b.offset) == (arena.planned, 0, arena.planned, 4096)
+    c = arena.alloc(100)  # request 2: planned at 0, but a still lives there: falls back
+    assert c.chunk is not arena.planned and arena.divergences == 1
+    for slot in (a, b, c):
+        arena.free(slot)
+    arena.begin_step()
+    assert arena.alloc(5000).chunk is not arena.planned  # another size than planned
+    assert arena.divergences == 1 and arena.total_divergences == 2

@@ -154,3 +154,81 @@ def test_cache_hit_miss_stale_and_corrupt(tmp_path):
     with pytest.warns(RuntimeWarning, match="ignoring the cached plan"):
         assert cache.get(key, buffers) is None
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
+# ---------------------------------------------------------------------------------- runtime
+def _slot_offsets(monkeypatch):
+    """Record (chunk id, offset) of every host slot handed out."""
+    from actoff._arena import HostArena
+
+    seen = []
+    original = HostArena.alloc
+
+    def spy(self, nbytes, tag=None):
+        slot = original(self, nbytes, tag)
+        if slot is not None:
+            seen.append((id(slot.chunk), slot.offset))
+        return slot
+
+    monkeypatch.setattr(HostArena, "alloc", spy)
+    return seen
+
+
+@pytest.mark.parametrize("planner", ["greedy", "mip", "off"])
+def test_planned_steps_reuse_offsets_and_stay_exact(planner, monkeypatch):
+    from _helpers import assert_same_history, baseline_and_offloaded
+
+    import actoff
+    from actoff._runtime import get_runtime
+
+    seen = _slot_offsets(monkeypatch)
+    expected, actual = baseline_and_offloaded(4, policy="cpu", min_bytes=0, planner=planner)
+    assert_same_history(expected, actual)
+    arena = next(iter(get_runtime().arenas.values()))
+    per_step = len(seen) // 4
+    steps = [seen[i * per_step : (i + 1) * per_step] for i in range(4)]
+    if planner == "off":
+        assert arena.plan is None
+    else:
+        assert arena.plan is not None and arena.total_divergences == 0
+        assert steps[1] == steps[2] == steps[3]  # the same addresses every step
+        assert all(chunk == id(arena.planned) for chunk, _ in steps[3])
+        assert actoff.stats().host_capacity == arena.planned.capacity  # one allocation, nothing else
+
+
+def test_a_new_sequence_length_replans_and_a_known_one_reuses_its_plan():
+    from _helpers import make_model, train
+
+    import actoff
+    from actoff._runtime import get_runtime
+    from actoff.reference import Block
+
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    train(model, 2, seq=33)
+    runtime = get_runtime()
+    arena = next(iter(runtime.arenas.values()))
+    first_plan = arena.plan
+    train(model, 1, seq=65)  # diverges, drops the plan
+    assert arena.divergences > 0 and arena.plan is None
+    train(model, 1, seq=65)  # traced again, planned
+    assert arena.plan is not None and arena.plan != first_plan and len(runtime.plans) == 2
+    train(model, 2, seq=33)
+    assert arena.plan == first_plan and len(runtime.plans) == 2  # solved once per shape
+
+
+def test_plans_come_back_from_the_disk_cache(tmp_path):
+    from _helpers import make_model, train
+
+    import actoff
+    from actoff._runtime import get_runtime
+    from actoff.reference import Block
+
+    for attempt in range(2):
+        actoff.reset()
+        model = make_model()
+        actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0, plan_cache=str(tmp_path))
+        train(model, 2)
+        methods = {layout.method for layout in get_runtime().plans.values()}
+        assert methods == ({"cache"} if attempt else {m for m in methods if m != "cache"})
+    assert len(list(tmp_path.glob("plan-*.json"))) == 1
