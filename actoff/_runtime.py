@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import errno
 import hashlib
+import os
 import threading
 import warnings
 import zlib
@@ -207,6 +208,26 @@ class ScopeRun:
 
 
 TOKENWISE_POLICIES = ("tokenwise", "recompute", "auto")
+
+
+def local_world_size() -> int:
+    """Processes sharing this host (torchrun's LOCAL_WORLD_SIZE; 1 when not distributed)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank when torch.distributed runs (one decision, not one per
+    rank: ranks deciding apart can disagree); ``value`` itself otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def whole_tier(config: Config) -> str:
@@ -897,7 +918,10 @@ class Runtime:
             self._publish(step)
 
     def _decide_auto(self, step: Step) -> None:
-        """The auto policy, after its first step: MEMO's closed form per block."""
+        """The auto policy, after its first step: MEMO's closed form per block, decided on
+        rank 0 and broadcast (every rank runs its first step's backward, so all get here)."""
+        if not any(run.auto_sample is not None and run.name not in self.auto_decisions for run in step.runs):
+            return
         for run in step.runs:
             if run.auto_sample is None or run.name in self.auto_decisions:
                 continue
@@ -905,7 +929,8 @@ class Runtime:
             bandwidth = config.host_bandwidth
             if bandwidth is None:
                 if run.device not in self.bandwidths:
-                    self.bandwidths[run.device] = run.backend.host_bandwidth()
+                    # Ranks on one host copy at the same time: each gets its share of the link.
+                    self.bandwidths[run.device] = run.backend.host_bandwidth() / local_world_size()
                 bandwidth = self.bandwidths[run.device]
             run.forward_watch.synchronize()
             input_bytes, attention_bytes, other_bytes = run.auto_sample
@@ -916,9 +941,10 @@ class Runtime:
                 attention_bytes=attention_bytes,
                 other_bytes=other_bytes,
                 num_layers=len(step.runs),
-                host_budget=config.host_budget,
+                host_budget=None if config.host_budget is None else config.host_budget // local_world_size(),
                 nvme_available=config.nvme_dir is not None,
             )
+        self.auto_decisions = _broadcast_from_rank0(self.auto_decisions)
 
     def _evict(self, record: Record) -> None:
         """READY -> OFFLOADED: drop the device copy, keep what is stored off the device."""
@@ -985,7 +1011,9 @@ class Runtime:
         arena = self.arenas.get(run.device)
         if arena is None:
             arena = self.arenas[run.device] = HostArena(run.backend, run.config.host_budget)
-        arena.budget = run.config.host_budget  # the budget of the config in force
+        # The budget of the config in force, shared by the ranks on this host.
+        budget = run.config.host_budget
+        arena.budget = None if budget is None else budget // local_world_size()
         if arena.plan is None and run.config.planner != "off" and not arena.tracing:
             arena.take_trace()
             arena.tracing = True  # trace this step: the planner lays it out at its end

@@ -1,0 +1,104 @@
+"""actoff under torch.distributed on CPU: DDP with gloo, two processes on the loopback device."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent(
+    """
+    import copy, os, sys
+    import torch, torch.distributed as dist
+    import torch.multiprocessing as mp
+    sys.path.insert(0, {tests!r})
+
+    def worker(rank, world, port, policy, nvme_dir):
+        os.environ["RANK"] = str(rank)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+        import actoff
+        from actoff.reference import Block
+        from _helpers import make_model
+
+        def run(model):
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+            history = []
+            for _ in range(3):
+                tokens = torch.randint(0, 256, (2, 33), generator=generator)
+                logits = ddp(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+                loss.backward()
+                history.append((loss.detach().clone(), [p.grad.clone() for p in ddp.parameters()]))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return history
+
+        base = make_model()
+        expected = run(copy.deepcopy(base))
+        model = copy.deepcopy(base)
+        extra = {{"host_bandwidth": f"{{50 * (rank + 1)}}MB"}} if policy == "auto" else {{}}  # ranks measure apart
+        actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, nvme_dir=nvme_dir, **extra)
+        actual = run(model)
+        for (la, ga), (lb, gb) in zip(expected, actual):
+            if policy == "auto":  # recompute: float32 reassociation at most
+                assert torch.allclose(la, lb, rtol=1e-5, atol=1e-6), (rank, la, lb)
+                assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ga, gb)), rank
+            else:
+                assert torch.equal(la, lb), (rank, la, lb)
+                assert all(torch.equal(a, b) for a, b in zip(ga, gb)), rank
+        if policy != "auto":
+            assert actoff.stats().total_bytes_offloaded > 0
+        else:  # one decision for all ranks: rank 0's
+            decisions = [None, None]
+            dist.all_gather_object(decisions, {{k: vars(v) for k, v in actoff.stats().auto.items()}})
+            assert decisions[0] == decisions[1] and decisions[0], decisions
+        if policy == "nvme":
+            names = os.listdir(nvme_dir)
+            assert any(n.startswith(f"actoff-rank{{rank}}-") for n in names), names
+        dist.barrier()
+        print(f"rank {{rank}} OK", flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=2)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("policy", ["cpu", "nvme", "auto"])
+def test_ddp_two_ranks(policy, tmp_path, nvme_dir):
+    """cpu and nvme: bit for bit against DDP without actoff; auto: one decision for all ranks."""
+    script = tmp_path / "ddp.py"
+    script.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    done = subprocess.run([sys.executable, str(script), str(_free_port()), policy, nvme_dir],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
+    assert os.listdir(nvme_dir) == []  # every rank removed its file at exit
+
+
+def test_host_budget_is_shared_by_the_ranks_on_a_host(monkeypatch):
+    from _helpers import make_model, train
+
+    import actoff
+    from actoff._runtime import get_runtime
+    from actoff.reference import Block
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0, host_budget="400KiB")
+    train(model, 1)
+    arena = next(iter(get_runtime().arenas.values()))
+    assert arena.budget == 100 * 1024 and arena.capacity <= 100 * 1024
