@@ -102,3 +102,61 @@ def test_host_budget_is_shared_by_the_ranks_on_a_host(monkeypatch):
     train(model, 1)
     arena = next(iter(get_runtime().arenas.values()))
     assert arena.budget == 100 * 1024 and arena.capacity <= 100 * 1024
+
+
+FSDP_SCRIPT = textwrap.dedent(
+    """
+    import copy, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    sys.path.insert(0, {tests!r})
+
+    def worker(rank, world, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+        from torch.distributed.fsdp import fully_shard
+        import actoff
+        from actoff.reference import Block
+        from _helpers import make_model
+
+        def run(model, use_actoff):
+            if use_actoff:  # actoff first, then FSDP2 around the same blocks
+                actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+            for layer in model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            generator = torch.Generator().manual_seed(100 + rank)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            history = []
+            for _ in range(3):
+                loss = model.loss(torch.randint(0, 256, (2, 33), generator=generator))
+                loss.backward()
+                history.append((loss.detach().clone(), [p.grad.full_tensor() for p in model.parameters()]))
+                optimizer.step()
+                optimizer.zero_grad()
+            return history
+
+        base = make_model()
+        expected, actual = run(copy.deepcopy(base), False), run(copy.deepcopy(base), True)
+        for (la, ga), (lb, gb) in zip(expected, actual):
+            assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb)), rank
+        stats = actoff.stats()
+        assert stats.total_bytes_offloaded > 0
+        # FSDP's unsharded parameters (and their views) are recognised and never offloaded.
+        assert all(block.skipped_param_bytes > 0 for block in stats.blocks.values())
+        print(f"rank {{rank}} OK", flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(2, int(sys.argv[1])), nprocs=2)
+    """
+)
+
+
+def test_fsdp2_two_ranks_bit_exact(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) is not in this torch")
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    done = subprocess.run(
+        [sys.executable, str(script), str(_free_port())], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
