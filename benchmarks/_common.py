@@ -140,5 +140,7 @@ def _cell(value: object) -> str:
 
 
 def write_json(path: str, header: dict, records: list[dict]) -> None:
+    """``{"system": header, "records": records}`` to ``path``, and say so."""
     with open(path, "w") as handle:
         json.dump({"system": header, "records": records}, handle, indent=2)
+    print(f"records written to {path}")

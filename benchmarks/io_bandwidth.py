@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         write_json(args.json, header, records)
-        print(f"records written to {args.json}")
     return 0
 
 

@@ -436,7 +436,6 @@ def main(argv: list[str] | None = None) -> int:
           "token-wise re-forward time / step time; peak GiB are GPU figures (RSS on CPU).")  # fmt: skip
     if args.json:
         write_json(args.json, header, records)
-        print(f"records written to {args.json}")
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")

@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
           "allocator; the longest sequence that fits) need a GPU and the plan-replaying allocator: not measured here.")  # fmt: skip
     if args.json:
         write_json(args.json, header, records)
-        print(f"records written to {args.json}")
     return 0
 
 
