@@ -184,12 +184,11 @@ class ScopeRun:
     def keep_whole(self, value: Any) -> Any:
         """A record (stored whole, held by actoff) for a block input or mixer output tensor, or
         the value itself when actoff would not offload it (small, a parameter, not a tensor)."""
-        if (
-            not isinstance(value, torch.Tensor)
-            or type(value) is not torch.Tensor
-            or value.device != self.device
-        ):
+        if not isinstance(value, torch.Tensor):
             return value
+        # Held directly: a detached alias (Note [no cycle through autograd]).
+        if type(value) is not torch.Tensor or value.device != self.device:
+            return value.detach()
         storage = value.untyped_storage().data_ptr() if value.numel() else 0
         if (
             value.numel() == 0
@@ -197,7 +196,7 @@ class ScopeRun:
             or param_like(value, storage, self.param_storages)
             or value.numel() * value.element_size() < self.config.min_bytes
         ):
-            return value
+            return value.detach()
         handle = self._handle_for(value, storage)
         handle.record.whole = True
         self.owned.append(handle)

@@ -349,21 +349,28 @@ def test_unusual_saved_tensors_come_back_exactly(policy, nvme_dir):
     assert actoff.stats().blocks["many"].bytes_offloaded > 0
 
 
-@pytest.mark.parametrize("policy", ["keep", "cpu", "nvme", "recompute"])
-def test_graph_dropped_without_backward_releases_everything(policy, nvme_dir):
+@pytest.mark.parametrize(
+    ("policy", "min_bytes"), [("keep", 0), ("cpu", 0), ("nvme", 0), ("recompute", 0), ("recompute", "64KiB")]
+)
+def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, nvme_dir):
     # No reference cycle may run through autograd (Note [no cycle through autograd]): the
     # records go the moment the graph goes, without waiting for the cycle collector.
     import gc
 
     model = make_model()
-    actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, nvme_dir=nvme_dir)
+    actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=min_bytes, nvme_dir=nvme_dir)
     gc.disable()
     try:
         loss = model.loss(torch.randint(0, 256, (2, 33)))
-        records = [r for run in get_runtime().step.runs for r in run.records]
-        assert records and any(r.state is not State.RELEASED for r in records)
+        runs = get_runtime().step.runs
+        records = [r for run in runs for r in run.records]
+        if min_bytes == 0:
+            assert records and any(r.state is not State.RELEASED for r in records)
         del loss
         assert all(r.state is State.RELEASED for r in records)
+        # Inputs and mixer outputs kept directly (under min_bytes) hold no graph either.
+        held = [v for run in runs for v in (*run.inputs, *(m for m, _ in run.mixer_outputs))]
+        assert all(v.grad_fn is None for v in held if isinstance(v, torch.Tensor))
         assert get_runtime().step.live == 0
     finally:
         gc.enable()
