@@ -142,6 +142,7 @@ FSDP_SCRIPT = textwrap.dedent(
         assert stats.total_bytes_offloaded > 0
         # FSDP's unsharded parameters (and their views) are recognised and never offloaded.
         assert all(block.skipped_param_bytes > 0 for block in stats.blocks.values())
+        dist.barrier()  # both ranks done with gloo before either tears it down
         print(f"rank {{rank}} OK", flush=True)
         dist.destroy_process_group()
 
