@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from ._arena import ALIGNMENT, HostArena
 from ._config import Config
@@ -110,8 +111,8 @@ class ScopeRun:
         self.in_mixer = 0
         self.seq_len = 0
         self.fn: Callable[..., Any] | None = None
-        self.kwarg_names: list[str] = []
-        self.inputs: list[Any] = []  # flattened args then kwargs: Record, or the value itself
+        self.input_spec: Any = None  # pytree structure of (args, kwargs)
+        self.inputs: list[Any] = []  # their flattened leaves: Record, or the value itself
         self.input_status: list[str | None] = []  # autograd_status of each input at capture
         self.mixer_outputs: list[tuple[Any, int | None]] = []  # (Record or tensor, token dim)
         self.owned: list[Handle] = []  # handles actoff holds for inputs and mixer outputs
@@ -357,8 +358,9 @@ class Runtime:
             run.tokenwise = False  # no token dimension to slice: placed whole
             return
         run.seq_len = first.shape[token_dim]
-        run.fn, run.kwarg_names = fn, list(kwargs)
-        values = (*args, *kwargs.values())
+        # Inputs may nest (Hugging Face passes position_embeddings=(cos, sin)): flatten them.
+        values, run.input_spec = pytree.tree_flatten((args, kwargs))
+        run.fn = fn
         run.input_status = [autograd_status(value) for value in values]
         run.inputs = [run.keep_whole(value) for value in values]
         run.events = []
@@ -503,8 +505,7 @@ class Runtime:
         values = [self._whole_value(v) for v in run.inputs]
         with torch.enable_grad():  # backward runs with grad off; the sliced inputs need it on
             sliced = slice_inputs(values, run.input_status, run.seq_len, run.config.token_dim, start, stop)
-        split = len(values) - len(run.kwarg_names)
-        args, kwargs = sliced[:split], dict(zip(run.kwarg_names, sliced[split:], strict=True))
+        args, kwargs = pytree.tree_unflatten(sliced, run.input_spec)
         mixer_rows = []
         for value, dim in run.mixer_outputs:
             if dim is None:

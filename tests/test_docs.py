@@ -1,0 +1,23 @@
+"""Every example in actoff's docstrings runs and prints what it says."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import actoff
+
+MODULES = sorted(
+    name
+    for _, name, _ in pkgutil.iter_modules(actoff.__path__, "actoff.")
+    if name not in ("actoff._C", "actoff._pack_triton")  # compiled; kernels only (tested in test_pack)
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"

@@ -1,0 +1,64 @@
+"""actoff on an unmodified Hugging Face Llama (tiny random config: nothing is downloaded)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import actoff
+
+transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+
+
+def _model():
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def _train(model, steps=3):
+    generator = torch.Generator().manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    history = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (2, 48), generator=generator)
+        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+        loss.backward()
+        history.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return history
+
+
+@pytest.mark.parametrize(
+    ("overrides", "exact"),
+    [
+        ({"policy": "cpu"}, True),
+        ({"policy": "nvme"}, True),
+        ({"policy": "tokenwise", "cpu_fraction": 0.5}, False),
+        ({"policy": "recompute"}, False),
+    ],
+)
+def test_llama_decoder_layers(overrides, exact, nvme_dir):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    expected = _train(reference)
+    actoff.offload_(model, block_cls=LlamaDecoderLayer, min_bytes=0, nvme_dir=nvme_dir, **overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: the layers are recomputed token-wise
+        actual = _train(model)
+    tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(expected, actual, strict=True):
+        torch.testing.assert_close(loss_b, loss_a, **tolerance)
+        for name in grads_a:
+            torch.testing.assert_close(grads_b[name], grads_a[name], **tolerance)
+    stats = actoff.stats()
+    assert set(stats.blocks) == {"model.layers.0", "model.layers.1"}
+    if overrides["policy"] in ("tokenwise", "recompute"):
+        assert stats.blocks["model.layers.0"].bytes_per_tier["recompute"] > 0
