@@ -8,6 +8,7 @@ memory against sequence length.
     python benchmarks/long_context.py                       # CPU default, about a minute
     python benchmarks/long_context.py --preset 7b --seq 8k,16k,32k --layers 4 --json out.json
     python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,checkpoint,cpu
+    torchrun --nproc-per-node 2 benchmarks/long_context.py --seq 1k   # DDP: per rank and in total
 """
 
 from __future__ import annotations
@@ -108,12 +109,26 @@ def worker(spec: dict) -> dict:
     from actoff.reference import ModelConfig, Transformer
 
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    ddp = spec.get("ddp")  # {rank, world, address, port} when launched by torchrun
+    if ddp is not None:
+        import torch.distributed as dist
+
+        os.environ.update(
+            RANK=str(ddp["rank"]), WORLD_SIZE=str(ddp["world"]), LOCAL_WORLD_SIZE=str(ddp["local_world"])
+        )
+        # torchrun's agent serves only its own port; on ours rank 0 must start the store.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        if cuda:
+            torch.cuda.set_device(ddp["local_rank"])
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{ddp['address']}:{ddp['port']}",
+                                rank=ddp["rank"], world_size=ddp["world"])  # fmt: skip
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = getattr(torch, spec["dtype"])
     config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
     torch.manual_seed(0)
     model = Transformer(config).to(device=device, dtype=dtype)
     step_context = _apply_policy(model, spec["policy"], spec.get("nvme_dir"))
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp is not None else model
     tokens = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"] + 1), device=device)
     runtime = get_runtime()
 
@@ -142,7 +157,10 @@ def worker(spec: dict) -> dict:
 
     def step() -> None:
         with step_context():
-            loss = model.loss(tokens)
+            logits = net(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+            )
         loss.backward()
         sample()
 
@@ -156,6 +174,8 @@ def worker(spec: dict) -> dict:
         return time.perf_counter() - start
 
     record = {key: spec[key] for key in ("policy", "seq", "batch", "model", "layers", "dtype")}
+    if ddp is not None:
+        record["rank"] = ddp["rank"]
     try:
         for _ in range(spec["warmup"]):
             step()
@@ -240,9 +260,11 @@ def run_one(spec: dict, timeout_s: float) -> dict:
 
 def add_derived(records: list[dict]) -> None:
     """Share of transfer time hidden under compute, against ``keep`` at the same length."""
-    keep = {r["seq"]: r for r in records if r["policy"] == "keep" and r.get("status") == "ok"}
+    keep = {
+        (r["seq"], r.get("rank")): r for r in records if r["policy"] == "keep" and r.get("status") == "ok"
+    }
     for record in records:
-        base = keep.get(record["seq"])
+        base = keep.get((record["seq"], record.get("rank")))
         transfer_s = (record.get("copy_ms") or 0) / 1e3 + (record.get("fetch_ms") or 0) / 1e3
         if record.get("status") != "ok" or base is None or transfer_s <= 0:
             record["hidden_share"] = None
@@ -250,9 +272,9 @@ def add_derived(records: list[dict]) -> None:
         overhead_s = max(0.0, (record["step_ms"] - base["step_ms"]) / 1e3)
         record["hidden_share"] = max(0.0, 1.0 - overhead_s / transfer_s)
         record["step_vs_keep"] = record["step_ms"] / base["step_ms"]
-    plain = {(r["policy"], r["seq"]): r for r in records if r.get("status") == "ok"}
+    plain = {(r["policy"], r["seq"], r.get("rank")): r for r in records if r.get("status") == "ok"}
     for record in records:
-        base = plain.get((record["policy"].removesuffix("+verify"), record["seq"]))
+        base = plain.get((record["policy"].removesuffix("+verify"), record["seq"], record.get("rank")))
         if record["policy"].endswith("+verify") and base is not None and record.get("status") == "ok":
             record["verify_cost"] = record["step_ms"] / base["step_ms"] - 1.0
 
@@ -393,19 +415,36 @@ def main(argv: list[str] | None = None) -> int:
     base = {"model": preset["model"], "layers": args.layers or preset["layers"], "batch": args.batch or preset["batch"],
             "dtype": preset["dtype"], "steps": args.steps, "warmup": args.warmup, "nvme_dir": nvme_dir}  # fmt: skip
 
+    launch = _torchrun_launch()
+    if launch is not None and args.find_max_seq:
+        raise SystemExit("--find-max-seq runs on one process; launch it without torchrun")
     header = system_header(nvme_dir)
+    if launch is not None:
+        header["ranks"] = f"{launch['world']} (DDP; per rank and in total)"
     header.update(
         preset=preset_name,
         model=f"{base['model']}-shaped, {base['layers']} layers, batch {base['batch']}, {base['dtype']}",
     )
-    print_header("actoff long-context benchmark", header)
+    if launch is None or launch["rank"] == 0:
+        print_header("actoff long-context benchmark", header)
 
     try:
         if args.find_max_seq:
             return _find_max(policies, base, lengths[0], parse_lengths(args.max_seq)[0], args, header)
         jobs = [(policy, seq) for seq in lengths for policy in policies]
-        records = [run_one({**base, "policy": p, "seq": s}, args.timeout)
-                   for p, s in progress(jobs, len(jobs), lambda job: f"{job[0]} seq={job[1]}")]  # fmt: skip
+        shown = jobs if launch is None or launch["rank"] == 0 else iter(jobs)
+        if shown is jobs:
+            shown = progress(jobs, len(jobs), lambda job: f"{job[0]} seq={job[1]}")
+        records = []
+        for index, (policy, seq) in enumerate(shown):
+            spec = {**base, "policy": policy, "seq": seq}
+            if launch is not None:  # every job its own rendezvous, the same on every rank
+                spec["ddp"] = {**launch, "port": launch["port"] + 1 + index}
+            records.append(run_one(spec, args.timeout))
+        if launch is not None:
+            records = _gather_to_rank0(records, launch)
+            if records is None:
+                return 0
     finally:
         if not args.nvme_dir:
             shutil.rmtree(nvme_dir, ignore_errors=True)
@@ -415,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     "peak_reserved_bytes", "fragmentation_bytes", "activation_peak_bytes", "rss_peak_bytes"):  # fmt: skip
             record[key.replace("_bytes", "_gib")] = gib(record.get(key))
     columns = [
+        *([("rank", "rank")] if any("rank" in r for r in records) else []),
         ("policy", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"),
         ("tokens_per_s", "tok/s"), ("mfu", "MFU"), ("peak_allocated_gib", "peak GiB"),
         ("peak_reserved_gib", "reserved GiB"), ("fragmentation_gib", "frag GiB"),
@@ -440,6 +480,47 @@ def main(argv: list[str] | None = None) -> int:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")
     return 0 if all(r.get("status") == "ok" for r in records) else 1
+
+
+def _torchrun_launch() -> dict | None:
+    """Rank facts when torchrun launched this process with more than one rank, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    return {
+        "rank": int(os.environ["RANK"]),
+        "world": world,
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        "address": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "port": int(os.environ.get("MASTER_PORT", "29500")),
+    }
+
+
+def _gather_to_rank0(records: list[dict], launch: dict) -> list[dict] | None:
+    """All ranks' records on rank 0, plus a ``total`` row per (policy, length); None elsewhere."""
+    import torch.distributed as dist
+
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # our own port: rank 0 starts the store
+    dist.init_process_group("gloo", init_method=f"tcp://{launch['address']}:{launch['port'] + 10_000}",
+                            rank=launch["rank"], world_size=launch["world"])  # fmt: skip
+    gathered = [None] * launch["world"] if launch["rank"] == 0 else None
+    dist.gather_object(records, gathered, dst=0)
+    dist.destroy_process_group()
+    if launch["rank"] != 0:
+        return None
+    rows = [record for part in gathered for record in part]
+    totals = []
+    for policy, seq in dict.fromkeys((r["policy"], r["seq"]) for r in rows):
+        group = [r for r in rows if r["policy"] == policy and r["seq"] == seq]
+        total = {"policy": policy, "seq": seq, "rank": "total", "status": "ok"}
+        if all(r.get("status") == "ok" for r in group):
+            total["step_ms"] = max(r["step_ms"] for r in group)  # the step ends with the slowest rank
+            total["tokens_per_s"] = sum(r["tokens_per_s"] for r in group)
+        else:
+            total["status"] = "failed on a rank"
+        totals.append(total)
+    return rows + totals
 
 
 def _find_max(policies: list[str], base: dict, start: int, limit: int, args, header: dict) -> int:

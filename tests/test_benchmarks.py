@@ -81,3 +81,30 @@ def test_planner_benchmark_smoke(tmp_path):
     assert {r["method"] for r in records} == {"greedy", "flat MIP", "bi-level"}
     assert all(r["ratio"] >= 1.0 for r in records)  # never below the lower bound
     assert "bi-level on model traces" in done.stdout
+
+
+def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path):
+    import shutil
+    import socket
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        import pytest
+
+        pytest.skip("torchrun is not on PATH")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out_json = tmp_path / "ddp.json"
+    command = [torchrun, "--nproc-per-node", "2", "--master-port", str(port),
+               os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64", "--layers", "1", "--steps", "1",
+               "--warmup", "0", "--policies", "keep,cpu", "--timeout", "120", "--json", str(out_json)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    records = json.loads(out_json.read_text())["records"]
+    assert {(r["rank"], r["policy"]) for r in records} == {
+        (rank, policy) for rank in (0, 1, "total") for policy in ("keep", "cpu")
+    }
+    totals = {r["policy"]: r for r in records if r["rank"] == "total"}
+    per_rank = [r for r in records if r["rank"] != "total" and r["policy"] == "cpu"]
+    assert abs(totals["cpu"]["tokens_per_s"] - sum(r["tokens_per_s"] for r in per_rank)) < 1e-6
