@@ -36,7 +36,7 @@ from ._device import DeviceBackend, Ticket, backend_for
 from ._pack import pack_rows, scatter_rows
 from ._recompute import CaptureMode, ReplayMismatch, ReplayMode, autograd_status, rows_like, slice_inputs
 from ._record import Record, State
-from ._stats import TIERS, BlockStats, Stats
+from ._stats import BlockStats, Stats
 from ._tokenwise import AutoDecision, TokenRanges, auto_fractions, base_info, detect_canon, token_ranges
 from .planner import Buffer, Layout, PlanCache, solve
 
@@ -103,7 +103,6 @@ class ScopeRun:
         self.records: list[Record] = []
         self.dedup: dict[tuple, Handle] = {}
         self.stats = BlockStats(name, calls=1)
-        self.placed = False
         self.fetch_issued = False
         # Token-wise runs only (see Note [token-wise replay] in actoff._recompute).
         self.tokenwise = False
@@ -374,9 +373,7 @@ class Runtime:
             run.dedup.clear()
             run.owned.clear()
             run.step.aborted = True
-            for other in run.step.pending:
-                other.placed = True  # never placed now: their graph is being torn down
-            run.step.pending.clear()
+            run.step.pending.clear()  # never placed now: their graph is being torn down
 
     def _seal(self, run: ScopeRun) -> None:
         with self.lock:
@@ -384,9 +381,7 @@ class Runtime:
             if run.tokenwise:
                 self._prepare_tokenwise(run)
             step = run.step
-            if run.config.policy == "keep":
-                run.placed = True
-            else:
+            if run.config.policy != "keep":
                 step.pending.append(run)
                 while len(step.pending) > run.config.keep_last:
                     self._place(step.pending.popleft())
@@ -394,7 +389,6 @@ class Runtime:
 
     # ------------------------------------------------------------------ placement
     def _place(self, run: ScopeRun) -> None:
-        run.placed = True
         tier = whole_tier(run.config)
         if run.tokenwise:
             self._place_split(run)
@@ -1179,6 +1173,3 @@ def get_runtime() -> Runtime:
     if _runtime is None:
         _runtime = Runtime()
     return _runtime
-
-
-__all__ += ["TIERS"]
