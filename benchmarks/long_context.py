@@ -116,11 +116,9 @@ def worker(spec: dict) -> dict:
         os.environ.update(
             RANK=str(ddp["rank"]), WORLD_SIZE=str(ddp["world"]), LOCAL_WORLD_SIZE=str(ddp["local_world"])
         )
-        # torchrun's agent serves only its own port; on ours rank 0 must start the store.
-        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         if cuda:
             torch.cuda.set_device(ddp["local_rank"])
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{ddp['address']}:{ddp['port']}",
+        dist.init_process_group("nccl" if cuda else "gloo", store=_rendezvous(ddp, ddp["job"]),
                                 rank=ddp["rank"], world_size=ddp["world"])  # fmt: skip
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = getattr(torch, spec["dtype"])
@@ -419,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if launch is not None and args.find_max_seq:
         raise SystemExit("--find-max-seq runs on one process; launch it without torchrun")
     header = system_header(nvme_dir)
+    _store = _host_store(launch) if launch is not None else None  # held: it serves every job of the launch
     if launch is not None:
         header["ranks"] = f"{launch['world']} (DDP; per rank and in total)"
     header.update(
@@ -438,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         records = []
         for index, (policy, seq) in enumerate(shown):
             spec = {**base, "policy": policy, "seq": seq}
-            if launch is not None:  # every job its own rendezvous, the same on every rank
-                spec["ddp"] = {**launch, "port": launch["port"] + 1 + index}
+            if (
+                launch is not None
+            ):  # every job its own key space in the launch's store, the same on every rank
+                spec["ddp"] = {**launch, "job": f"job{index}"}
             records.append(run_one(spec, args.timeout))
         if launch is not None:
             records = _gather_to_rank0(records, launch)
@@ -497,13 +498,40 @@ def _torchrun_launch() -> dict | None:
     }
 
 
+def _host_store(launch: dict):
+    """The key-value store every job of this launch meets in, or None when torchrun's agent hosts it.
+
+    torchrun's agent already serves a store on MASTER_ADDR:MASTER_PORT for the whole launch
+    (``TORCHELASTIC_USE_AGENT_STORE``); under another launcher rank 0 hosts one there itself, for
+    as long as this process runs. Either way no second port is needed.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or launch["rank"] != 0:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(launch["address"], launch["port"], launch["world"], is_master=True,
+                         timeout=timedelta(minutes=10), wait_for_workers=False)  # fmt: skip
+
+
+def _rendezvous(launch: dict, name: str):
+    """A client of the launch's store with keys under ``name``: one process group per job, no new port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(launch["address"], launch["port"], launch["world"], is_master=False,
+                          timeout=timedelta(minutes=10))  # fmt: skip
+    return dist.PrefixStore(f"actoff-bench/{name}/", store)
+
+
 def _gather_to_rank0(records: list[dict], launch: dict) -> list[dict] | None:
     """All ranks' records on rank 0, plus a ``total`` row per (policy, length); None elsewhere."""
     import torch.distributed as dist
 
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # our own port: rank 0 starts the store
-    dist.init_process_group("gloo", init_method=f"tcp://{launch['address']}:{launch['port'] + 10_000}",
-                            rank=launch["rank"], world_size=launch["world"])  # fmt: skip
+    dist.init_process_group("gloo", store=_rendezvous(launch, "gather"), rank=launch["rank"],
+                            world_size=launch["world"])  # fmt: skip
     gathered = [None] * launch["world"] if launch["rank"] == 0 else None
     dist.gather_object(records, gathered, dst=0)
     dist.destroy_process_group()

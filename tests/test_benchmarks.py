@@ -5,8 +5,11 @@ The figures are never asserted as timings (these machines are noisy).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 import actoff
 
@@ -83,24 +86,43 @@ def test_planner_benchmark_smoke(tmp_path):
     assert "bi-level on model traces" in done.stdout
 
 
-def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path):
-    import shutil
+def _free_port() -> int:
     import socket
 
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        import pytest
-
-        pytest.skip("torchrun is not on PATH")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "env"])
+def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launcher):
+    """Under torchrun (its agent hosts the store) and under a bare env:// launch (rank 0 hosts it).
+
+    The env launch uses a port near the top of the range: jobs meet in the launch's one store,
+    never on a port derived from it (an earlier MASTER_PORT + 10000 overflowed there).
+    """
     out_json = tmp_path / "ddp.json"
-    command = [torchrun, "--nproc-per-node", "2", "--master-port", str(port),
-               os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64", "--layers", "1", "--steps", "1",
-               "--warmup", "0", "--policies", "keep,cpu", "--timeout", "120", "--json", str(out_json)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    args = [os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64", "--layers", "1", "--steps", "1",
+            "--warmup", "0", "--policies", "keep,cpu", "--timeout", "120", "--json", str(out_json)]  # fmt: skip
+    if launcher == "torchrun":
+        torchrun = shutil.which("torchrun")
+        if torchrun is None:
+            pytest.skip("torchrun is not on PATH")
+        done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), *args],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    else:
+        port = next(p for p in range(65535, 60000, -1) if _port_free(p))
+        env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}  # fmt: skip
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        ranks = [subprocess.Popen([sys.executable, *args],
+                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in (0, 1)]  # fmt: skip
+        for rank in ranks:
+            out, err = rank.communicate(timeout=300)
+            assert rank.returncode == 0, out + err[-3000:]
     records = json.loads(out_json.read_text())["records"]
     assert {(r["rank"], r["policy"]) for r in records} == {
         (rank, policy) for rank in (0, 1, "total") for policy in ("keep", "cpu")
@@ -108,3 +130,14 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path):
     totals = {r["policy"]: r for r in records if r["rank"] == "total"}
     per_rank = [r for r in records if r["rank"] != "total" and r["policy"] == "cpu"]
     assert abs(totals["cpu"]["tokens_per_s"] - sum(r["tokens_per_s"] for r in per_rank)) < 1e-6
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
