@@ -97,6 +97,7 @@ class HostArena:
         self.trace_generation = 0
         # Planned offsets (see the module docstring).
         self.plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # sizes, offsets
+        self.plan_method = "none"  # where the plan came from (Layout.method): shown in stats
         self.planned: _Chunk | None = None
         self.request = 0  # request index within the step
         self.divergences = 0  # since the last begin_step

@@ -217,12 +217,21 @@ def local_world_size() -> int:
         return 1
 
 
+def _distributed_rank() -> int | None:
+    """This process's rank when torch.distributed runs with more than one rank, else None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.get_rank()
+
+
 def _broadcast_from_rank0(value: Any) -> Any:
     """Rank 0's ``value`` on every rank when torch.distributed runs (one decision, not one per
     rank: ranks deciding apart can disagree); ``value`` itself otherwise."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _distributed_rank() is None:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -271,6 +280,7 @@ class Runtime:
         self.auto_decisions: dict[str, AutoDecision] = {}
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> layout (issue 5's planner)
+        self.agreed = False  # Note [one agreement]: rank 0's first-step decisions are in
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         from ._nvme import StoreRegistry  # deferred: _nvme imports nothing from here at load
@@ -909,11 +919,46 @@ class Runtime:
                 run.fetch_issued = False
                 run.replay_rows = None
             self.steps_completed += 1
+            if not self.agreed:
+                self._agree_with_rank0(step)
             self._publish(step)
 
+    # Note [one agreement]
+    # ~~~~~~~~~~~~~~~~~~~~
+    # Under torch.distributed, decisions that ranks could make apart and then disagree on are
+    # made by rank 0 and broadcast: the auto policy's fractions and the host arena's plan.
+    # A collective is safe only at a point every rank reaches whatever its local state, or a
+    # rank waits forever. The end of the first backward is such a point (every rank of a
+    # data-parallel job runs it; it does not depend on lengths, budgets or timings), so the
+    # agreement is one broadcast there, always, with whatever rank 0 has by then. A rank
+    # installs rank 0's plan when its own first step traced the same buffers (same
+    # signature) and solves nothing; a rank whose trace differs (another sequence length)
+    # plans alone, as does any rank re-planning later after a divergence. Plans are offsets
+    # into a rank's own arena: they never feed a collective, so ranks holding different plans
+    # can not deadlock; only the entry into the broadcast must be unconditional.
+    def _agree_with_rank0(self, step: Step) -> None:
+        """Note [one agreement]: the first backward's end, on every rank exactly once."""
+        self.agreed = True
+        rank = _distributed_rank()
+        if rank is None:
+            return
+        if rank == 0:
+            self._publish(step)  # plans now (when its buffers are back), from the cache or a solve
+        shared = _broadcast_from_rank0(
+            {"auto": self.auto_decisions, "plans": dict(self.plans) if rank == 0 else {}}
+        )
+        self.auto_decisions = shared["auto"]
+        if rank != 0:
+            for signature, layout in shared["plans"].items():
+                self.plans.setdefault(
+                    signature, dataclasses.replace(layout, method=f"rank 0 ({layout.method})")
+                )
+
     def _decide_auto(self, step: Step) -> None:
-        """The auto policy, after its first step: MEMO's closed form per block, decided on
-        rank 0 and broadcast (every rank runs its first step's backward, so all get here)."""
+        """The auto policy, after its first step: MEMO's closed form per block. Decisions of
+        the first step reach the other ranks with Note [one agreement]; a block that first
+        runs later is decided on rank 0 and broadcast then (the model is the same on every
+        rank, so every rank gets there)."""
         if not any(run.auto_sample is not None and run.name not in self.auto_decisions for run in step.runs):
             return
         for run in step.runs:
@@ -938,7 +983,8 @@ class Runtime:
                 host_budget=None if config.host_budget is None else config.host_budget // local_world_size(),
                 nvme_available=config.nvme_dir is not None,
             )
-        self.auto_decisions = _broadcast_from_rank0(self.auto_decisions)
+        if self.agreed:
+            self.auto_decisions = _broadcast_from_rank0(self.auto_decisions)
 
     def _evict(self, record: Record) -> None:
         """READY -> OFFLOADED: drop the device copy, keep what is stored off the device."""
@@ -1063,6 +1109,7 @@ class Runtime:
                 if cache is not None:
                     cache.put(key, buffers, layout)
             self.plans[signature] = layout
+            arena.plan_method = layout.method
             arena.install_plan(tuple(b.size for b in buffers), layout.offsets, layout.peak)
 
     def stats(self) -> Stats:
@@ -1079,6 +1126,7 @@ class Runtime:
                 nvme_file_bytes=self.stores.file_bytes(),
                 io_backend=self.stores.backend_name(),
                 auto=dict(self.auto_decisions),
+                host_plan=next((a.plan_method for a in self.arenas.values() if a.plan is not None), "none"),
             )
 
     def close(self) -> None:
@@ -1089,7 +1137,7 @@ class Runtime:
             self.steps_completed = 0
             self.arenas = {}  # slots still held by live graphs keep their chunk alive
             self.token_plans, self.verdicts, self._warned = {}, {}, set()
-            self.auto_decisions, self.plans = {}, {}
+            self.auto_decisions, self.plans, self.agreed = {}, {}, False
             self.stores.close()
 
 

@@ -57,6 +57,7 @@ class Stats:
     nvme_file_bytes: int = 0  # size of the NVMe files
     io_backend: str = "none"  # I/O engine of the NVMe tier, once used
     auto: dict = field(default_factory=dict)  # block -> actoff._tokenwise.AutoDecision
+    host_plan: str = "none"  # the host arena's plan: "greedy:...", "mip", "cache", "rank 0 (...)"
 
     @property
     def total_bytes_saved(self) -> int:
@@ -130,8 +131,8 @@ class Stats:
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
         lines.append(
             f"steps: {self.steps}   host arena: {format_bytes(self.host_capacity)} in "
-            f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}"
-            f"   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
+            f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}, "
+            f"plan {self.host_plan}   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
         )
         for name, decision in self.auto.items():
             lines.append(

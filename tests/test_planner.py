@@ -188,7 +188,7 @@ def test_planned_steps_reuse_offsets_and_stay_exact(planner, monkeypatch):
     per_step = len(seen) // 4
     steps = [seen[i * per_step : (i + 1) * per_step] for i in range(4)]
     if planner == "off":
-        assert arena.plan is None
+        assert arena.plan is None and actoff.stats().host_plan == "none"
     else:
         assert arena.plan is not None and arena.total_divergences == 0
         assert steps[1] == steps[2] == steps[3]  # the same addresses every step
@@ -231,4 +231,6 @@ def test_plans_come_back_from_the_disk_cache(tmp_path):
         train(model, 2)
         methods = {layout.method for layout in get_runtime().plans.values()}
         assert methods == ({"cache"} if attempt else {m for m in methods if m != "cache"})
+        assert actoff.stats().host_plan == ("cache" if attempt else methods.pop())  # shown in the stats
+        assert f"plan {actoff.stats().host_plan}" in str(actoff.stats())
     assert len(list(tmp_path.glob("plan-*.json"))) == 1
