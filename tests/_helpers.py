@@ -41,6 +41,24 @@ def train(model: torch.nn.Module, steps: int = 3, *, batch: int = 2, seq: int = 
     return history
 
 
+def train_ddp(model: torch.nn.Module, lengths: list[int], rank: int):
+    """DDP around ``model``, one SGD step per sequence length (tokens drawn per rank); per
+    step the loss and the gradients, in parameter order. Needs an initialised process group."""
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    history = []
+    for length in lengths:
+        tokens = torch.randint(0, 256, (2, length), generator=generator)
+        logits = ddp(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        history.append((loss.detach().clone(), [p.grad.clone() for p in ddp.parameters()]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return history
+
+
 def assert_same_history(expected, actual) -> None:
     """Losses and every gradient bit for bit (rtol=0, atol=0), step by step."""
     assert len(expected) == len(actual)

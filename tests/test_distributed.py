@@ -22,29 +22,14 @@ SCRIPT = textwrap.dedent(
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
         import actoff
         from actoff.reference import Block
-        from _helpers import make_model
-
-        def run(model):
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-            generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-            history = []
-            for _ in range(3):
-                tokens = torch.randint(0, 256, (2, 33), generator=generator)
-                logits = ddp(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
-                loss.backward()
-                history.append((loss.detach().clone(), [p.grad.clone() for p in ddp.parameters()]))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return history
+        from _helpers import make_model, train_ddp
 
         base = make_model()
-        expected = run(copy.deepcopy(base))
+        expected = train_ddp(copy.deepcopy(base), [33] * 3, rank)
         model = copy.deepcopy(base)
         extra = {{"host_bandwidth": f"{{50 * (rank + 1)}}MB"}} if policy == "auto" else {{}}  # ranks measure apart
         actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, nvme_dir=nvme_dir, **extra)
-        actual = run(model)
+        actual = train_ddp(model, [33] * 3, rank)
         for (la, ga), (lb, gb) in zip(expected, actual):
             if policy == "auto":  # recompute: float32 reassociation at most
                 assert torch.allclose(la, lb, rtol=1e-5, atol=1e-6), (rank, la, lb)
@@ -174,7 +159,7 @@ PLAN_SCRIPT = textwrap.dedent(
         import actoff
         import actoff._runtime as runtime_module
         from actoff.reference import Block
-        from _helpers import make_model
+        from _helpers import make_model, train_ddp
 
         solves = []
         real_solve = runtime_module.solve
@@ -183,26 +168,11 @@ PLAN_SCRIPT = textwrap.dedent(
         # (a divergence: rank 1 re-plans alone while rank 0 runs on, no collective involved).
         lengths = {{"same": [[33] * 4, [33] * 4], "differ": [[33] * 4, [49, 49, 49, 65]]}}[case][rank]
 
-        def run(model):
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
-            generator = torch.Generator().manual_seed(100 + rank)
-            history = []
-            for length in lengths:
-                tokens = torch.randint(0, 256, (2, length), generator=generator)
-                logits = ddp(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
-                loss.backward()
-                history.append((loss.detach().clone(), [p.grad.clone() for p in ddp.parameters()]))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return history
-
         base = make_model()
-        expected = run(copy.deepcopy(base))
+        expected = train_ddp(copy.deepcopy(base), lengths, rank)
         model = copy.deepcopy(base)
         actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0, plan_cache=cache)
-        actual = run(model)
+        actual = train_ddp(model, lengths, rank)
         for (la, ga), (lb, gb) in zip(expected, actual):
             assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb)), rank
         arena = next(iter(runtime_module.get_runtime().arenas.values()))
