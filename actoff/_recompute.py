@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._tokenwise import unique_dim
 
@@ -100,6 +101,33 @@ class CaptureMode(TorchFunctionMode):
             run.in_mixer -= 1
         run.capture_mixer_output(output, mixer_token_dim(func, output, run.seq_len))
         return output
+
+
+_COLLECTIVE_NAMESPACES = frozenset(
+    {"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
+)
+
+
+class CollectiveWatch(TorchDispatchMode):
+    """Forward of a block about to be probed: notes the first collective it calls outside a
+    token mixer (``run.collective``), because a re-forward would call it again.
+
+    A re-forward runs on one rank, on a slice, at a moment of that rank's choosing: a
+    collective in it would wait for ranks that never call it, or gather rows of another
+    size. Such blocks are placed whole unless the function that communicates (a
+    sequence-parallel attention, say) is a registered token mixer, which the re-forward
+    serves from its stored output. Active on probe steps only: a dispatch mode costs a
+    Python call per operator.
+    """
+
+    def __init__(self, run: ScopeRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.run.collective is None and not self.run.in_mixer and func.namespace in _COLLECTIVE_NAMESPACES:
+            self.run.collective = str(func.overloadpacket)
+        return func(*args, **(kwargs or {}))
 
 
 class ReplayMode(TorchFunctionMode):

@@ -17,6 +17,7 @@ graph is freed), so ``retain_graph=True`` and partial backward passes need no sp
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -34,7 +35,15 @@ from ._arena import ALIGNMENT, HostArena
 from ._config import Config
 from ._device import DeviceBackend, Ticket, backend_for
 from ._pack import pack_rows, scatter_rows
-from ._recompute import CaptureMode, ReplayMismatch, ReplayMode, autograd_status, rows_like, slice_inputs
+from ._recompute import (
+    CaptureMode,
+    CollectiveWatch,
+    ReplayMismatch,
+    ReplayMode,
+    autograd_status,
+    rows_like,
+    slice_inputs,
+)
 from ._record import Record, State
 from ._stats import BlockStats, Stats
 from ._tokenwise import AutoDecision, TokenRanges, auto_fractions, base_info, detect_canon, token_ranges
@@ -108,6 +117,7 @@ class ScopeRun:
         self.tokenwise = False
         self.events: list[int] | None = None  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
+        self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
         self.seq_len = 0
         self.fn: Callable[..., Any] | None = None
         self.input_spec: Any = None  # pytree structure of (args, kwargs)
@@ -309,7 +319,8 @@ class Runtime:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, _unpack):
                 if run.tokenwise:
                     run.forward_watch = run.backend.stopwatch().start()
-                    with CaptureMode(run):
+                    probing = (name, run.seq_len) not in self.token_plans
+                    with CaptureMode(run), CollectiveWatch(run) if probing else contextlib.nullcontext():
                         output = fn(*args, **kwargs)
                     run.forward_watch.stop()
                 else:
@@ -437,7 +448,13 @@ class Runtime:
         key = (run.name, run.seq_len)
         plan = self.token_plans.get(key)
         if plan is None:
-            plan, reason = self._probe(run, candidates)
+            plan, reason = self._probe(run, candidates) if run.collective is None else (None, "")
+            if run.collective is not None:  # never re-run it: see CollectiveWatch
+                reason = (
+                    f"its forward calls the collective {run.collective} outside a token mixer, and a "
+                    "re-forward on one rank's token slice would call it again (register the function "
+                    "that communicates, e.g. a sequence-parallel attention, with actoff.register_token_mixer)"
+                )
             if plan is None:
                 self.verdicts[run.name] = reason
                 run.tokenwise = False
