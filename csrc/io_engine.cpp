@@ -80,6 +80,9 @@ IoEngine::IoEngine(const std::string& path, std::size_t num_threads, bool allow_
 IoEngine::~IoEngine() { close(); }
 
 void IoEngine::close() {
+  // A second caller waits until the first has joined the workers and closed the descriptors:
+  // on return the engine is closed, whoever closed it.
+  std::lock_guard<std::mutex> closing(close_mutex_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) return;

@@ -114,6 +114,7 @@ class IoEngine {
   std::deque<Request> queue_;
   std::size_t running_ = 0;
   bool stopping_ = false;
+  std::mutex close_mutex_;  // held for the whole of close()
   std::vector<std::thread> workers_;
 };
 

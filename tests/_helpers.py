@@ -49,7 +49,7 @@ def train_ddp(model: torch.nn.Module, lengths: list[int], rank: int):
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     history = []
     for length in lengths:
-        tokens = torch.randint(0, 256, (2, length), generator=generator)
+        tokens = torch.randint(0, 256, (2, length), generator=generator).to(next(model.parameters()).device)
         logits = ddp(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
         loss.backward()
