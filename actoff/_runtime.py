@@ -964,7 +964,7 @@ class Runtime:
         shared = _broadcast_from_rank0(
             {"auto": self.auto_decisions, "plans": dict(self.plans) if rank == 0 else {}}
         )
-        self.auto_decisions = shared["auto"]
+        self.auto_decisions.update(shared["auto"])  # rank 0's where it has one (a pipeline stage may not)
         if rank != 0:
             for signature, layout in shared["plans"].items():
                 self.plans.setdefault(
@@ -973,9 +973,9 @@ class Runtime:
 
     def _decide_auto(self, step: Step) -> None:
         """The auto policy, after its first step: MEMO's closed form per block. Decisions of
-        the first step reach the other ranks with Note [one agreement]; a block that first
-        runs later is decided on rank 0 and broadcast then (the model is the same on every
-        rank, so every rank gets there)."""
+        the first step are replaced by rank 0's with Note [one agreement]; a block that first
+        runs later is decided by its own rank (a broadcast then could wait on ranks that never
+        see that block)."""
         if not any(run.auto_sample is not None and run.name not in self.auto_decisions for run in step.runs):
             return
         for run in step.runs:
@@ -1000,8 +1000,6 @@ class Runtime:
                 host_budget=None if config.host_budget is None else config.host_budget // local_world_size(),
                 nvme_available=config.nvme_dir is not None,
             )
-        if self.agreed:
-            self.auto_decisions = _broadcast_from_rank0(self.auto_decisions)
 
     def _evict(self, record: Record) -> None:
         """READY -> OFFLOADED: drop the device copy, keep what is stored off the device."""

@@ -385,7 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))))
+        spec = json.loads(args.worker)
+        print(json.dumps(worker(spec)), flush=True)
+        if spec.get("ddp") is not None:
+            # A gloo work freed by its thread during interpreter finalisation aborts the process
+            # (a torch bug; "terminate called without an active exception"): the record is out,
+            # so leave without finalising.
+            sys.stderr.flush()
+            os._exit(0)
         return 0
 
     import torch
@@ -527,16 +534,16 @@ def _rendezvous(launch: dict, name: str):
 
 
 def _gather_to_rank0(records: list[dict], launch: dict) -> list[dict] | None:
-    """All ranks' records on rank 0, plus a ``total`` row per (policy, length); None elsewhere."""
-    import torch.distributed as dist
+    """All ranks' records on rank 0, plus a ``total`` row per (policy, length); None elsewhere.
 
-    dist.init_process_group("gloo", store=_rendezvous(launch, "gather"), rank=launch["rank"],
-                            world_size=launch["world"])  # fmt: skip
-    gathered = [None] * launch["world"] if launch["rank"] == 0 else None
-    dist.gather_object(records, gathered, dst=0)
-    dist.destroy_process_group()
+    Through the launch's store (a key per rank), not a process group: no collective, so
+    nothing of gloo's is left to tear down at exit.
+    """
+    store = _rendezvous(launch, "gather")
+    store.set(f"rank{launch['rank']}", json.dumps(records))
     if launch["rank"] != 0:
         return None
+    gathered = [json.loads(store.get(f"rank{rank}")) for rank in range(launch["world"])]
     rows = [record for part in gathered for record in part]
     totals = []
     for policy, seq in dict.fromkeys((r["policy"], r["seq"]) for r in rows):

@@ -45,27 +45,38 @@ SCRIPT = textwrap.dedent(
         if policy == "nvme":
             names = os.listdir(nvme_dir)
             assert any(n.startswith(f"actoff-rank{{rank}}-") for n in names), names
-        dist.barrier()
-        print(f"rank {{rank}} OK", flush=True)
-        dist.destroy_process_group()
+        actoff.reset()  # removes this rank's file (the exit handler is not reached: see _finish)
+        _finish(rank)
 
     if __name__ == "__main__":
         mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]), nprocs=2)
     """
 )
 
-# Note [results by file]: the scripts compare ranks through files the test reads, not with
-# dist.all_gather_object. A gloo work object still held by its worker thread when the
-# process exits is freed during interpreter finalisation, takes the GIL to drop its
-# tensors' Python objects and aborts the process ("terminate called without an active
-# exception"; a torch bug, seen here about once in 40 runs after an all_gather_object).
-WRITE_RESULT = textwrap.dedent(
+# Note [ending a worker]: a gloo work object that its worker thread frees while the process
+# exits takes the GIL during interpreter finalisation and aborts the process ("terminate
+# called without an active exception"; a core dump shows ~AsyncAllgatherWork in
+# ProcessGroupGloo::runLoop). It is a torch bug, seen here about once in 40 runs after both
+# ranks had passed. So workers compare ranks through files the test reads (no
+# all_gather_object), and once both ranks are past the barrier they leave with os._exit,
+# skipping finalisation; actoff's own exit handler is tested in test_nvme.py.
+PRELUDE = textwrap.dedent(
     """
     import json, os
 
     def _write_result(out, rank, value):
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(value, f)
+
+    def _finish(rank):
+        import sys
+        import torch.distributed as dist
+
+        dist.barrier()  # both ranks done with gloo before either tears it down
+        dist.destroy_process_group()
+        print(f"rank {rank} OK", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
     """
 )
 
@@ -85,7 +96,7 @@ def test_ddp_two_ranks(policy, tmp_path, nvme_dir):
     """cpu and nvme: bit for bit against DDP without actoff; auto: one decision for all ranks."""
     script, out = tmp_path / "ddp.py", tmp_path / "out"
     out.mkdir()
-    script.write_text(WRITE_RESULT + SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    script.write_text(PRELUDE + SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     done = subprocess.run([sys.executable, str(script), str(_free_port()), policy, nvme_dir, str(out)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -149,9 +160,7 @@ FSDP_SCRIPT = textwrap.dedent(
         assert stats.total_bytes_offloaded > 0
         # FSDP's unsharded parameters (and their views) are recognised and never offloaded.
         assert all(block.skipped_param_bytes > 0 for block in stats.blocks.values())
-        dist.barrier()  # both ranks done with gloo before either tears it down
-        print(f"rank {{rank}} OK", flush=True)
-        dist.destroy_process_group()
+        _finish(rank)
 
     if __name__ == "__main__":
         mp.spawn(worker, args=(2, int(sys.argv[1])), nprocs=2)
@@ -162,7 +171,7 @@ FSDP_SCRIPT = textwrap.dedent(
 def test_fsdp2_two_ranks_bit_exact(tmp_path):
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) is not in this torch")
     script = tmp_path / "fsdp.py"
-    script.write_text(FSDP_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    script.write_text(PRELUDE + FSDP_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     done = subprocess.run(
         [sys.executable, str(script), str(_free_port())], capture_output=True, text=True, timeout=300
     )
@@ -199,9 +208,7 @@ PLAN_SCRIPT = textwrap.dedent(
             assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb)), rank
         arena = next(iter(runtime_module.get_runtime().arenas.values()))
         _write_result(out, rank, {{"plan": arena.plan, "source": actoff.stats().host_plan, "solves": len(solves)}})
-        dist.barrier()
-        print(f"rank {{rank}} OK", flush=True)
-        dist.destroy_process_group()
+        _finish(rank)
 
     if __name__ == "__main__":
         mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]), nprocs=2)
@@ -216,7 +223,7 @@ def test_plan_is_solved_on_rank0_and_broadcast(case, tmp_path):
     rank 1: each rank plans its own buffers and nobody waits on a collective that never comes."""
     script, cache, out = tmp_path / "plan.py", tmp_path / "plans", tmp_path / "out"
     out.mkdir()
-    script.write_text(WRITE_RESULT + PLAN_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    script.write_text(PRELUDE + PLAN_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     done = subprocess.run([sys.executable, str(script), str(_free_port()), case, str(cache), str(out)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -308,9 +315,7 @@ SEQUENCE_PARALLEL_SCRIPT = textwrap.dedent(
             assert recomputed == 0
             for (la, ga), (lb, gb) in zip(expected, actual):
                 assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb)), rank
-        dist.barrier()
-        print(f"rank {{rank}} OK", flush=True)
-        dist.destroy_process_group()
+        _finish(rank)
 
     if __name__ == "__main__":
         mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
@@ -325,7 +330,7 @@ def test_sequence_parallel_shard(registered, tmp_path):
     local shard (its length is the token dimension); without, the block is placed whole, since a
     re-forward would call the gather again on one rank alone, and nothing hangs."""
     script = tmp_path / "sp.py"
-    script.write_text(SEQUENCE_PARALLEL_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    script.write_text(PRELUDE + SEQUENCE_PARALLEL_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     done = subprocess.run([sys.executable, str(script), str(_free_port()), "1" if registered else "0"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
