@@ -448,12 +448,16 @@ class Runtime:
         key = (run.name, run.seq_len)
         plan = self.token_plans.get(key)
         if plan is None:
-            plan, reason = self._probe(run, candidates) if run.collective is None else (None, "")
-            if run.collective is not None:  # never re-run it: see CollectiveWatch
-                reason = (
-                    f"its forward calls the collective {run.collective} outside a token mixer, and a "
-                    "re-forward on one rank's token slice would call it again (register the function "
-                    "that communicates, e.g. a sequence-parallel attention, with actoff.register_token_mixer)"
+            if run.collective is None:
+                plan, reason = self._probe(run, candidates)
+            else:  # never re-run it, not even to probe: see CollectiveWatch
+                plan, reason = (
+                    None,
+                    (
+                        f"its forward calls the collective {run.collective} outside a token mixer, and a "
+                        "re-forward on one rank's token slice would call it again (register the function "
+                        "that communicates, e.g. a sequence-parallel attention, with actoff.register_token_mixer)"
+                    ),
                 )
             if plan is None:
                 self.verdicts[run.name] = reason
