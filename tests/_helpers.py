@@ -10,6 +10,18 @@ import actoff
 from actoff.reference import Block, ModelConfig, Transformer
 
 
+def free_port(port: int = 0) -> int:
+    """A loopback port nobody listens on: ``port`` itself if free (else 0), or any when 0."""
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return 0
+        return sock.getsockname()[1]
+
+
 def make_model(seed: int = 0, **changes) -> Transformer:
     torch.manual_seed(seed)
     return Transformer(ModelConfig.preset("tiny", **changes))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import free_port
 
 import actoff
 
@@ -86,14 +87,6 @@ def test_planner_benchmark_smoke(tmp_path):
     assert "bi-level on model traces" in done.stdout
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("launcher", ["torchrun", "env"])
 def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launcher):
     """Under torchrun (its agent hosts the store) and under a bare env:// launch (rank 0 hosts it).
@@ -108,11 +101,11 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
         torchrun = shutil.which("torchrun")
         if torchrun is None:
             pytest.skip("torchrun is not on PATH")
-        done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()), *args],
+        done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), *args],
                               capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     else:
-        port = next(p for p in range(65535, 60000, -1) if _port_free(p))
+        port = next(p for p in range(65535, 60000, -1) if free_port(p))
         env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}  # fmt: skip
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
@@ -130,14 +123,3 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
     totals = {r["policy"]: r for r in records if r["rank"] == "total"}
     per_rank = [r for r in records if r["rank"] != "total" and r["policy"] == "cpu"]
     assert abs(totals["cpu"]["tokens_per_s"] - sum(r["tokens_per_s"] for r in per_rank)) < 1e-6
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True

@@ -2,12 +2,12 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from _helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,19 +85,13 @@ def _read_results(out) -> list:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("policy", ["cpu", "nvme", "auto"])
 def test_ddp_two_ranks(policy, tmp_path, nvme_dir):
     """cpu and nvme: bit for bit against DDP without actoff; auto: one decision for all ranks."""
     script, out = tmp_path / "ddp.py", tmp_path / "out"
     out.mkdir()
     script.write_text(PRELUDE + SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    done = subprocess.run([sys.executable, str(script), str(_free_port()), policy, nvme_dir, str(out)],
+    done = subprocess.run([sys.executable, str(script), str(free_port()), policy, nvme_dir, str(out)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
@@ -173,7 +167,7 @@ def test_fsdp2_two_ranks_bit_exact(tmp_path):
     script = tmp_path / "fsdp.py"
     script.write_text(PRELUDE + FSDP_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     done = subprocess.run(
-        [sys.executable, str(script), str(_free_port())], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
@@ -224,7 +218,7 @@ def test_plan_is_solved_on_rank0_and_broadcast(case, tmp_path):
     script, cache, out = tmp_path / "plan.py", tmp_path / "plans", tmp_path / "out"
     out.mkdir()
     script.write_text(PRELUDE + PLAN_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    done = subprocess.run([sys.executable, str(script), str(_free_port()), case, str(cache), str(out)],
+    done = subprocess.run([sys.executable, str(script), str(free_port()), case, str(cache), str(out)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
@@ -331,7 +325,7 @@ def test_sequence_parallel_shard(registered, tmp_path):
     re-forward would call the gather again on one rank alone, and nothing hangs."""
     script = tmp_path / "sp.py"
     script.write_text(PRELUDE + SEQUENCE_PARALLEL_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    done = subprocess.run([sys.executable, str(script), str(_free_port()), "1" if registered else "0"],
+    done = subprocess.run([sys.executable, str(script), str(free_port()), "1" if registered else "0"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
