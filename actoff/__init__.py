@@ -18,7 +18,7 @@ Example:
 
 from ._config import Config, get_config, parse_size, set_config
 from ._io import kvikio_available
-from ._recompute import register_token_mixer
+from ._mixers import register_token_mixer
 from ._runtime import get_runtime
 from ._scope import no_offload, offload, offload_
 from ._stats import BlockStats, Stats

@@ -39,7 +39,9 @@ class DeviceBackend:
     """What actoff needs from a device. Subclasses implement every method."""
 
     device: torch.device
-    pinned: bool
+    #: Copies go through host staging buffers with asynchronous tickets (a device with DMA),
+    #: rather than straight from the tensors (a host-resident device).
+    staged: bool
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 host buffer of ``nbytes`` (pinned where the device has DMA)."""
@@ -99,7 +101,7 @@ class CpuBackend(DeviceBackend):
     Serves the CPU and any device without CUDA streams (copies there are synchronous).
     """
 
-    pinned = False
+    staged = False
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device if device is not None else torch.device("cpu")
@@ -153,7 +155,7 @@ class CudaBackend(DeviceBackend):
     while a copy still touches it.
     """
 
-    pinned = True
+    staged = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -236,7 +238,7 @@ _backends: dict[torch.device, DeviceBackend] = {}
 def backend_for(device: torch.device) -> DeviceBackend:
     """The (cached) backend of ``device``: CUDA for ``cuda`` devices, CPU otherwise.
 
-    >>> backend_for(torch.device("cpu")).pinned
+    >>> backend_for(torch.device("cpu")).staged
     False
     """
     if device.type == "cuda" and device.index is None:

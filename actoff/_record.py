@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from ._arena import Slot
-    from ._device import Ticket
-    from ._runtime import ScopeRun
 
 __all__ = ["Record", "RecordStateError", "State", "TensorLayout"]
 
@@ -118,12 +113,13 @@ class Record:
         "write_future",
     )
 
-    def __init__(self, tensor: torch.Tensor, run: ScopeRun, index: int) -> None:
+    def __init__(self, tensor: torch.Tensor, run: Any, index: int, tier: Any = None) -> None:
         self.layout = TensorLayout(tensor)
-        self.run = run
+        self.run = run  # the scope run (actoff._step.ScopeRun) that saved it
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
-        self.tier = "keep"
+        # Where its bytes live: an actoff._tiers.Tier, which owns every move of the record.
+        self.tier = tier
         # Note [no cycle through autograd]: a detached alias (same storage, no grad_fn). The
         # tensor itself would link record -> tensor -> grad_fn -> saved variable -> handle ->
         # record, a cycle through C++ that Python's collector cannot see: a graph dropped
@@ -134,20 +130,23 @@ class Record:
         # the tensor (never keeping its memory alive) and the version it was saved at.
         self.source = weakref.ref(tensor)
         self.saved_version = tensor._version
-        self.host_slot: Slot | None = None
-        self.extent: object | None = None  # NVMe extent (actoff._nvme.Extent) ...
-        self.store: object | None = None  # ... in this NvmeStore
-        self.copy_ticket: Ticket | None = None
-        self.fetch_ticket: Ticket | None = None
+        # Set by the tiers (actoff._tiers): a host arena slot (actoff._arena.Slot), an NVMe
+        # extent (actoff._nvme.Extent) in its store, and the device tickets of copies in flight.
+        self.host_slot: Any = None
+        self.extent: Any = None
+        self.store: Any = None
+        self.copy_ticket: Any = None
+        self.fetch_ticket: Any = None
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
         self.copy_source: torch.Tensor | None = None  # held while a copy reads it
         self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
-        # Token-wise placement (actoff._tokenwise): the token-dimension view of the span,
-        # whether the record must stay whole (block input, mixer saves), and its ranges once split.
-        self.canon = None
-        self.base_info = None  # (shape, stride) of a merged view's base, for token dims
+        # Token-wise placement (actoff._tokenwise): the token-dimension view of the span
+        # (actoff._tokens.Canon), whether the record must stay whole (block input, mixer saves),
+        # and its ranges once split (actoff._tokens.TokenRanges).
+        self.canon: Any = None
+        self.base_info: Any = None  # (shape, stride) of a merged view's base, for token dims
         self.whole = False
-        self.split = None
+        self.split: Any = None
 
     def to(self, state: State) -> None:
         """Move to ``state``; raise `RecordStateError` if the machine forbids it."""

@@ -182,13 +182,14 @@ PLAN_SCRIPT = textwrap.dedent(
     def worker(rank, world, port, case, cache, out):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
         import actoff
+        import actoff._layout as layout_module
         import actoff._runtime as runtime_module
         from actoff.reference import Block
         from _helpers import make_model, train_ddp
 
         solves = []
-        real_solve = runtime_module.solve
-        runtime_module.solve = lambda *a, **k: solves.append(1) or real_solve(*a, **k)
+        real_solve = layout_module.solve
+        layout_module.solve = lambda *a, **k: solves.append(1) or real_solve(*a, **k)
         # same: every rank the same length. differ: rank 1 longer, and its last step longer still
         # (a divergence: rank 1 re-plans alone while rank 0 runs on, no collective involved).
         lengths = {{"same": [[33] * 4, [33] * 4], "differ": [[33] * 4, [49, 49, 49, 65]]}}[case][rank]

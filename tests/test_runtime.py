@@ -8,6 +8,7 @@ import torch
 from _helpers import assert_same_history, baseline_and_offloaded, make_model, train
 
 import actoff
+import actoff._step
 from actoff._record import State
 from actoff._runtime import get_runtime
 from actoff.reference import Block
@@ -77,16 +78,16 @@ def test_parameters_are_never_offloaded(monkeypatch):
     model = make_model()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     recorded = []
-    original = actoff._runtime.Record
+    original = actoff._step.Record
 
     class SpyRecord(original):
         __slots__ = ()
 
-        def __init__(self, tensor, run, index):
+        def __init__(self, tensor, run, index, tier=None):
             recorded.append(tensor.untyped_storage().data_ptr())
-            super().__init__(tensor, run, index)
+            super().__init__(tensor, run, index, tier)
 
-    monkeypatch.setattr(actoff._runtime, "Record", SpyRecord)
+    monkeypatch.setattr(actoff._step, "Record", SpyRecord)
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
     train(model, 1)
     assert recorded, "nothing was recorded"
@@ -369,7 +370,8 @@ def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, n
         del loss
         assert all(r.state is State.RELEASED for r in records)
         # Inputs and mixer outputs kept directly (under min_bytes) hold no graph either.
-        held = [v for run in runs for v in (*run.inputs, *(m for m, _ in run.mixer_outputs))]
+        states = [run.tokenwise for run in runs if run.tokenwise is not None]
+        held = [v for state in states for v in (*state.inputs, *(m for m, _ in state.mixer_outputs))]
         assert all(v.grad_fn is None for v in held if isinstance(v, torch.Tensor))
         assert get_runtime().step.live == 0
     finally:
