@@ -22,6 +22,7 @@ from ._recompute import register_token_mixer
 from ._runtime import get_runtime
 from ._scope import no_offload, offload, offload_
 from ._stats import BlockStats, Stats
+from ._tile import tile_
 from ._version import __version__
 
 try:
@@ -47,6 +48,7 @@ __all__ = [
     "reset",
     "set_config",
     "stats",
+    "tile_",
 ]
 
 
