@@ -18,6 +18,7 @@ Example:
 
 from ._config import Config, get_config, parse_size, set_config
 from ._io import kvikio_available
+from ._loss import chunked_cross_entropy, chunked_loss_
 from ._recompute import register_token_mixer
 from ._runtime import get_runtime
 from ._scope import no_offload, offload, offload_
@@ -38,6 +39,8 @@ __all__ = [
     "Config",
     "Stats",
     "__version__",
+    "chunked_cross_entropy",
+    "chunked_loss_",
     "get_config",
     "kvikio_available",
     "no_offload",
