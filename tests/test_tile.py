@@ -409,3 +409,18 @@ def test_hugging_face_llama_mlp_trains_tiled_as_untiled():
         for name in grads_a:
             # Reassociated MLP weight sums, then three SGD steps on them: float32, ~1e-7 apart.
             torch.testing.assert_close(grads_b[name], grads_a[name], **REASSOCIATED)
+
+
+def test_readme_tiling_example_runs():
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as handle:
+        section = handle.read().split("## Tiled compute and chunked loss", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    model = namespace["model"]
+    assert tiled_chunk_count(model.layers[0].mlp, 64) == 4
+    assert model.head.weight.grad is not None and model.layers[0].mlp.up_proj.weight.grad is not None
