@@ -120,6 +120,8 @@ class _TiledFunction(torch.autograd.Function):
         out = call.forward_chunks(x, keep_rng=True)
         ctx.call = call
         ctx.save_for_backward(x, *(call.leaves[i] for i in call.tensor_slots))
+        for slot in call.tensor_slots:  # only the saved copies may keep them: the policy places those
+            call.leaves[slot] = None
         return out
 
     @staticmethod
