@@ -135,6 +135,10 @@ class Config:
     #: `actoff.tile_` gives a chunk at most this many positions along the token dimension
     #: (``None``: not set). At most one of ``tile_chunks`` and ``tile_max_tokens``.
     tile_max_tokens: int | None = None
+    #: Run scopes on a CPU device on the simulated asynchronous device (a debugging aid like
+    #: ``CUDA_LAUNCH_BLOCKING``: CUDA's stream semantics, poisoned copy destinations and a race
+    #: checker on the CPU; see `actoff.testing.simulated_device`).
+    sim_device: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
@@ -171,6 +175,7 @@ class Config:
         for name, low in (("keep_last", 0), ("io_threads", 1), ("token_dim", 0), ("verify_interval", 1)):
             set_(self, name, _as_int(name, getattr(self, name), low))
         set_(self, "verify", _as_bool("verify", self.verify))
+        set_(self, "sim_device", _as_bool("sim_device", self.sim_device))
         for name in ("tile_chunks", "tile_max_tokens"):
             if getattr(self, name) is not None:
                 set_(self, name, _as_int(name, getattr(self, name), 1))

@@ -36,6 +36,7 @@ from ._mixers import CaptureMode, CollectiveWatch
 from ._nvme import StoreRegistry
 from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from ._record import Record, State
+from ._simdevice import settings_for
 from ._stats import BlockStats, Stats, collect, snapshot
 from ._step import ScopeRun, Step, unpack
 from ._tier_nvme import NVME
@@ -135,13 +136,15 @@ class Runtime:
                 if step is not None:  # finish its copies: their sources can go now
                     step.last_placed = None
                     step.progress()
+                    step.harvest(block=True)  # long done: a whole step ran since
                 self._publish(step)
                 self.arenas.begin_step()
                 step = self.step = Step(self.steps_started)
                 self.steps_started += 1
             if module_id is not None:
                 step.modules.add(module_id)
-            run = ScopeRun(self, step, name, config, backend_for(device), _param_storages(module))
+            backend = backend_for(device, settings_for(config.sim_device))
+            run = ScopeRun(self, step, name, config, backend, _param_storages(module))
             if config.policy in TOKENWISE_POLICIES and self.verdicts.get(name) is None:
                 run.tokenwise = TokenwiseRun(run)
             step.runs.append(run)
@@ -170,6 +173,8 @@ class Runtime:
             step.progress()
 
     def _place(self, run: ScopeRun) -> None:
+        for record in run.records:
+            record.check_version()  # the copies out are about to read them
         tokenwise = run.tokenwise
         splits = tokenwise is not None and bool(tokenwise.split_records)
         if splits:
@@ -190,7 +195,7 @@ class Runtime:
             if step is None:
                 return
             step.last_placed = None  # nothing is exempt: force all
-            step.progress()
+            step.progress(finish=True)
 
     # ------------------------------------------------------------------ backward
     def unpack(self, record: Record) -> torch.Tensor:
@@ -210,11 +215,15 @@ class Runtime:
                 run.prefetch()
                 if run.index > 0:
                     step.runs[run.index - 1].prefetch()
+            elif run.index > 0:
+                step.runs[run.index - 1].poll()
             return self.materialize(record)
 
     def materialize(self, record: Record) -> torch.Tensor:
         """The device tensor of ``record`` for compute, from wherever it is now."""
         state = record.state
+        if state is State.OFFLOADING and record.device_tensor is None:
+            return record.tier.materialize(record)  # its bytes left the device already
         if state in (State.RESIDENT, State.OFFLOADING, State.READY):
             if state is State.OFFLOADING:
                 record.run.stats.forwarded += 1
@@ -234,10 +243,9 @@ class Runtime:
     def _end_backward(self, step: Step) -> None:
         with self.lock:
             step.callback_queued = False
-            for run, what, ticket in step.timings:
-                ticket.synchronize()  # long done by now: backward has ended
-                setattr(run.stats, what, getattr(run.stats, what) + ticket.elapsed_ms())
-            step.timings.clear()
+            # The host does not wait for copies still running to time them (the device may
+            # lag behind backward's host side): they are added when the next step begins.
+            step.harvest(block=False)
             decide_auto(self, step)
             for run in step.runs:
                 for record in run.all_records():
@@ -288,8 +296,12 @@ class Runtime:
     def stats(self) -> Stats:
         with self.lock:
             blocks = self.last_stats
-            if self.step is not None and self.step.runs and not self.step.backward_started:
-                blocks = collect(self.step)
+            step = self.step
+            if step is not None and step.runs and (step.timings or not step.backward_started):
+                step.harvest(block=True)  # asked for figures: wait for the copies timed
+                blocks = collect(step)
+                if step.backward_started:
+                    self.last_stats = blocks
             return snapshot(blocks, self.steps_completed, self.arenas, self.stores, self.auto_decisions)
 
     def close(self) -> None:

@@ -64,7 +64,20 @@ class Step:
         self.callback_queued = False
         self.aborted = False
 
-    def progress(self) -> None:
+    def harvest(self, *, block: bool) -> None:
+        """Add the times of copies that were in flight when accounted (`ScopeRun.account`):
+        those done now, or every one (``block``: waits for them) when the step is over."""
+        still = []
+        for run, what, ticket in self.timings:
+            if block:
+                ticket.synchronize()
+            if block or ticket.query():
+                setattr(run.stats, what, getattr(run.stats, what) + ticket.elapsed_ms())
+            else:
+                still.append((run, what, ticket))
+        self.timings = still
+
+    def progress(self, *, finish: bool = False) -> None:
         """Advance copies out: finish what completed; runs older than the last placed must finish.
 
         MEMO's double buffering: the copies of run i overlap the forward of run i+1 and are
@@ -76,7 +89,8 @@ class Step:
             busy = False
             for record in run.all_records():
                 if record.state is State.OFFLOADING:
-                    record.tier.advance(record, force=force)
+                    record.check_version()  # the copy out may have read a changed tensor
+                    record.tier.advance(record, force=force, finish=finish)
                     busy = busy or record.state is State.OFFLOADING
             if busy:
                 still.append(run)
@@ -183,8 +197,15 @@ class ScopeRun:
         """Start bringing back every offloaded record not still alive elsewhere (once a step)."""
         self.fetch_issued = True
         for record in self.all_records():
+            if record.state is State.OFFLOADING:  # a write that has ended since: finish it
+                record.tier.advance(record, force=False)
             if record.state is State.OFFLOADED and record.live_source() is None:
                 record.tier.fetch(record)
+
+    def poll(self) -> None:
+        """Move this run's prefetches on without waiting (see `Tier.poll`)."""
+        for record in self.all_records():
+            record.tier.poll(record)
 
     # ------------------------------------------------------------------ for the tiers
     def arena(self) -> Any:

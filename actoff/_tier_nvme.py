@@ -44,12 +44,21 @@ class NvmeTier(HostTier):
         record.tier = self
         record.to(State.OFFLOADING)
 
-    def advance(self, record: Record, *, force: bool) -> None:
+    def advance(self, record: Record, *, force: bool, finish: bool = False) -> None:
         run, ticket = record.run, record.copy_ticket
-        if ticket is not None and record.write_future is None:
-            # Staged: the host copy must be complete before the file write starts.
-            if not ticket.query():
-                if not force:
+        if record.write_future is None:
+            # Staged, the file write not started: the host copy first.
+            if record.device_tensor is not None:
+                if not ticket.query():
+                    if not (force or finish):
+                        return
+                    run.backend.wait(ticket)  # stream-side: the device tensor may go now
+                # Note [staged writes free the device early]: from here the slot holds the
+                # bytes (in stream order), so the device tensor goes at once rather than when
+                # the disk is done; backward before the write ends reads the slot.
+                record.device_tensor = record.copy_source = None
+            if not ticket.query():  # the write reads what the host sees: the copy must be over
+                if not finish:
                     return
                 ticket.synchronize()
             store, slot = run.store(), record.host_slot
@@ -59,8 +68,12 @@ class NvmeTier(HostTier):
             record.extent, record.write_future = store.write(slot.raw(), slot.capacity)
             record.store = store
         future = record.write_future
-        if not future.done() and not force:
-            return
+        if not future.done() and not finish:
+            return  # never wait for the disk in forward: a later call (or backward) finishes it
+        self._finish_write(record)
+
+    def _finish_write(self, record: Record) -> None:
+        run, future = record.run, record.write_future
         try:
             future.wait(run.config.io_timeout)
         except Exception as error:  # an OSError, a timeout, or a worker that died
@@ -68,8 +81,9 @@ class NvmeTier(HostTier):
             return
         run.account_io("copy_ms", future)
         record.write_future = None
-        self._free_slot(record)  # the staging slot: the file has the bytes now
-        self._offloaded(record)
+        if record.state is State.OFFLOADING:
+            self._free_slot(record)  # the staging slot: the file has the bytes now
+            self._offloaded(record)
 
     def _write_failed(self, record: Record, error: Exception) -> None:
         # Nothing is lost: the bytes are still in the staging slot (-> host tier) or in the
@@ -87,8 +101,9 @@ class NvmeTier(HostTier):
         record.copy_source = None
         if record.host_slot is not None:
             record.tier = HOST
-            record.device_tensor = None
-            record.to(State.OFFLOADED)
+            if record.state is State.OFFLOADING:
+                record.device_tensor = None
+                record.to(State.OFFLOADED)
             fallback = "host memory"
         else:
             record.tier = KEEP
@@ -120,6 +135,16 @@ class NvmeTier(HostTier):
         record.to(State.FETCHING)
 
     def materialize(self, record: Record) -> torch.Tensor:
+        if record.state is State.OFFLOADING:
+            # Note [staged writes free the device early]: the device tensor is gone and the
+            # staging slot has the bytes; the write, if started, goes on.
+            self.advance(record, force=False)
+            if record.state is State.OFFLOADING:
+                if record.write_future is None:
+                    record.tier = HOST  # never written: the slot is its home now
+                HostTier.fetch(self, record)
+                self._arrive(record, prefetched=False)
+                return record.device_tensor
         prefetched = record.state is State.FETCHING
         if not prefetched:
             self.fetch(record)
@@ -127,6 +152,12 @@ class NvmeTier(HostTier):
             self._finish_read(record)
         self._arrive(record, prefetched)
         return record.device_tensor
+
+    def poll(self, record: Record) -> None:
+        # A prefetched read that has landed starts its copy to the device now, so that the
+        # copy overlaps compute rather than starting when backward asks for the tensor.
+        if record.state is State.FETCHING and record.write_future is not None and record.write_future.done():
+            self._finish_read(record)
 
     def _finish_read(self, record: Record) -> None:
         run, layout = record.run, record.layout
@@ -146,21 +177,24 @@ class NvmeTier(HostTier):
         if run.config.verify:
             verify(record, buffer)
         if run.backend.staged:
-            flat, record.fetch_ticket = run.backend.copy_to_device(buffer, pad=layout.pad)
+            flat, record.fetch_ticket = run.backend.copy_to_device(buffer, pad=layout.pad, what=record.what())
             record.device_tensor = layout.rebuild(flat)
         else:
             record.fetch_ticket = None
 
     def evict(self, record: Record) -> None:
         if record.state is State.READY and record.host_slot is not None:
-            record.fetch_ticket.synchronize()  # Note [host slot reuse]
-            self._free_slot(record)
+            if record.write_future is not None:  # served from the slot while the write went on
+                self._finish_write(record)
+            if record.tier is self:  # the file has the bytes (a failed write left it in HOST)
+                self._free_slot(record)
         super().evict(record)
 
     def release(self, record: Record) -> None:
-        self._finish_copies(record)
+        self._order_device_side(record)
         if record.write_future is not None:
-            # The record is going away; nothing needs its bytes any more.
+            # A write or read still running (rare: a graph freed before its write ended, a
+            # prefetch backward never used): it touches the slot and the extent, so it ends first.
             try:
                 record.write_future.wait(record.run.config.io_timeout)
             except Exception as error:

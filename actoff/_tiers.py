@@ -20,7 +20,17 @@ import torch
 
 from ._record import Record, State
 
-__all__ = ["HOST", "KEEP", "HostTier", "KeepTier", "Tier", "checksum", "verify"]
+__all__ = [
+    "HOST",
+    "HOST_IN_PLACE",
+    "KEEP",
+    "HostTier",
+    "InPlaceHostTier",
+    "KeepTier",
+    "Tier",
+    "checksum",
+    "verify",
+]
 
 
 class Tier:
@@ -31,23 +41,27 @@ class Tier:
     def place(self, record: Record) -> None:
         """Start moving ``record`` off the device; a record that cannot go stays RESIDENT."""
 
-    def advance(self, record: Record, *, force: bool) -> None:
-        """OFFLOADING -> OFFLOADED once the copy out is done; ``force`` makes it finish now
-        (stream-side where the device allows)."""
+    def advance(self, record: Record, *, force: bool, finish: bool = False) -> None:
+        """OFFLOADING -> OFFLOADED once the copy out is done. ``force``: the device side must
+        be done now (stream-side where the device allows: the host does not wait), so the
+        device tensor can go; ``finish``: everything now, the disk included (`Runtime.flush`)."""
 
     def fetch(self, record: Record) -> None:
         """OFFLOADED -> FETCHING: start bringing the bytes back (a prefetch)."""
 
     def materialize(self, record: Record) -> torch.Tensor:
-        """The device tensor of an OFFLOADED or FETCHING record, ready for compute (-> READY)."""
+        """The device tensor of an OFFLOADED or FETCHING record (or an OFFLOADING one whose
+        device tensor is gone), ready for compute (-> READY)."""
         return record.device_tensor
+
+    def poll(self, record: Record) -> None:
+        """Move a prefetch on without waiting (an NVMe read that landed starts its copy)."""
 
     def evict(self, record: Record) -> None:
         """READY -> OFFLOADED: drop the device copy; what is stored off the device stays."""
         if record.state is not State.READY:
             return
-        record.fetch_ticket = None
-        record.device_tensor = None
+        record.device_tensor = None  # the copy back's ticket stays (Note [host slot reuse])
         record.to(State.OFFLOADED)
 
     def release(self, record: Record) -> None:
@@ -90,6 +104,9 @@ class HostTier(Tier):
 
     def place(self, record: Record) -> None:
         run, layout = record.run, record.layout
+        if run.backend.host_resident:
+            record.tier = HOST_IN_PLACE
+            return
         slot = run.arena().alloc(layout.nbytes, tag=run.index)
         if slot is None:
             run.stats.over_budget_bytes += layout.nbytes
@@ -97,15 +114,18 @@ class HostTier(Tier):
         source = layout.flat(record.device_tensor)
         record.host_slot = slot
         record.copy_source = source  # Note [no record_stream]: held until the copy is done
-        record.copy_ticket = run.backend.copy_to_host(slot.view(layout.dtype, layout.span), source)
+        record.copy_ticket = run.backend.copy_to_host(
+            slot.view(layout.dtype, layout.span), source, record.what()
+        )
         record.tier = self
         record.to(State.OFFLOADING)
 
-    def advance(self, record: Record, *, force: bool) -> None:
+    def advance(self, record: Record, *, force: bool, finish: bool = False) -> None:
         run, ticket = record.run, record.copy_ticket
-        if run.config.verify:
+        if run.config.verify or finish:
             ticket.synchronize()  # the checksum reads the host bytes
-            record.checksum = checksum(record.host_slot.view(record.layout.dtype, record.layout.span))
+            if run.config.verify:
+                record.checksum = checksum(record.host_slot.view(record.layout.dtype, record.layout.span))
         elif force:
             run.backend.wait(ticket)
         elif not ticket.query():
@@ -114,8 +134,8 @@ class HostTier(Tier):
 
     @staticmethod
     def _offloaded(record: Record) -> None:
+        # The copy's ticket stays until the slot is freed (Note [host slot reuse]).
         record.run.account("copy_ms", record.copy_ticket)
-        record.copy_ticket = None
         record.device_tensor = None
         record.copy_source = None
         record.to(State.OFFLOADED)
@@ -125,7 +145,7 @@ class HostTier(Tier):
         host = record.host_slot.view(layout.dtype, layout.span)
         if run.config.verify:
             verify(record, host)
-        flat, record.fetch_ticket = run.backend.copy_to_device(host, pad=layout.pad)
+        flat, record.fetch_ticket = run.backend.copy_to_device(host, pad=layout.pad, what=record.what())
         record.device_tensor = layout.rebuild(flat)
         record.to(State.FETCHING)
 
@@ -150,31 +170,43 @@ class HostTier(Tier):
         record.to(State.READY)
 
     def release(self, record: Record) -> None:
-        self._finish_copies(record)
+        self._order_device_side(record)
         self._free_slot(record)
         super().release(record)
 
     @staticmethod
-    def _finish_copies(record: Record) -> None:
-        # Copies still touching the record's memory must finish first (rare: a graph freed
-        # right after forward, or a prefetch that backward never used).
-        if record.copy_ticket is not None and record.state is State.OFFLOADING:
-            record.copy_ticket.synchronize()
-            record.run.account("copy_ms", record.copy_ticket)
-        if record.fetch_ticket is not None:
-            # Note [host slot reuse]: the compute stream waited for the copy back, but the
-            # host did not. A freed slot can be refilled at once by an NVMe read on a host
-            # thread while the DMA still reads it, so the copy must be over first. It
-            # almost always is: the tensor was used before its handle was dropped.
-            record.fetch_ticket.synchronize()
-        record.copy_ticket = record.fetch_ticket = None
+    def _order_device_side(record: Record) -> None:
+        """Before a record drops its device tensor with a copy still in flight (a graph freed
+        right after forward, a prefetch backward never used), the compute stream waits for
+        the copy: the caching allocator may then hand the memory out (Note [no record_stream]).
+        The host does not wait."""
+        if record.state is State.OFFLOADING and record.device_tensor is not None:
+            record.run.backend.wait(record.copy_ticket)
+        elif record.state is State.FETCHING and record.fetch_ticket is not None:
+            record.run.backend.wait(record.fetch_ticket)
 
     @staticmethod
     def _free_slot(record: Record) -> None:
+        """Note [host slot reuse]: the compute stream waited for the copies into and out of
+        the slot, but the host did not, and a freed slot can be refilled at once by an NVMe
+        read on a host thread while the DMA still touches it. So the arena frees the slot
+        only once both copies' tickets are done, and never blocks the host here: the autograd
+        thread runs ahead of the copy streams."""
         if record.host_slot is not None:
-            record.run.arena().free(record.host_slot)
+            record.run.arena().free(record.host_slot, after=(record.copy_ticket, record.fetch_ticket))
             record.host_slot = None
+        record.copy_ticket = record.fetch_ticket = None
+
+
+class InPlaceHostTier(Tier):
+    """Note [nothing to copy on the host]: on a plain CPU device the tensor already is in
+    host memory. Copying it into the arena would only cost time (``save_on_cpu`` does not copy
+    there either: ``tensor.cpu()`` is the tensor itself), so the record keeps it and counts as
+    host bytes. The copy paths are exercised on the simulated device (actoff._simdevice)."""
+
+    name = "cpu"
 
 
 KEEP = KeepTier()
 HOST = HostTier()
+HOST_IN_PLACE = InPlaceHostTier()

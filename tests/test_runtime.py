@@ -118,6 +118,7 @@ def test_retain_graph_backward_twice(policy):
     assert_same_history(expected, actual)
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_everything_released_after_backward():
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
@@ -131,6 +132,7 @@ def test_everything_released_after_backward():
     assert arena.used == 0
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_host_arena_allocated_once():
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
@@ -155,6 +157,40 @@ def test_inplace_modification_after_save_is_caught(policy):
         out.sum().backward()
 
 
+class _ChangesSavedLocal(torch.nn.Module):
+    """A block that changes a saved local in place after autograd saved it: directly, or
+    through a view once the local's own name is gone (its Python object dies in forward)."""
+
+    def __init__(self, through_view: bool) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.through_view = through_view
+
+    def forward(self, x):
+        h = self.fc(x)
+        out = h.sin()  # sin saves h
+        if self.through_view:
+            view = h[:, :8]
+            del h
+            view.mul_(2.0)
+        else:
+            h.mul_(2.0)
+        return out
+
+
+@pytest.mark.parametrize("through_view", [False, True], ids=["direct", "view"])
+@pytest.mark.parametrize("policy", ["keep", "cpu", "nvme", "tokenwise"])
+def test_inplace_change_of_a_saved_local_is_caught(policy, through_view, nvme_dir):
+    """Plain torch raises at backward; so must actoff, naming the block, under every tier."""
+    block = _ChangesSavedLocal(through_view)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        block(torch.randn(4, 16)).sum().backward()  # plain torch: the reference behaviour
+    actoff.offload(block, name="changes", policy=policy, min_bytes=0, nvme_dir=nvme_dir)
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation.*block 'changes'"):
+        block(x).sum().backward()
+
+
 def test_inplace_before_save_is_fine():
     @actoff.offload(policy="cpu", min_bytes=0)
     def block(x):
@@ -171,6 +207,7 @@ class _Boom(RuntimeError):
     pass
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_exception_in_forward_then_clean_step():
     model = make_model()
     reference = copy.deepcopy(model)
@@ -258,6 +295,7 @@ def test_no_offload_region_inside_a_scope():
     assert actoff.stats().blocks["mixed"].tensors == 1  # only (x * 2.0) from outside no_offload
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_host_budget_keeps_the_rest_on_device():
     expected, actual = baseline_and_offloaded(2, policy="cpu", min_bytes=0, host_budget="200KiB")
     assert_same_history(expected, actual)

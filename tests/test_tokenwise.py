@@ -331,6 +331,7 @@ def test_auto_measures_the_link_when_not_given():
     assert decision.bandwidth_gbps > 0.05  # a memcpy on this CPU
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_host_memory_falls_with_the_stored_fraction():
     highs = []
     for cpu_fraction in (1.0, 0.5, 0.0):
