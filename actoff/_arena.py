@@ -195,10 +195,12 @@ class HostArena:
             self._reap(wait=False)
             place = self._take_planned(size) if self.plan is not None else None
             if place is None:
-                place = self._bump(size)
-            if place is None and self._deferred:  # the room is held by copies still running
-                self._reap(wait=True)
-                place = self._bump(size)
+                place = self._bump(size, grow=False)
+            if place is None and self._deferred:  # the room is held by copies still running:
+                self._reap(wait=True)  # wait for them rather than hold more memory
+                place = self._bump(size, grow=False)
+            if place is None:
+                place = self._bump(size, grow=True)
             if place is None:
                 return None
             chunk, offset = place
@@ -212,10 +214,10 @@ class HostArena:
             self.high_water = max(self.high_water, self._used())
             return slot
 
-    def _bump(self, size: int) -> tuple[_Chunk, int] | None:
+    def _bump(self, size: int, *, grow: bool) -> tuple[_Chunk, int] | None:
         chunk = next((c for c in self._chunks if c.capacity - c.top >= size), None)
         if chunk is None:
-            chunk = self._grow(size)
+            chunk = self._grow(size) if grow else None
             if chunk is None:
                 return None
         offset = chunk.top

@@ -197,8 +197,8 @@ class ScopeRun:
         """Start bringing back every offloaded record not still alive elsewhere (once a step)."""
         self.fetch_issued = True
         for record in self.all_records():
-            if record.state is State.OFFLOADING:  # a write that has ended since: finish it
-                record.tier.advance(record, force=False)
+            if record.state is State.OFFLOADING:
+                record.tier.settle(record)
             if record.state is State.OFFLOADED and record.live_source() is None:
                 record.tier.fetch(record)
 

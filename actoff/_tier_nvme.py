@@ -49,10 +49,13 @@ class NvmeTier(HostTier):
         if record.write_future is None:
             # Staged, the file write not started: the host copy first.
             if record.device_tensor is not None:
-                if not ticket.query():
-                    if not (force or finish):
-                        return
-                    run.backend.wait(ticket)  # stream-side: the device tensor may go now
+                if not (force or finish):
+                    # The last run placed keeps its device tensors until the next run is placed
+                    # or backward forwards them, whatever the copy's timing: so backward's
+                    # requests for staging slots, which the host arena's plan counts on, are
+                    # the same every step.
+                    return
+                run.backend.wait(ticket)  # stream-side: the device tensor may go now
                 # Note [staged writes free the device early]: from here the slot holds the
                 # bytes (in stream order), so the device tensor goes at once rather than when
                 # the disk is done; backward before the write ends reads the slot.
@@ -71,6 +74,14 @@ class NvmeTier(HostTier):
         if not future.done() and not finish:
             return  # never wait for the disk in forward: a later call (or backward) finishes it
         self._finish_write(record)
+
+    def settle(self, record: Record) -> None:
+        # The write ends before backward reads the record back: served from the file every
+        # step, never from the staging slot on one step and a new slot on the next, which
+        # would make the host arena's requests, and so its plan, depend on the disk's timing.
+        # A record still holding its device tensor is forwarded instead (no copy back).
+        if record.device_tensor is None:
+            self.advance(record, force=True, finish=True)
 
     def _finish_write(self, record: Record) -> None:
         run, future = record.run, record.write_future
@@ -139,6 +150,8 @@ class NvmeTier(HostTier):
             # Note [staged writes free the device early]: the device tensor is gone and the
             # staging slot has the bytes; the write, if started, goes on.
             self.advance(record, force=False)
+            if record.tier is not self:  # the write failed: the record lives elsewhere now
+                return record.tier.materialize(record)
             if record.state is State.OFFLOADING:
                 if record.write_future is None:
                     record.tier = HOST  # never written: the slot is its home now

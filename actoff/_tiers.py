@@ -46,6 +46,10 @@ class Tier:
         be done now (stream-side where the device allows: the host does not wait), so the
         device tensor can go; ``finish``: everything now, the disk included (`Runtime.flush`)."""
 
+    def settle(self, record: Record) -> None:
+        """Backward is about to need an OFFLOADING record: finish moving it out, so that it
+        comes back the same way every step (a plan counts on the same requests)."""
+
     def fetch(self, record: Record) -> None:
         """OFFLOADED -> FETCHING: start bringing the bytes back (a prefetch)."""
 
