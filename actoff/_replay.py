@@ -12,7 +12,7 @@ tensor gives record i its rows. Any difference in count or shape is a mismatch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -22,7 +22,7 @@ from ._record import Record
 from ._step import param_like
 from ._tokens import detect_canon
 
-__all__ = ["probe", "replay", "rows_match"]
+__all__ = ["Resave", "probe", "replay", "rows_match"]
 
 
 def rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
@@ -64,13 +64,13 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, tuple] | 
         if replayed is None:
             continue
         view = (record.layout.size, record.layout.stride)
-        canon = detect_canon(view, record.base_info, replayed, seq_len, length)
+        canon = detect_canon(view, record.base_info, replayed.shape, replayed.base_shape, seq_len, length)
         if canon is None:
             continue  # no token dimension we can trust: stored whole
         original = canon.view(record.layout.flat(record.device_tensor.detach())).narrow(
             canon.dim, start, length
         )
-        if not rows_match(original, canon.source(replayed).detach()):
+        if not rows_match(original, replayed.base if canon.on_base else replayed.view):
             return None, (
                 f"saved tensor {record.index} (shape {list(record.layout.size)}) differs after "
                 f"recompute on tokens [{start}, {seq_len}) (attention written out without a "
@@ -82,13 +82,27 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, tuple] | 
     return plan, ""
 
 
-def replay(
-    tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None
-) -> dict[int, torch.Tensor]:
+class Resave(NamedTuple):
+    """What the probe keeps of a re-forward save: shapes and detached rows, never the tensor.
+
+    Note [probe keeps no graph]: a re-forward save is an intermediate whose ``grad_fn`` holds
+    the saved-tensor hooks of the re-forward, whose pack closure holds the dictionary of
+    saves, the token-wise run and its step: a cycle through C++ autograd that Python's
+    collector cannot see. Kept as it was, every probe (one per block and new sequence length)
+    leaked its step; detached tensors hold only memory.
+    """
+
+    shape: tuple[int, ...]
+    base_shape: tuple[int, ...] | None  # of its ``_base``, when it is a view
+    view: torch.Tensor  # detached
+    base: torch.Tensor | None  # detached ``_base``
+
+
+def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None) -> dict[int, Any]:
     """Note [token-wise replay]: the block's forward on token rows ``[start, stop)``.
 
-    Returns, per record, its re-forward save: for ``detect``'s records the saved tensor as
-    it is (to find the token dimension), else the rows in the record's canonical shape.
+    Returns, per record, its re-forward save: for ``detect``'s records a `Resave` (to find
+    the token dimension), else the rows in the record's canonical shape (detached).
     """
     run = tokenwise.run
     runtime = run.runtime
@@ -119,8 +133,14 @@ def replay(
         record = wanted.get(events[k])
         if record is None or record.index in rows:
             return None
-        if detect is not None:
-            rows[record.index] = tensor
+        if detect is not None:  # Note [probe keeps no graph]
+            base = tensor._base
+            rows[record.index] = Resave(
+                tuple(tensor.shape),
+                None if base is None else tuple(base.shape),
+                tensor.detach(),
+                None if base is None else base.detach(),
+            )
             return None
         expected = list(record.canon.shape)
         expected[record.canon.dim] = length

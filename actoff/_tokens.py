@@ -104,16 +104,22 @@ def changed_dim(
 def detect_canon(
     view: tuple[tuple[int, ...], tuple[int, ...]],
     base: tuple[tuple[int, ...], tuple[int, ...]] | None,
-    replayed: torch.Tensor,
+    replayed_shape: tuple[int, ...],
+    replayed_base_shape: tuple[int, ...] | None,
     seq_len: int,
     length: int,
 ) -> Canon | None:
-    """The `Canon` of a record from its forward view (and base) and its re-forward save."""
-    dim = changed_dim(view[0], tuple(replayed.shape), seq_len, length)
+    """The `Canon` of a record from its forward view (and base) and the shapes of its
+    re-forward save (and of that save's base, if it is a view).
+
+    >>> detect_canon(((4, 8), (8, 1)), ((2, 2, 8), (32, 8, 1)), (2, 8), (2, 1, 8), 2, 1)
+    Canon(shape=(2, 2, 8), stride=(32, 8, 1), dim=1, on_base=True)
+    """
+    dim = changed_dim(view[0], replayed_shape, seq_len, length)
     if dim is not None:
         return Canon(view[0], view[1], dim)
-    if base is not None and replayed._base is not None:
-        dim = changed_dim(base[0], tuple(replayed._base.shape), seq_len, length)
+    if base is not None and replayed_base_shape is not None:
+        dim = changed_dim(base[0], replayed_base_shape, seq_len, length)
         if dim is not None:
             return Canon(base[0], base[1], dim, on_base=True)
     return None

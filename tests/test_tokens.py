@@ -31,7 +31,9 @@ def test_detect_canon_on_the_base_of_a_merged_view():
     forward = torch.zeros(2, 128, 128)
     saved = forward.view(256, 128)
     replayed = torch.zeros(2, 32, 128).view(64, 128)
-    canon = detect_canon((tuple(saved.shape), saved.stride()), base_info(saved), replayed, 128, 32)
+    canon = detect_canon(
+        (tuple(saved.shape), saved.stride()), base_info(saved), tuple(replayed.shape), (2, 32, 128), 128, 32
+    )
     assert canon.on_base and canon.dim == 1 and canon.shape == (2, 128, 128)
     assert canon.source(replayed).shape == (2, 32, 128)
     flat = torch.arange(2 * 128 * 128.0)
