@@ -45,8 +45,17 @@ class Canon:
     on_base: bool = False
 
     def view(self, flat: torch.Tensor, pad: int = 0) -> torch.Tensor:
-        """The canonical tensor over a 1-D buffer holding ``pad`` spare elements, then the span."""
-        return flat.as_strided(self.shape, self.stride, pad)
+        """The canonical tensor over a 1-D buffer holding ``pad`` spare elements, then the span.
+
+        ``flat`` may itself start inside its storage (the span of a ``chunk`` of a fused
+        projection starts at the chunk's offset): ``as_strided`` takes an absolute storage
+        offset, so ``flat``'s own offset is added, never assumed zero.
+
+        >>> storage = torch.arange(12.0)
+        >>> Canon((2, 3), (3, 1), 1).view(storage[6:]).tolist()
+        [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
+        """
+        return flat.as_strided(self.shape, self.stride, flat.storage_offset() + pad)
 
     def source(self, saved: torch.Tensor) -> torch.Tensor | None:
         """The tensor to take rows from among a re-forward's save: the view or its base."""

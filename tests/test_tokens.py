@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from actoff._tokens import base_info, changed_dim, detect_canon, token_ranges, unique_dim
+from actoff._record import TensorLayout
+from actoff._tokens import Canon, base_info, changed_dim, detect_canon, token_ranges, unique_dim
 
 
 def test_unique_dim():
@@ -38,6 +39,19 @@ def test_detect_canon_on_the_base_of_a_merged_view():
     assert canon.source(replayed).shape == (2, 32, 128)
     flat = torch.arange(2 * 128 * 128.0)
     assert torch.equal(canon.view(flat), flat.view(2, 128, 128))
+
+
+def test_canon_view_of_a_chunk_with_a_storage_offset():
+    # The second chunk of a fused projection (Phi-3's gate_up_proj) starts 3 elements into
+    # its storage: its canonical view must read from there, not from the storage's start.
+    fused = torch.arange(2 * 8 * 6.0).view(2, 8, 6)  # (B, S, 2 * I)
+    up = fused.chunk(2, dim=-1)[1]
+    assert up.storage_offset() == 3
+    canon = Canon(tuple(up.shape), up.stride(), 1)
+    assert torch.equal(canon.view(TensorLayout(up).flat(up)), up)
+    span = TensorLayout(up).span
+    copied = torch.cat((torch.full((1,), -1.0), fused.reshape(-1)[3 : 3 + span]))  # a pad, then the span
+    assert torch.equal(canon.view(copied, pad=1), up)
 
 
 def test_base_info_requires_a_dense_merged_view():

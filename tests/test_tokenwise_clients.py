@@ -8,13 +8,16 @@ the recomputed rows are rounded the same way, but a GEMM on fewer rows may sum i
 order before that rounding, so one bf16 ulp of the largest values is allowed: ``BF16_TOL``.
 """
 
+import copy
 import gc
 import os
 import warnings
 
 import pytest
 import torch
-from _helpers import make_model
+import torch.nn.functional as F
+from _helpers import make_model, train
+from torch import nn
 
 import actoff
 from actoff._record import Record
@@ -74,3 +77,114 @@ def test_a_new_length_every_step_leaks_nothing(overrides):
     assert rss_after - rss_before < 24 * 2**20, (rss_before, rss_after)  # allocator noise, not a leak
     actoff.reset()
     assert _live_actoff_objects() == 0
+
+
+def _no_fallback(run):
+    """``run()`` with every warning an error: a block that falls back warns, and must not."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return run()
+
+
+def assert_close_history(expected, actual, tolerance=RECOMPUTE_TOL) -> None:
+    """Losses and every gradient of the parameters both runs have, step by step."""
+    assert len(expected) == len(actual)
+    for step, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(expected, actual, strict=True)):
+        torch.testing.assert_close(loss_b, loss_a, **tolerance, msg=lambda m, s=step: f"step {s} loss: {m}")
+        assert grads_a.keys() == grads_b.keys()
+        for name in grads_a:
+            torch.testing.assert_close(
+                grads_b[name], grads_a[name], **tolerance, msg=lambda m, s=step, n=name: f"step {s} {n}: {m}"
+            )
+
+
+def _recompute_bytes(block: str = "layers.0") -> int:
+    return actoff.stats().blocks[block].bytes_per_tier["recompute"]
+
+
+# ---------------------------------------------------------------------------------- fused projections
+class FusedGateUpMLP(nn.Module):
+    """Phi-3's MLP: one fused gate/up projection split with ``chunk``. The multiply saves the
+    up half, a view whose storage offset is the intermediate size, not zero."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # up: storage offset = intermediate
+        return self.down_proj(up * F.silu(gate))
+
+
+def test_chunk_then_multiply_block_is_recomputed_token_wise():
+    model = make_model()
+    for layer in model.layers:
+        layer.mlp = FusedGateUpMLP(model.config.hidden_size, model.config.intermediate_size)
+    reference = copy.deepcopy(model)
+    expected = train(reference, 3)
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual = _no_fallback(lambda: train(model, 3))
+    assert_close_history(expected, actual)
+    assert _recompute_bytes() > 0
+
+
+# ---------------------------------------------------------------------------------- Hugging Face
+def _hf(family: str, attn_implementation: str = "sdpa", **changes):
+    """A Hugging Face causal LM of ``family`` from a tiny random config (nothing downloaded)."""
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+    }[family]
+    if family == "gpt2":
+        sizes = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+    else:
+        sizes = {
+            "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        }  # fmt: skip
+    config = config_cls(**{**sizes, "use_cache": False, **changes})
+    torch.manual_seed(0)
+    return model_cls._from_config(config, attn_implementation=attn_implementation)
+
+
+def _hf_layer_cls(model) -> type:
+    return type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
+
+
+def _hf_train(model, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, lengths=None):
+    """SGD steps on random tokens (``lengths``: one sequence length per step); per step the
+    loss and the gradient of every parameter that has one."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    history = []
+    for length in lengths or [seq] * steps:
+        tokens = torch.randint(0, 256, (batch, length), generator=generator)
+        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        history.append((loss.detach().clone(), grads))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return history
+
+
+def _hf_offloaded(model, steps: int = 3, **overrides):
+    """The same model trained without actoff (a copy) and under ``overrides``, with no fallback."""
+    reference = copy.deepcopy(model)
+    expected = _hf_train(reference, steps)
+    actoff.offload_(model, block_cls=_hf_layer_cls(model), min_bytes=0, **overrides)
+    actual = _no_fallback(lambda: _hf_train(model, steps))
+    return expected, actual
+
+
+def test_phi3_fused_projections_are_recomputed_token_wise():
+    # Phi-3 splits its fused gate_up_proj with chunk (and its qkv_proj by slicing): saved
+    # views with a nonzero storage offset.
+    model = _hf("phi3")
+    expected, actual = _hf_offloaded(model, policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("model.layers.0") > 0
