@@ -12,17 +12,19 @@ tensor gives record i its rows. Any difference in count or shape is a mismatch.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from ._mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs
+from ._mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs, with_status
 from ._record import Record
 from ._step import param_like
 from ._tokens import detect_canon
 
-__all__ = ["Resave", "probe", "replay", "rows_match"]
+__all__ = ["Resave", "autocast_state", "forward_state", "probe", "replay", "rows_match"]
 
 
 def rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
@@ -98,6 +100,39 @@ class Resave(NamedTuple):
     base: torch.Tensor | None  # detached ``_base``
 
 
+def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype, bool], ...]:
+    """Autocast as it is now, for the CPU and ``device``'s type: ``(device type, enabled,
+    dtype, weight cache enabled)`` each. Part of what decides what autograd saves.
+
+    >>> autocast_state(torch.device("cpu"))
+    (('cpu', False, torch.bfloat16, True),)
+    """
+    device_types = ("cpu",) if device.type == "cpu" else ("cpu", device.type)
+    cache = torch.is_autocast_cache_enabled()
+    return tuple(
+        (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), cache)
+        for kind in device_types
+    )
+
+
+@contextlib.contextmanager
+def forward_state(tokenwise: Any) -> Iterator[None]:
+    """Note [re-forward state]: run under the grad mode and autocast state of the forward pass.
+
+    Whether an operation saves an operand, and in which dtype, depends on grad mode and on
+    autocast (under autocast a linear layer saves the bf16 cast of its weight). Backward runs
+    with grad off and usually outside the training loop's autocast region, and the probe
+    could run under another state than the step it plans for: so both set the captured state.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(tokenwise.grad_enabled))
+        for device_type, enabled, dtype, cache in tokenwise.autocast:
+            stack.enter_context(
+                torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
+            )
+        yield
+
+
 def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None) -> dict[int, Any]:
     """Note [token-wise replay]: the block's forward on token rows ``[start, stop)``.
 
@@ -108,17 +143,18 @@ def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None
     runtime = run.runtime
     length = stop - start
     values = [runtime.materialize(v) if isinstance(v, Record) else v for v in tokenwise.inputs]
-    with torch.enable_grad():  # backward runs with grad off; the sliced inputs need it on
+    with forward_state(tokenwise):  # backward runs with grad off; the sliced inputs need it on
         sliced = slice_inputs(
             values, tokenwise.input_status, tokenwise.seq_len, run.config.token_dim, start, stop
         )
     args, kwargs = pytree.tree_unflatten(sliced, tokenwise.input_spec)
     mixer_rows = []
-    for value, dim in tokenwise.mixer_outputs:
+    for value, dim, status in tokenwise.mixer_outputs:
         if dim is None:
             raise ReplayMismatch("a token mixer's output has no token dimension actoff can find")
         whole = runtime.materialize(value) if isinstance(value, Record) else value
-        mixer_rows.append(rows_like(whole, dim, start, stop))
+        with forward_state(tokenwise):  # rows that require grad, as the mixer's output did
+            mixer_rows.append(with_status(status, rows_like(whole, dim, start, stop)))
     wanted = {r.index: r for r in (detect if detect is not None else tokenwise.split_records)}
     events, rows, count = tokenwise.events, {}, [0]
 
@@ -157,7 +193,7 @@ def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None
     devices = [run.device] if run.device.type == "cuda" else []
     runtime.thread.stack.append(run)  # nested scopes inside the block pass through
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), forward_state(tokenwise):
             torch.set_rng_state(tokenwise.rng[0])
             if tokenwise.rng[1] is not None:
                 torch.cuda.set_rng_state(tokenwise.rng[1], run.device)

@@ -42,7 +42,10 @@ class TokenwiseRun(Tier):
         self.input_spec: Any = None  # pytree structure of (args, kwargs)
         self.inputs: list[Any] = []  # their flattened leaves: Record, or the value itself
         self.input_status: list[str | None] = []  # autograd_status of each input at capture
-        self.mixer_outputs: list[tuple[Any, int | None]] = []  # (Record or tensor, token dim)
+        # (Record or tensor, token dim, autograd_status): the re-forward serves its rows alike
+        self.mixer_outputs: list[tuple[Any, int | None, str | None]] = []
+        self.grad_enabled = True  # the forward's grad mode and autocast state (_replay.forward_state)
+        self.autocast: tuple = ()
         self.owned: list[Any] = []  # handles actoff holds for inputs and mixer outputs
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.ranges: TokenRanges | None = None
@@ -69,6 +72,7 @@ class TokenwiseRun(Tier):
         # Inputs may nest (Hugging Face passes position_embeddings=(cos, sin)): flatten them.
         values, self.input_spec = pytree.tree_flatten((args, kwargs))
         self.fn = fn
+        self.grad_enabled, self.autocast = torch.is_grad_enabled(), _replay.autocast_state(run.device)
         self.input_status = [autograd_status(value) for value in values]
         self.inputs = [self.keep_whole(value) for value in values]
         cuda_state = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
@@ -108,7 +112,7 @@ class TokenwiseRun(Tier):
         return handle.record
 
     def capture_mixer_output(self, output: Any, token_dim: int | None) -> None:
-        self.mixer_outputs.append((self.keep_whole(output), token_dim))
+        self.mixer_outputs.append((self.keep_whole(output), token_dim, autograd_status(output)))
 
     # ------------------------------------------------------------------ sealing
     def prepare(self, runtime: Any) -> None:
@@ -120,7 +124,7 @@ class TokenwiseRun(Tier):
         if fractions is None:  # auto's first step: measure, store whole, decide after backward
             self.auto_sample = (
                 sum(v.layout.nbytes for v in self.inputs if isinstance(v, Record)),
-                sum(v.layout.nbytes for v, _ in self.mixer_outputs if isinstance(v, Record)),
+                sum(v.layout.nbytes for v, *_ in self.mixer_outputs if isinstance(v, Record)),
                 sum(r.layout.nbytes for r in candidates),
             )
             return

@@ -155,15 +155,16 @@ def _hf_layer_cls(model) -> type:
     return type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
 
 
-def _hf_train(model, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, lengths=None):
-    """SGD steps on random tokens (``lengths``: one sequence length per step); per step the
-    loss and the gradient of every parameter that has one."""
+def _hf_train(model, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, autocast: bool = False):
+    """SGD steps on random tokens, the forward under bf16 autocast if asked; per step the loss
+    and the gradient of every parameter that has one."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     history = []
-    for length in lengths or [seq] * steps:
-        tokens = torch.randint(0, 256, (batch, length), generator=generator)
-        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (batch, seq), generator=generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         history.append((loss.detach().clone(), grads))
@@ -172,12 +173,12 @@ def _hf_train(model, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int
     return history
 
 
-def _hf_offloaded(model, steps: int = 3, **overrides):
+def _hf_offloaded(model, steps: int = 3, *, autocast: bool = False, **overrides):
     """The same model trained without actoff (a copy) and under ``overrides``, with no fallback."""
     reference = copy.deepcopy(model)
-    expected = _hf_train(reference, steps)
+    expected = _hf_train(reference, steps, autocast=autocast)
     actoff.offload_(model, block_cls=_hf_layer_cls(model), min_bytes=0, **overrides)
-    actual = _no_fallback(lambda: _hf_train(model, steps))
+    actual = _no_fallback(lambda: _hf_train(model, steps, autocast=autocast))
     return expected, actual
 
 
@@ -188,3 +189,65 @@ def test_phi3_fused_projections_are_recomputed_token_wise():
     expected, actual = _hf_offloaded(model, policy="tokenwise", cpu_fraction=0.25)
     assert_close_history(expected, actual)
     assert _recompute_bytes("model.layers.0") > 0
+
+
+# ---------------------------------------------------------------------------------- LoRA, autocast
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update: ``base(x) + B(A(x)) * scale``."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # not zero: the adapters count from step one
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
+
+
+def _lora_llama(targets: tuple[str, ...]):
+    """A Llama with every base weight frozen and adapters on the attention projections ``targets``."""
+    model = _hf("llama").requires_grad_(False)
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for name in targets:
+            setattr(attention, name, LoRALinear(getattr(attention, name)))
+    return model
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16_autocast"])
+@pytest.mark.parametrize(
+    "targets", [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj")], ids=["qv", "qkvo"]
+)
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+def test_lora_on_a_frozen_llama_is_recomputed_token_wise(policy, targets, autocast):
+    # In the forward, attention's output requires grad (the adapters do) and is not a leaf;
+    # the rows the re-forward serves must be the same, or what autograd saves after
+    # attention differs (adapters on q and v, PEFT's default for Llama: the frozen o_proj
+    # and MLP of layer 0 then save nothing) and the block falls back. Under autocast the
+    # re-forward must also run in bf16, or it saves other tensors (no weight casts).
+    model = _lora_llama(targets)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    overrides = {"cpu_fraction": 0.25} if policy == "tokenwise" else {}
+    expected, actual = _hf_offloaded(model, autocast=autocast, policy=policy, **overrides)
+    assert_close_history(expected, actual, BF16_TOL if autocast else RECOMPUTE_TOL)
+    assert set(actual[0][1]) == trainable
+    assert _recompute_bytes("model.layers.0") > 0
+
+
+def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
+    def train_autocast(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return train(model, 3)  # backward inside the region too: the re-forward must not depend on it
+
+    model = make_model()
+    reference = copy.deepcopy(model)
+    expected = train_autocast(reference)
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual = _no_fallback(lambda: train_autocast(model))
+    assert_close_history(expected, actual, BF16_TOL)
+    assert _recompute_bytes() > 0
