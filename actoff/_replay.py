@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from ._mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs, with_status
 from ._record import Record
 from ._step import param_like
-from ._tokens import detect_canon
+from ._tokens import Canon, detect_canon
 
 __all__ = ["Resave", "autocast_state", "forward_state", "probe", "replay", "rows_match"]
 
@@ -39,11 +39,12 @@ def rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
     return torch.allclose(replayed, original, rtol=tolerance, atol=tolerance * scale)
 
 
-def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, tuple] | None, str]:
+def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | None, str]:
     """Re-run the block on its last tokens while everything is live: find each record's
     token dimension (the one that shrank) and check the rows against the real ones.
 
-    Returns ``{record index: (size, stride, Canon)}``, or ``None`` and the reason it fails.
+    Returns ``{record index: Canon}`` for the records it can split, or ``None`` and the
+    reason it fails.
     """
     seq_len = tokenwise.seq_len
     recompute = tokenwise.ranges.recompute_len
@@ -60,7 +61,7 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, tuple] | 
             None,
             f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}",
         )
-    plan: dict[int, tuple] = {}
+    plan: dict[int, Canon] = {}
     for record in candidates:
         replayed = saved.get(record.index)
         if replayed is None:
@@ -78,7 +79,7 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, tuple] | 
                 f"recompute on tokens [{start}, {seq_len}) (attention written out without a "
                 "registered token mixer, positions computed inside the block, or dropout?)"
             )
-        plan[record.index] = (record.layout.size, record.layout.stride, canon)
+        plan[record.index] = canon
     if not plan:
         return None, "no saved tensor has a token dimension"
     return plan, ""

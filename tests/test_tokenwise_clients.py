@@ -1,5 +1,6 @@
 """Token-wise recompute as clients use it: a new length every step, frozen base weights with
-low-rank adapters (LoRA), autocast, several models with the same layer names in one process.
+low-rank adapters (LoRA), autocast, several models with the same layer names in one process,
+a smaller last batch.
 
 Tolerances: on CPU the re-forward runs the same kernels on fewer rows, so float32 results
 are expected within ``RECOMPUTE_TOL`` (float32 reassociation, as in test_tokenwise.py).
@@ -143,7 +144,8 @@ def _hf(family: str, attn_implementation: str = "sdpa", **changes):
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
     }[family]
     if family == "gpt2":
-        sizes = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+        sizes = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+                 "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
     else:
         sizes = {
             "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
@@ -161,20 +163,33 @@ def _hf_layer_cls(model) -> type:
 
 def _hf_train(model, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, autocast: bool = False):
     """SGD steps on random tokens, the forward under bf16 autocast if asked; per step the loss
-    and the gradient of every parameter that has one."""
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    history = []
+    and the gradient of every parameter that has one. Dropout draws from the global generator,
+    seeded here: actoff's re-forwards restore what they draw, so both runs see the same masks."""
+    return _hf_in_turns([model], steps, batch=batch, seq=seq, seed=seed, autocast=autocast)[0]
+
+
+def _hf_in_turns(
+    models, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, autocast: bool = False
+):
+    """`_hf_train` for several models side by side: a step of each in turn (model 0, model 1,
+    model 0, ...), each on its own token stream; per model its history."""
+    torch.manual_seed(seed)
+    generators = [torch.Generator().manual_seed(seed) for _ in models]
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in models]
+    histories = [[] for _ in models]
     for _ in range(steps):
-        tokens = torch.randint(0, 256, (batch, seq), generator=generator)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        history.append((loss.detach().clone(), grads))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return history
+        for model, generator, optimizer, history in zip(
+            models, generators, optimizers, histories, strict=True
+        ):
+            tokens = torch.randint(0, 256, (batch, seq), generator=generator)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            history.append((loss.detach().clone(), grads))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return histories
 
 
 def _hf_offloaded(model, steps: int = 3, *, autocast: bool = False, **overrides):
@@ -255,3 +270,157 @@ def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
     actual = _no_fallback(lambda: train_autocast(model))
     assert_close_history(expected, actual, BF16_TOL)
     assert _recompute_bytes() > 0
+
+
+# ---------------------------------------------------------------------------------- same names, other models
+# Note [plans per module and conditions]: a hyper-parameter sweep, two models trained side by
+# side, a model rebuilt with dropout or another attention: the qualified layer names are the
+# same, the modules are not. A plan probed on one must never be applied to another.
+def _gpt2(dropout: float):
+    """GPT-2 with its embedding and residual dropout at ``dropout``. The residual dropouts are
+    inside the blocks, where a re-forward on a token slice draws other masks; attention
+    dropout is left out (inside the token mixer it is served from the store, not re-drawn)."""
+    return _hf("gpt2", embd_pdrop=dropout, attn_pdrop=0.0, resid_pdrop=dropout)
+
+
+def _with_fallbacks(run):
+    """``run()`` and the fallback warnings it gave (checked after the gradients, which come first)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run()
+    return result, [str(w.message) for w in caught if "cannot be recomputed token-wise" in str(w.message)]
+
+
+def _offload_hf(model, **overrides):
+    actoff.offload_(model, block_cls=_hf_layer_cls(model), min_bytes=0, **overrides)
+
+
+def test_gpt2_without_then_with_dropout():
+    # The plain model's plan must not be applied to the dropout model, whose residual dropout
+    # draws other masks on a token slice: it falls back, warned, instead of wrong gradients.
+    expected, actual = _hf_offloaded(_gpt2(0.0), policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("transformer.h.0") > 0
+    model = _gpt2(0.1)
+    expected = _hf_train(copy.deepcopy(model))
+    _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    actual, messages = _with_fallbacks(lambda: _hf_train(model))
+    assert_close_history(expected, actual)
+    assert len(messages) == 2, messages  # one per block of the dropout model
+    assert "'transformer.h.0'" in messages[0] and "placed whole (cpu)" in messages[0]
+    assert _recompute_bytes("transformer.h.0") == 0
+
+
+def test_llama_with_sdpa_then_eager_attention():
+    # Eager attention (matmul and softmax) is no token mixer: the sdpa model's plan would re-run
+    # it on a token slice in backward, which crashed. It is probed on its own and falls back.
+    expected, actual = _hf_offloaded(_hf("llama"), policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    model = _hf("llama", attn_implementation="eager")
+    expected = _hf_train(copy.deepcopy(model))
+    _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    actual, messages = _with_fallbacks(lambda: _hf_train(model))
+    assert_close_history(expected, actual)
+    assert len(messages) == 2, messages
+
+
+def test_a_dropout_model_first_leaves_a_plain_model_recomputed():
+    # A verdict (placed whole) is the dropout model's, not its layer names': the plain model
+    # after it is probed, recomputed token-wise, and not warned about.
+    model = _gpt2(0.1)
+    _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    _, messages = _with_fallbacks(lambda: _hf_train(model, 1))
+    assert len(messages) == 2, messages
+    expected, actual = _hf_offloaded(_gpt2(0.0), policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("transformer.h.0") > 0
+
+
+@pytest.mark.parametrize("order", ["plain_first", "dropout_first"])
+def test_two_models_with_the_same_names_side_by_side(order):
+    plain, dropout = _gpt2(0.0), _gpt2(0.1)
+    models = [plain, dropout] if order == "plain_first" else [dropout, plain]
+    expected = _hf_in_turns([copy.deepcopy(m) for m in models])
+    for model in models:
+        _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    actual, messages = _with_fallbacks(lambda: _hf_in_turns(models))
+    for want, got in zip(expected, actual, strict=True):
+        assert_close_history(want, got)
+    assert len(messages) == 2, messages  # the dropout model's blocks, once each
+    # One more step each: every model keeps what was learned about it, not about its names.
+    _no_fallback(lambda: _hf_train(plain, 1))
+    block = actoff.stats().blocks["transformer.h.0"]
+    assert block.bytes_per_tier["recompute"] > 0 and block.probes == 0
+    _no_fallback(lambda: _hf_train(dropout, 1))  # no second warning either
+    block = actoff.stats().blocks["transformer.h.0"]
+    assert block.bytes_per_tier["recompute"] == 0 and block.probes == 0
+
+
+class SwitchableBlock(Block):
+    """A block whose attention implementation is an attribute changed in place, as Hugging
+    Face's ``set_attn_implementation`` does: ``"sdpa"`` or ``"written_out"`` (matmul and softmax,
+    which saves other tensors). The conditions of a call do not see it; what it saves does."""
+
+    attention = "sdpa"
+
+    def forward(self, x, cos, sin):
+        if self.attention == "sdpa":
+            return super().forward(x, cos, sin)
+        original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = _written_out_attention
+        try:
+            return super().forward(x, cos, sin)
+        finally:
+            F.scaled_dot_product_attention = original
+
+
+def _written_out_attention(q, k, v, *, is_causal, enable_gqa=False):
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+
+
+def test_attention_switched_in_place_is_not_split_with_the_old_plan():
+    def switch(model):
+        for layer in model.layers:
+            layer.attention = "written_out"
+
+    model = make_model()
+    for index, layer in enumerate(model.layers):
+        layer.__class__ = SwitchableBlock  # same parameters, a switchable forward
+        assert type(model.layers[index]) is SwitchableBlock
+    reference = copy.deepcopy(model)
+    expected = train(reference, 2)
+    switch(reference)
+    expected += train(reference, 2, seed=2)
+    actoff.offload_(model, block_cls=SwitchableBlock, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual = _no_fallback(lambda: train(model, 2))
+    assert _recompute_bytes() > 0
+    switch(model)
+    switched, messages = _with_fallbacks(lambda: train(model, 2, seed=2))
+    assert_close_history(expected, actual + switched)
+    assert len(messages) == 2, messages  # re-probed, then placed whole
+    assert _recompute_bytes() == 0
+
+
+# ---------------------------------------------------------------------------------- last batch
+def test_a_smaller_last_batch_at_the_same_length_is_planned():
+    # An epoch's last batch: the same length, fewer sequences. Every record has another shape,
+    # so the full batch's plan does not fit; it is probed as new conditions and recomputed like
+    # the others (it was stored whole without a word: recompute fell to 0).
+    batches = (4, 4, 2, 2)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    expected = [train(reference, 1, batch=b, seed=i)[0] for i, b in enumerate(batches)]
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual, blocks = [], []
+    for index, batch in enumerate(batches):
+        actual += _no_fallback(lambda b=batch, i=index: train(model, 1, batch=b, seed=i))
+        blocks.append(actoff.stats().blocks["layers.0"])
+    assert_close_history(expected, actual)
+    full, full_again, last, last_again = (b.bytes_per_tier["recompute"] for b in blocks)
+    assert full > 0 and full_again == full
+    assert last * 2 == full and last_again == last  # half the rows: half the recomputed bytes
+    assert [b.probes for b in blocks] == [1, 0, 1, 0]  # a probe for each new condition, once
