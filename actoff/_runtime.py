@@ -263,6 +263,12 @@ class Runtime:
             step = run.step
             step.live -= 1
             if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
+                # Nothing of the step can be rebuilt now: let go of the forwards its token-wise
+                # runs would re-run, which hold their modules (a model deleted after its last
+                # step is then freed at once, not at the next step).
+                for done in step.runs:
+                    if done.tokenwise is not None:
+                        done.tokenwise.fn = None
                 self.arenas.consolidate(run.device)
 
     # ------------------------------------------------------------------ resources and figures

@@ -21,6 +21,7 @@ from _helpers import make_model, train
 from torch import nn
 
 import actoff
+import actoff._runtime
 import actoff._tokenwise
 from actoff._record import Record
 from actoff._step import ScopeRun, Step
@@ -424,3 +425,29 @@ def test_a_smaller_last_batch_at_the_same_length_is_planned():
     assert full > 0 and full_again == full
     assert last * 2 == full and last_again == last  # half the rows: half the recomputed bytes
     assert [b.probes for b in blocks] == [1, 0, 1, 0]  # a probe for each new condition, once
+
+
+# ---------------------------------------------------------------------------------- lifetimes
+def test_plans_go_with_their_module_and_with_reset():
+    def trained():
+        model = make_model()  # the same names every time: layers.0, layers.1
+        actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+        train(model, 1)
+        return model
+
+    runtime = actoff._runtime.get_runtime()
+    first, second = trained(), trained()
+    assert len(runtime.token_plans) == 4  # one entry per module, not per name
+    del first
+    gc.collect()
+    assert len(runtime.token_plans) == 2
+    del second
+    gc.collect()  # its step ended with its backward: nothing of actoff holds the model
+    assert len(runtime.token_plans) == 0
+    third = trained()
+    assert len(runtime.token_plans) == 2
+    actoff.reset()
+    runtime = actoff._runtime.get_runtime()
+    assert len(runtime.token_plans) == 0
+    train(third, 1)  # learned afresh
+    assert len(runtime.token_plans) == 2
