@@ -34,6 +34,7 @@ from ._distributed import agree_with_rank0, local_world_size
 from ._layout import Arenas
 from ._mixers import CaptureMode, CollectiveWatch
 from ._nvme import StoreRegistry
+from ._plans import ByOwner, ModulePlans
 from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from ._record import Record, State
 from ._simdevice import settings_for
@@ -67,9 +68,8 @@ class Runtime:
         self.steps_completed = 0
         self.arenas = Arenas()  # host arenas by device
         self.last_stats: dict[str, BlockStats] = {}
-        # (block, seq_len) -> {record index: (size, stride, Canon)} from a verified probe replay
-        self.token_plans: dict[tuple[str, int], dict[int, tuple]] = {}
-        self.verdicts: dict[str, str] = {}  # blocks placed whole, and why
+        # What probes learned, per module by identity (Note [plans per module and conditions])
+        self.token_plans: ByOwner[ModulePlans] = ByOwner()
         self.auto_decisions: dict[str, Any] = {}  # block -> actoff._policy.AutoDecision
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
@@ -93,8 +93,8 @@ class Runtime:
             return fn(*args, **kwargs)
         run = self._begin(name, config, module, _find_device(args, kwargs, module))
         tokenwise = run.tokenwise
-        if tokenwise is not None and not tokenwise.capture(fn, args, kwargs):
-            run.tokenwise = tokenwise = None  # no token dimension to slice: placed whole
+        if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module):
+            run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
         self.thread.stack.append(run)
         try:
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
@@ -102,7 +102,7 @@ class Runtime:
                     output = fn(*args, **kwargs)
                 else:
                     tokenwise.forward_watch = run.backend.stopwatch().start()
-                    probing = (name, tokenwise.seq_len) not in self.token_plans
+                    probing = tokenwise.plan is None
                     watch = CollectiveWatch(tokenwise) if probing else contextlib.nullcontext()
                     with CaptureMode(tokenwise), watch:
                         output = fn(*args, **kwargs)
@@ -145,7 +145,7 @@ class Runtime:
                 step.modules.add(module_id)
             backend = backend_for(device, settings_for(config.sim_device))
             run = ScopeRun(self, step, name, config, backend, _param_storages(module))
-            if config.policy in TOKENWISE_POLICIES and self.verdicts.get(name) is None:
+            if config.policy in TOKENWISE_POLICIES:
                 run.tokenwise = TokenwiseRun(run)
             step.runs.append(run)
             return run
@@ -271,6 +271,12 @@ class Runtime:
             step = run.step
             step.live -= 1
             if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
+                # Nothing of the step can be rebuilt now: let go of the forwards its token-wise
+                # runs would re-run, which hold their modules (a model deleted after its last
+                # step is then freed at once, not at the next step).
+                for done in step.runs:
+                    if done.tokenwise is not None:
+                        done.tokenwise.fn = None
                 self.arenas.consolidate(run.device)
 
     # ------------------------------------------------------------------ resources and figures
@@ -311,7 +317,7 @@ class Runtime:
             self.last_stats = {}
             self.steps_completed = 0
             self.arenas = Arenas()  # slots still held by live graphs keep their chunk alive
-            self.token_plans, self.verdicts, self._warned = {}, {}, set()
+            self.token_plans, self._warned = ByOwner(), set()
             self.auto_decisions, self.plans, self.agreed = {}, {}, False
             self.stores.close()
 

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._config import Config, get_config
+from ._plans import ByOwner
 from ._runtime import get_runtime
 
 __all__ = ["no_offload", "offload", "offload_"]
@@ -31,7 +32,7 @@ class _ScopeSpec:
         self.config = config
         self.overrides = overrides
         self.name = name
-        self._names: dict[int, str] = {}
+        self._names: ByOwner[str] = ByOwner()  # by instance, forgotten when it dies
         self._counter = itertools.count()
 
     def resolve(self) -> Config:
@@ -43,10 +44,9 @@ class _ScopeSpec:
             return self.name
         if module is None:
             return default
-        key = id(module)
-        name = self._names.get(key)
+        name = self._names.get(module)
         if name is None:  # instances of a decorated class: Block#0, Block#1, ... by first call
-            name = self._names[key] = f"{type(module).__name__}#{next(self._counter)}"
+            name = self._names.put(module, f"{type(module).__name__}#{next(self._counter)}")
         return name
 
 
