@@ -40,7 +40,10 @@ CASES = [
         placement,
         policy,
         id=f"{backend}-{placement}-{policy}",
-        marks=pytest.mark.slow if (backend, placement) == ("inductor", "model") else (),
+        marks=[
+            *([pytest.mark.slow] if (backend, placement) == ("inductor", "model") else []),
+            *([pytest.mark.nvme] if policy == "nvme" else []),
+        ],
     )
     for backend in ("eager", "aot_eager", "inductor")
     for placement in ("model", "layers")
@@ -327,7 +330,9 @@ def _hf_model(kind: str) -> tuple[torch.nn.Module, type]:
     return transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa"), GPT2Block
 
 
-@pytest.mark.parametrize(("kind", "policy"), [("llama", "cpu"), ("gpt2", "nvme")])
+@pytest.mark.parametrize(
+    ("kind", "policy"), [("llama", "cpu"), pytest.param("gpt2", "nvme", marks=pytest.mark.nvme)]
+)
 def test_hugging_face_model_compiled_whole_is_bit_exact(kind, policy, nvme_dir):
     model, layer_cls = _hf_model(kind)
     reference = copy.deepcopy(model)
