@@ -45,7 +45,7 @@ from ._tiers import HOST, KEEP, Tier
 from ._tokenwise import TokenwiseRun, decide_auto
 from .planner import Layout
 
-__all__ = ["Runtime", "get_runtime"]
+__all__ = ["Runtime", "find_device", "get_runtime"]
 
 #: Tier objects by the names policies use.
 TIERS: dict[str, Tier] = {"keep": KEEP, "cpu": HOST, "nvme": NVME}
@@ -91,12 +91,11 @@ class Runtime:
         """Run ``fn(*args, **kwargs)`` as an offload scope (or pass through, see `passes_through`)."""
         if self.passes_through(module):
             return fn(*args, **kwargs)
-        run = self._begin(name, config, module, _find_device(args, kwargs, module))
-        tokenwise = run.tokenwise
-        if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module):
-            run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
-        self.thread.stack.append(run)
+        run = self.enter_scope(name, config, module, find_device(args, kwargs, module))
         try:
+            tokenwise = run.tokenwise
+            if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module):
+                run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
                 if tokenwise is None:
                     output = fn(*args, **kwargs)
@@ -108,12 +107,18 @@ class Runtime:
                         output = fn(*args, **kwargs)
                     tokenwise.forward_watch.stop()
         except BaseException:
-            self.thread.stack.pop()
-            self._abort(run)
+            self.exit_scope(run, failed=True)
             raise
-        self.thread.stack.pop()
-        self._seal(run)
+        self.exit_scope(run, failed=False)
         return output
+
+    def exit_scope(self, run: ScopeRun, failed: bool) -> None:
+        """Close the current run: sealed and queued for placement, or aborted (an exception)."""
+        self.thread.stack.pop()
+        if failed:
+            self._abort(run)
+        else:
+            self._seal(run)
 
     def passes_through(self, module: torch.nn.Module | None) -> bool:
         """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched."""
@@ -124,9 +129,16 @@ class Runtime:
             or (module is not None and not module.training)
         )
 
-    def _begin(
-        self, name: str, config: Config, module: torch.nn.Module | None, device: torch.device
+    def enter_scope(
+        self,
+        name: str,
+        config: Config,
+        module: torch.nn.Module | None,
+        device: torch.device,
+        tokenwise: bool = True,
     ) -> ScopeRun:
+        """Open a run as the thread's current one (`exit_scope` closes it); the caller checked
+        `passes_through` and installs the hooks (`call`; actoff._compile: Note [compile])."""
         with self.lock:
             step = self.step
             module_id = id(module) if module is not None else None
@@ -145,10 +157,11 @@ class Runtime:
                 step.modules.add(module_id)
             backend = backend_for(device, settings_for(config.sim_device))
             run = ScopeRun(self, step, name, config, backend, _param_storages(module))
-            if config.policy in TOKENWISE_POLICIES:
+            if tokenwise and config.policy in TOKENWISE_POLICIES:
                 run.tokenwise = TokenwiseRun(run)
             step.runs.append(run)
-            return run
+        self.thread.stack.append(run)
+        return run
 
     def _abort(self, run: ScopeRun) -> None:
         # An exception inside the scope: nothing is copied; the records stay resident and
@@ -329,7 +342,7 @@ def _param_storages(module: torch.nn.Module | None) -> set[int]:
     return {tensor.untyped_storage().data_ptr() for tensor in (*module.parameters(), *module.buffers())}
 
 
-def _find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:
+def find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:
     """The scope's device: of the first tensor argument, else of the module's parameters."""
     stack: list[Any] = [*args, *kwargs.values()]
     while stack:

@@ -99,11 +99,14 @@ def offload(
         original = getattr(obj, "__wrapped__", obj) if hasattr(obj, _SPEC_ATTR) else obj
         default = getattr(original, "__qualname__", repr(original))
 
+        eager, compiled = _entry_points()
+
         @functools.wraps(original)
         def scoped(*args: Any, **kwargs: Any) -> Any:
-            return get_runtime().call(
-                spec.block_name(None, default), spec.resolve(), None, original, args, kwargs
-            )
+            # Note [compile] (actoff._compile): a graph break around a compiled body.
+            if torch.compiler.is_compiling():
+                return compiled(spec, None, default, original, args, kwargs)
+            return eager(spec, None, default, original, args, kwargs)
 
         setattr(scoped, _SPEC_ATTR, spec)
         return scoped  # type: ignore[return-value]
@@ -113,18 +116,25 @@ def offload(
 
 
 def _wrap_method(original: Callable[..., Any], spec: _ScopeSpec) -> Callable[..., Any]:
+    eager, compiled = _entry_points()
+
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        runtime = get_runtime()
-        if runtime.passes_through(self):  # fast path: no config resolution, no device lookup
-            return original(self, *args, **kwargs)
-        bound = functools.partial(original, self)
-        return runtime.call(
-            spec.block_name(self, type(self).__name__), spec.resolve(), self, bound, args, kwargs
-        )
+        # Note [compile] (actoff._compile): a graph break around a compiled body.
+        if torch.compiler.is_compiling():
+            return compiled(spec, self, type(self).__name__, original, args, kwargs)
+        return eager(spec, self, type(self).__name__, original, args, kwargs)
 
     setattr(forward, _SPEC_ATTR, spec)
     return forward
+
+
+def _entry_points() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The eager and the compiled scope call; imported when the first scope is made, as they
+    import Dynamo (actoff._compile)."""
+    from ._compile import compiled_scope, eager_scope
+
+    return eager_scope, compiled_scope
 
 
 def offload_(
