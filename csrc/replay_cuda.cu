@@ -250,6 +250,22 @@ ACTOFF_EXPORT int actoff_replay_abi_version(void) { return kAbiVersion; }
 
 ACTOFF_EXPORT const char* actoff_replay_stat_names(void) { return kStatNames; }
 
+// Can this library's (static) CUDA runtime use the driver? Writes both versions (0: none) and
+// returns the number of devices, or -1 with the error recorded. Creates no context.
+ACTOFF_EXPORT int actoff_replay_probe(int* driver_version, int* runtime_version) {
+  *driver_version = 0;
+  *runtime_version = 0;
+  (void)cudaRuntimeGetVersion(runtime_version);
+  (void)cudaDriverGetVersion(driver_version);
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    record_error(cuda_message("cudaGetDeviceCount", status));
+    return -1;
+  }
+  return count;
+}
+
 // Open a window with no plan: every request falls back and is logged.
 ACTOFF_EXPORT int actoff_replay_begin_record(int device) {
   return guarded("actoff_replay_begin_record", device, [&] { device_state(device).core.begin_record(); });

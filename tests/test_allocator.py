@@ -18,7 +18,7 @@ ENTRY_POINTS = [
     "actoff_replay_malloc", "actoff_replay_free", "actoff_replay_abi_version", "actoff_replay_stat_names",
     "actoff_replay_begin_record", "actoff_replay_begin_step", "actoff_replay_end_step", "actoff_replay_copy_log",
     "actoff_replay_set_plan", "actoff_replay_clear_plan", "actoff_replay_stats", "actoff_replay_reset_peak",
-    "actoff_replay_error",
+    "actoff_replay_error", "actoff_replay_probe",
 ]  # fmt: skip
 
 
@@ -106,6 +106,22 @@ def test_install_refuses_without_a_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"no CUDA device is visible"):
         actoff.install_replay_allocator()
+
+
+@needs_library
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA driver")
+def test_install_refuses_when_the_library_cannot_use_the_driver(monkeypatch):
+    # As on a GPU machine whose driver is older than the toolkit actoff was built with.
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(
+        RuntimeError,
+        match=r"libactoff_replay.so \(CUDA runtime 13\.\d+\) cannot use this CUDA driver \(none\): "
+        r"cudaGetDeviceCount failed: .*Update the driver, or rebuild actoff",
+    ):
+        actoff.install_replay_allocator()
+    assert not _allocator.installed()
+    _allocator.check(_allocator.load_library(LIBRARY))  # the probe's error was taken, not left
 
 
 def test_import_with_replay_set_installs_or_keeps_the_refusal_and_never_initialises_cuda():
