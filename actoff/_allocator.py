@@ -119,7 +119,7 @@ def install() -> None:
     path = library_path()
     if path is None:
         raise _refuse(
-            f"actoff/{LIBRARY} was not built (nvcc was not found when actoff was built). Install "
+            f"actoff/{LIBRARY} was not built (no nvcc, or its compile failed, when actoff was built). Install "
             "the CUDA toolkit, put nvcc on PATH or set CUDA_HOME, and rebuild: "
             "python setup.py build_ext --inplace (or pip install --no-build-isolation -e .)"
         )
