@@ -12,6 +12,8 @@ Data flow of one step (the README's "How it works" has the map of modules):
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
    evicted, the auto policy decides, ranks agree (actoff._distributed), statistics are
    published, and the host arena is laid out for the next steps (actoff._layout).
+   Under ``ACTOFF_ALLOCATOR=replay`` a step is also the replay allocator's window, from its
+   first scope to here (actoff._allocator_steps).
 
 A record is released when autograd drops its handle (after its last use, or when a retained
 graph is freed), so ``retain_graph=True`` and partial backward passes need no special case.
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._allocator_steps import ReplayDrivers
 from ._arena import HostArena
 from ._config import Config
 from ._device import backend_for
@@ -77,6 +80,7 @@ class Runtime:
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         self.stores = StoreRegistry()
+        self.replay = ReplayDrivers()  # the replay allocator's windows, one per step
 
     # ------------------------------------------------------------------ forward
     def call(
@@ -150,6 +154,7 @@ class Runtime:
                     step.progress()
                     step.harvest(block=True)  # long done: a whole step ran since
                 self._publish(step)
+                self.replay.begin(device, config.allocator, self.warn_once)
                 self.arenas.begin_step()
                 step = self.step = Step(self.steps_started)
                 self.steps_started += 1
@@ -272,6 +277,7 @@ class Runtime:
                 self.agreed = True
                 agree_with_rank0(self.auto_decisions, self.plans, lambda: self._publish(step))
             self._publish(step)
+            self.replay.end(self.warn_once)  # last: it may raise what the allocator recorded
 
     def release(self, record: Record) -> None:
         """Return everything a record holds; called when autograd drops its handle."""
@@ -333,6 +339,7 @@ class Runtime:
             self.token_plans, self._warned = ByOwner(), set()
             self.auto_decisions, self.plans, self.agreed = {}, {}, False
             self.stores.close()
+            self.replay.close()
 
 
 def _param_storages(module: torch.nn.Module | None) -> set[int]:
