@@ -16,6 +16,10 @@ Example:
     True
 """
 
+from . import _allocator
+from ._allocator import AllocatorStats
+from ._allocator import install as install_replay_allocator
+from ._allocator import stats as replay_allocator_stats
 from ._config import Config, get_config, parse_size, set_config
 from ._io import kvikio_available
 from ._loss import chunked_cross_entropy, chunked_loss_
@@ -33,8 +37,13 @@ try:
 except ImportError:
     HAS_EXTENSION = False
 
+# ACTOFF_ALLOCATOR=replay must swap torch's CUDA allocator before the first CUDA allocation:
+# importing actoff is the earliest point actoff runs. A refusal is raised at the first CUDA step.
+_allocator.install_from_environment()
+
 __all__ = [
     "HAS_EXTENSION",
+    "AllocatorStats",
     "BlockStats",
     "Config",
     "Stats",
@@ -42,12 +51,14 @@ __all__ = [
     "chunked_cross_entropy",
     "chunked_loss_",
     "get_config",
+    "install_replay_allocator",
     "kvikio_available",
     "no_offload",
     "offload",
     "offload_",
     "parse_size",
     "register_token_mixer",
+    "replay_allocator_stats",
     "reset",
     "set_config",
     "stats",

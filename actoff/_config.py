@@ -15,6 +15,7 @@ __all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "se
 POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "auto")
 PLANNERS = ("mip", "greedy", "off")
 IO_BACKENDS = ("auto", "kvikio", "posix")
+ALLOCATORS = ("caching", "replay")
 
 _UNITS = {
     "b": 1,
@@ -139,10 +140,15 @@ class Config:
     #: ``CUDA_LAUNCH_BLOCKING``: CUDA's stream semantics, poisoned copy destinations and a race
     #: checker on the CPU; see `actoff.testing.simulated_device`).
     sim_device: bool = False
+    #: CUDA allocator: ``caching`` (PyTorch's) or ``replay`` (actoff's, which serves each
+    #: step's allocations at offsets planned from the first step). ``replay`` takes effect only
+    #: when set in the environment before actoff is imported (or after
+    #: `actoff.install_replay_allocator`): torch swaps allocators only before CUDA is used.
+    allocator: str = "caching"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
-        for name in ("policy", "planner", "io_backend"):
+        for name in ("policy", "planner", "io_backend", "allocator"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise TypeError(f"{_where(name)} must be a string, got {type(value).__name__}")
@@ -150,6 +156,7 @@ class Config:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("planner", self.planner, PLANNERS)
         _check_choice("io_backend", self.io_backend, IO_BACKENDS)
+        _check_choice("allocator", self.allocator, ALLOCATORS)
 
         for name in ("cpu_fraction", "nvme_fraction"):
             value = _as_float(name, getattr(self, name))

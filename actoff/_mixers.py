@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._tokens import unique_dim
 
-__all__ = ["ReplayMismatch", "mixer_token_dim", "register_token_mixer"]
+__all__ = ["ReplayMismatch", "mixer_token_dim", "register_token_mixer"]  # and helpers for actoff._replay
 
 # Each mixer and the token dimension of its output (None: the unique dimension of length S).
 _MIXERS: dict[Callable[..., Any], int | None] = {F.scaled_dot_product_attention: -2}
@@ -182,9 +182,10 @@ def autograd_status(value: Any) -> str | None:
     return "leaf_view" if base is not None and base.is_leaf and base.requires_grad else "intermediate"
 
 
-def _with_status(status: str | None, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` made to take part in autograd as the original input did, so the pack filter
-    classifies the saves of both passes alike (an exact clone makes an intermediate)."""
+def with_status(status: str | None, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` made to take part in autograd as the original tensor did (`autograd_status`),
+    so both passes save the same tensors: whether an operand requires grad decides what an
+    operation saves, and the pack filter skips leaves (an exact clone makes an intermediate)."""
     if status is None or not rows.is_floating_point():
         return rows
     leaf = rows.requires_grad_(True)
@@ -208,6 +209,6 @@ def slice_inputs(values: list[Any], statuses: list[str | None], seq_len: int, to
             dim = dim if dim is not None else unique_dim(tuple(value.shape), seq_len)
             first = False
             if dim is not None:
-                value = _with_status(status, value.detach().narrow(dim, start, stop - start))
+                value = with_status(status, value.detach().narrow(dim, start, stop - start))
         out.append(value)
     return out

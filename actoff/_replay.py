@@ -12,17 +12,19 @@ tensor gives record i its rows. Any difference in count or shape is a mismatch.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from ._mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs
+from ._mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs, with_status
 from ._record import Record
 from ._step import param_like
-from ._tokens import detect_canon
+from ._tokens import Canon, detect_canon
 
-__all__ = ["probe", "replay", "rows_match"]
+__all__ = ["Resave", "autocast_state", "forward_state", "probe", "replay", "rows_match"]
 
 
 def rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
@@ -37,11 +39,12 @@ def rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
     return torch.allclose(replayed, original, rtol=tolerance, atol=tolerance * scale)
 
 
-def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, tuple] | None, str]:
+def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | None, str]:
     """Re-run the block on its last tokens while everything is live: find each record's
     token dimension (the one that shrank) and check the rows against the real ones.
 
-    Returns ``{record index: (size, stride, Canon)}``, or ``None`` and the reason it fails.
+    Returns ``{record index: Canon}`` for the records it can split, or ``None`` and the
+    reason it fails.
     """
     seq_len = tokenwise.seq_len
     recompute = tokenwise.ranges.recompute_len
@@ -58,53 +61,101 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, tuple] | 
             None,
             f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}",
         )
-    plan: dict[int, tuple] = {}
+    plan: dict[int, Canon] = {}
     for record in candidates:
         replayed = saved.get(record.index)
         if replayed is None:
             continue
         view = (record.layout.size, record.layout.stride)
-        canon = detect_canon(view, record.base_info, replayed, seq_len, length)
+        canon = detect_canon(view, record.base_info, replayed.shape, replayed.base_shape, seq_len, length)
         if canon is None:
             continue  # no token dimension we can trust: stored whole
         original = canon.view(record.layout.flat(record.device_tensor.detach())).narrow(
             canon.dim, start, length
         )
-        if not rows_match(original, canon.source(replayed).detach()):
+        if not rows_match(original, replayed.base if canon.on_base else replayed.view):
             return None, (
                 f"saved tensor {record.index} (shape {list(record.layout.size)}) differs after "
                 f"recompute on tokens [{start}, {seq_len}) (attention written out without a "
                 "registered token mixer, positions computed inside the block, or dropout?)"
             )
-        plan[record.index] = (record.layout.size, record.layout.stride, canon)
+        plan[record.index] = canon
     if not plan:
         return None, "no saved tensor has a token dimension"
     return plan, ""
 
 
-def replay(
-    tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None
-) -> dict[int, torch.Tensor]:
+class Resave(NamedTuple):
+    """What the probe keeps of a re-forward save: shapes and detached rows, never the tensor.
+
+    Note [probe keeps no graph]: a re-forward save is an intermediate whose ``grad_fn`` holds
+    the saved-tensor hooks of the re-forward, whose pack closure holds the dictionary of
+    saves, the token-wise run and its step: a cycle through C++ autograd that Python's
+    collector cannot see. Kept as it was, every probe (one per block and new sequence length)
+    leaked its step; detached tensors hold only memory.
+    """
+
+    shape: tuple[int, ...]
+    base_shape: tuple[int, ...] | None  # of its ``_base``, when it is a view
+    view: torch.Tensor  # detached
+    base: torch.Tensor | None  # detached ``_base``
+
+
+def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype, bool], ...]:
+    """Autocast as it is now, for the CPU and ``device``'s type: ``(device type, enabled,
+    dtype, weight cache enabled)`` each. Part of what decides what autograd saves.
+
+    >>> autocast_state(torch.device("cpu"))
+    (('cpu', False, torch.bfloat16, True),)
+    """
+    device_types = ("cpu",) if device.type == "cpu" else ("cpu", device.type)
+    cache = torch.is_autocast_cache_enabled()
+    return tuple(
+        (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), cache)
+        for kind in device_types
+    )
+
+
+@contextlib.contextmanager
+def forward_state(tokenwise: Any) -> Iterator[None]:
+    """Note [re-forward state]: run under the grad mode and autocast state of the forward pass.
+
+    Whether an operation saves an operand, and in which dtype, depends on grad mode and on
+    autocast (under autocast a linear layer saves the bf16 cast of its weight). Backward runs
+    with grad off and usually outside the training loop's autocast region, and the probe
+    could run under another state than the step it plans for: so both set the captured state.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(tokenwise.grad_enabled))
+        for device_type, enabled, dtype, cache in tokenwise.autocast:
+            stack.enter_context(
+                torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
+            )
+        yield
+
+
+def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None) -> dict[int, Any]:
     """Note [token-wise replay]: the block's forward on token rows ``[start, stop)``.
 
-    Returns, per record, its re-forward save: for ``detect``'s records the saved tensor as
-    it is (to find the token dimension), else the rows in the record's canonical shape.
+    Returns, per record, its re-forward save: for ``detect``'s records a `Resave` (to find
+    the token dimension), else the rows in the record's canonical shape (detached).
     """
     run = tokenwise.run
     runtime = run.runtime
     length = stop - start
     values = [runtime.materialize(v) if isinstance(v, Record) else v for v in tokenwise.inputs]
-    with torch.enable_grad():  # backward runs with grad off; the sliced inputs need it on
+    with forward_state(tokenwise):  # backward runs with grad off; the sliced inputs need it on
         sliced = slice_inputs(
             values, tokenwise.input_status, tokenwise.seq_len, run.config.token_dim, start, stop
         )
     args, kwargs = pytree.tree_unflatten(sliced, tokenwise.input_spec)
     mixer_rows = []
-    for value, dim in tokenwise.mixer_outputs:
+    for value, dim, status in tokenwise.mixer_outputs:
         if dim is None:
             raise ReplayMismatch("a token mixer's output has no token dimension actoff can find")
         whole = runtime.materialize(value) if isinstance(value, Record) else value
-        mixer_rows.append(rows_like(whole, dim, start, stop))
+        with forward_state(tokenwise):  # rows that require grad, as the mixer's output did
+            mixer_rows.append(with_status(status, rows_like(whole, dim, start, stop)))
     wanted = {r.index: r for r in (detect if detect is not None else tokenwise.split_records)}
     events, rows, count = tokenwise.events, {}, [0]
 
@@ -119,8 +170,14 @@ def replay(
         record = wanted.get(events[k])
         if record is None or record.index in rows:
             return None
-        if detect is not None:
-            rows[record.index] = tensor
+        if detect is not None:  # Note [probe keeps no graph]
+            base = tensor._base
+            rows[record.index] = Resave(
+                tuple(tensor.shape),
+                None if base is None else tuple(base.shape),
+                tensor.detach(),
+                None if base is None else base.detach(),
+            )
             return None
         expected = list(record.canon.shape)
         expected[record.canon.dim] = length
@@ -137,7 +194,7 @@ def replay(
     devices = [run.device] if run.device.type == "cuda" else []
     runtime.thread.stack.append(run)  # nested scopes inside the block pass through
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), forward_state(tokenwise):
             torch.set_rng_state(tokenwise.rng[0])
             if tokenwise.rng[1] is not None:
                 torch.cuda.set_rng_state(tokenwise.rng[1], run.device)

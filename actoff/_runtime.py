@@ -12,6 +12,8 @@ Data flow of one step (the README's "How it works" has the map of modules):
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
    evicted, the auto policy decides, ranks agree (actoff._distributed), statistics are
    published, and the host arena is laid out for the next steps (actoff._layout).
+   Under ``ACTOFF_ALLOCATOR=replay`` a step is also the replay allocator's window, from its
+   first scope to here (actoff._allocator_steps).
 
 A record is released when autograd drops its handle (after its last use, or when a retained
 graph is freed), so ``retain_graph=True`` and partial backward passes need no special case.
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._allocator_steps import ReplayDrivers
 from ._arena import HostArena
 from ._config import Config
 from ._device import backend_for
@@ -34,6 +37,7 @@ from ._distributed import agree_with_rank0, local_world_size
 from ._layout import Arenas
 from ._mixers import CaptureMode, CollectiveWatch
 from ._nvme import StoreRegistry
+from ._plans import ByOwner, ModulePlans
 from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from ._record import Record, State
 from ._simdevice import settings_for
@@ -44,7 +48,7 @@ from ._tiers import HOST, KEEP, Tier
 from ._tokenwise import TokenwiseRun, decide_auto
 from .planner import Layout
 
-__all__ = ["Runtime", "get_runtime"]
+__all__ = ["Runtime", "find_device", "get_runtime"]
 
 #: Tier objects by the names policies use.
 TIERS: dict[str, Tier] = {"keep": KEEP, "cpu": HOST, "nvme": NVME}
@@ -67,9 +71,8 @@ class Runtime:
         self.steps_completed = 0
         self.arenas = Arenas()  # host arenas by device
         self.last_stats: dict[str, BlockStats] = {}
-        # (block, seq_len) -> {record index: (size, stride, Canon)} from a verified probe replay
-        self.token_plans: dict[tuple[str, int], dict[int, tuple]] = {}
-        self.verdicts: dict[str, str] = {}  # blocks placed whole, and why
+        # What probes learned, per module by identity (Note [plans per module and conditions])
+        self.token_plans: ByOwner[ModulePlans] = ByOwner()
         self.auto_decisions: dict[str, Any] = {}  # block -> actoff._policy.AutoDecision
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
@@ -77,6 +80,7 @@ class Runtime:
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         self.stores = StoreRegistry()
+        self.replay = ReplayDrivers()  # the replay allocator's windows, one per step
 
     # ------------------------------------------------------------------ forward
     def call(
@@ -91,29 +95,34 @@ class Runtime:
         """Run ``fn(*args, **kwargs)`` as an offload scope (or pass through, see `passes_through`)."""
         if self.passes_through(module):
             return fn(*args, **kwargs)
-        run = self._begin(name, config, module, _find_device(args, kwargs, module))
-        tokenwise = run.tokenwise
-        if tokenwise is not None and not tokenwise.capture(fn, args, kwargs):
-            run.tokenwise = tokenwise = None  # no token dimension to slice: placed whole
-        self.thread.stack.append(run)
+        run = self.enter_scope(name, config, module, find_device(args, kwargs, module))
         try:
+            tokenwise = run.tokenwise
+            if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module):
+                run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
                 if tokenwise is None:
                     output = fn(*args, **kwargs)
                 else:
                     tokenwise.forward_watch = run.backend.stopwatch().start()
-                    probing = (name, tokenwise.seq_len) not in self.token_plans
+                    probing = tokenwise.plan is None
                     watch = CollectiveWatch(tokenwise) if probing else contextlib.nullcontext()
                     with CaptureMode(tokenwise), watch:
                         output = fn(*args, **kwargs)
                     tokenwise.forward_watch.stop()
         except BaseException:
-            self.thread.stack.pop()
-            self._abort(run)
+            self.exit_scope(run, failed=True)
             raise
-        self.thread.stack.pop()
-        self._seal(run)
+        self.exit_scope(run, failed=False)
         return output
+
+    def exit_scope(self, run: ScopeRun, failed: bool) -> None:
+        """Close the current run: sealed and queued for placement, or aborted (an exception)."""
+        self.thread.stack.pop()
+        if failed:
+            self._abort(run)
+        else:
+            self._seal(run)
 
     def passes_through(self, module: torch.nn.Module | None) -> bool:
         """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched."""
@@ -124,9 +133,16 @@ class Runtime:
             or (module is not None and not module.training)
         )
 
-    def _begin(
-        self, name: str, config: Config, module: torch.nn.Module | None, device: torch.device
+    def enter_scope(
+        self,
+        name: str,
+        config: Config,
+        module: torch.nn.Module | None,
+        device: torch.device,
+        tokenwise: bool = True,
     ) -> ScopeRun:
+        """Open a run as the thread's current one (`exit_scope` closes it); the caller checked
+        `passes_through` and installs the hooks (`call`; actoff._compile: Note [compile])."""
         with self.lock:
             step = self.step
             module_id = id(module) if module is not None else None
@@ -138,6 +154,7 @@ class Runtime:
                     step.progress()
                     step.harvest(block=True)  # long done: a whole step ran since
                 self._publish(step)
+                self.replay.begin(device, config.allocator, self.warn_once)
                 self.arenas.begin_step()
                 step = self.step = Step(self.steps_started)
                 self.steps_started += 1
@@ -145,10 +162,11 @@ class Runtime:
                 step.modules.add(module_id)
             backend = backend_for(device, settings_for(config.sim_device))
             run = ScopeRun(self, step, name, config, backend, _param_storages(module))
-            if config.policy in TOKENWISE_POLICIES and self.verdicts.get(name) is None:
+            if tokenwise and config.policy in TOKENWISE_POLICIES:
                 run.tokenwise = TokenwiseRun(run)
             step.runs.append(run)
-            return run
+        self.thread.stack.append(run)
+        return run
 
     def _abort(self, run: ScopeRun) -> None:
         # An exception inside the scope: nothing is copied; the records stay resident and
@@ -259,6 +277,7 @@ class Runtime:
                 self.agreed = True
                 agree_with_rank0(self.auto_decisions, self.plans, lambda: self._publish(step))
             self._publish(step)
+            self.replay.end(self.warn_once)  # last: it may raise what the allocator recorded
 
     def release(self, record: Record) -> None:
         """Return everything a record holds; called when autograd drops its handle."""
@@ -271,6 +290,12 @@ class Runtime:
             step = run.step
             step.live -= 1
             if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
+                # Nothing of the step can be rebuilt now: let go of the forwards its token-wise
+                # runs would re-run, which hold their modules (a model deleted after its last
+                # step is then freed at once, not at the next step).
+                for done in step.runs:
+                    if done.tokenwise is not None:
+                        done.tokenwise.fn = None
                 self.arenas.consolidate(run.device)
 
     # ------------------------------------------------------------------ resources and figures
@@ -311,9 +336,10 @@ class Runtime:
             self.last_stats = {}
             self.steps_completed = 0
             self.arenas = Arenas()  # slots still held by live graphs keep their chunk alive
-            self.token_plans, self.verdicts, self._warned = {}, {}, set()
+            self.token_plans, self._warned = ByOwner(), set()
             self.auto_decisions, self.plans, self.agreed = {}, {}, False
             self.stores.close()
+            self.replay.close()
 
 
 def _param_storages(module: torch.nn.Module | None) -> set[int]:
@@ -323,7 +349,7 @@ def _param_storages(module: torch.nn.Module | None) -> set[int]:
     return {tensor.untyped_storage().data_ptr() for tensor in (*module.parameters(), *module.buffers())}
 
 
-def _find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:
+def find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:
     """The scope's device: of the first tensor argument, else of the module's parameters."""
     stack: list[Any] = [*args, *kwargs.values()]
     while stack:

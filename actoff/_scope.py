@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._config import Config, get_config
+from ._plans import ByOwner
 from ._runtime import get_runtime
 
 __all__ = ["no_offload", "offload", "offload_"]
@@ -31,7 +32,7 @@ class _ScopeSpec:
         self.config = config
         self.overrides = overrides
         self.name = name
-        self._names: dict[int, str] = {}
+        self._names: ByOwner[str] = ByOwner()  # by instance, forgotten when it dies
         self._counter = itertools.count()
 
     def resolve(self) -> Config:
@@ -43,10 +44,9 @@ class _ScopeSpec:
             return self.name
         if module is None:
             return default
-        key = id(module)
-        name = self._names.get(key)
+        name = self._names.get(module)
         if name is None:  # instances of a decorated class: Block#0, Block#1, ... by first call
-            name = self._names[key] = f"{type(module).__name__}#{next(self._counter)}"
+            name = self._names.put(module, f"{type(module).__name__}#{next(self._counter)}")
         return name
 
 
@@ -99,11 +99,14 @@ def offload(
         original = getattr(obj, "__wrapped__", obj) if hasattr(obj, _SPEC_ATTR) else obj
         default = getattr(original, "__qualname__", repr(original))
 
+        eager, compiled = _entry_points()
+
         @functools.wraps(original)
         def scoped(*args: Any, **kwargs: Any) -> Any:
-            return get_runtime().call(
-                spec.block_name(None, default), spec.resolve(), None, original, args, kwargs
-            )
+            # Note [compile] (actoff._compile): a graph break around a compiled body.
+            if torch.compiler.is_compiling():
+                return compiled(spec, None, default, original, args, kwargs)
+            return eager(spec, None, default, original, args, kwargs)
 
         setattr(scoped, _SPEC_ATTR, spec)
         return scoped  # type: ignore[return-value]
@@ -113,18 +116,25 @@ def offload(
 
 
 def _wrap_method(original: Callable[..., Any], spec: _ScopeSpec) -> Callable[..., Any]:
+    eager, compiled = _entry_points()
+
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        runtime = get_runtime()
-        if runtime.passes_through(self):  # fast path: no config resolution, no device lookup
-            return original(self, *args, **kwargs)
-        bound = functools.partial(original, self)
-        return runtime.call(
-            spec.block_name(self, type(self).__name__), spec.resolve(), self, bound, args, kwargs
-        )
+        # Note [compile] (actoff._compile): a graph break around a compiled body.
+        if torch.compiler.is_compiling():
+            return compiled(spec, self, type(self).__name__, original, args, kwargs)
+        return eager(spec, self, type(self).__name__, original, args, kwargs)
 
     setattr(forward, _SPEC_ATTR, spec)
     return forward
+
+
+def _entry_points() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The eager and the compiled scope call; imported when the first scope is made, as they
+    import Dynamo (actoff._compile)."""
+    from ._compile import compiled_scope, eager_scope
+
+    return eager_scope, compiled_scope
 
 
 def offload_(

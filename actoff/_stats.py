@@ -31,6 +31,7 @@ class BlockStats:
     fetch_ms: float = 0.0  # time of the copies back
     wait_ms: float = 0.0  # time backward waited for copies back (0: prefetch hid them)
     recompute_ms: float = 0.0  # time of token-wise re-forwards in backward
+    probes: int = 0  # re-forwards that planned a new module or new conditions (batch, length, ...)
     forwarded: int = 0  # unpacks served by a still-live tensor instead of a fetch
 
     @property
@@ -148,7 +149,7 @@ class Stats:
 _SUMMED = (
     "dedup_hits", "skipped_param_bytes", "skipped_small_bytes", "skipped_other_bytes",
     "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms", "fetch_ms",
-    "wait_ms", "recompute_ms",
+    "wait_ms", "recompute_ms", "probes",
 )  # fmt: skip
 
 

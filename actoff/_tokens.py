@@ -45,8 +45,17 @@ class Canon:
     on_base: bool = False
 
     def view(self, flat: torch.Tensor, pad: int = 0) -> torch.Tensor:
-        """The canonical tensor over a 1-D buffer holding ``pad`` spare elements, then the span."""
-        return flat.as_strided(self.shape, self.stride, pad)
+        """The canonical tensor over a 1-D buffer holding ``pad`` spare elements, then the span.
+
+        ``flat`` may itself start inside its storage (the span of a ``chunk`` of a fused
+        projection starts at the chunk's offset): ``as_strided`` takes an absolute storage
+        offset, so ``flat``'s own offset is added, never assumed zero.
+
+        >>> storage = torch.arange(12.0)
+        >>> Canon((2, 3), (3, 1), 1).view(storage[6:]).tolist()
+        [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
+        """
+        return flat.as_strided(self.shape, self.stride, flat.storage_offset() + pad)
 
     def source(self, saved: torch.Tensor) -> torch.Tensor | None:
         """The tensor to take rows from among a re-forward's save: the view or its base."""
@@ -104,16 +113,22 @@ def changed_dim(
 def detect_canon(
     view: tuple[tuple[int, ...], tuple[int, ...]],
     base: tuple[tuple[int, ...], tuple[int, ...]] | None,
-    replayed: torch.Tensor,
+    replayed_shape: tuple[int, ...],
+    replayed_base_shape: tuple[int, ...] | None,
     seq_len: int,
     length: int,
 ) -> Canon | None:
-    """The `Canon` of a record from its forward view (and base) and its re-forward save."""
-    dim = changed_dim(view[0], tuple(replayed.shape), seq_len, length)
+    """The `Canon` of a record from its forward view (and base) and the shapes of its
+    re-forward save (and of that save's base, if it is a view).
+
+    >>> detect_canon(((4, 8), (8, 1)), ((2, 2, 8), (32, 8, 1)), (2, 8), (2, 1, 8), 2, 1)
+    Canon(shape=(2, 2, 8), stride=(32, 8, 1), dim=1, on_base=True)
+    """
+    dim = changed_dim(view[0], replayed_shape, seq_len, length)
     if dim is not None:
         return Canon(view[0], view[1], dim)
-    if base is not None and replayed._base is not None:
-        dim = changed_dim(base[0], tuple(replayed._base.shape), seq_len, length)
+    if base is not None and replayed_base_shape is not None:
+        dim = changed_dim(base[0], replayed_base_shape, seq_len, length)
         if dim is not None:
             return Canon(base[0], base[1], dim, on_base=True)
     return None

@@ -9,6 +9,7 @@ rows recomputed (actoff._replay). Runs whose policy never splits have no such ob
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from . import _replay
 from ._distributed import local_world_size
 from ._mixers import autograd_status
 from ._pack import pack_rows, scatter_rows
+from ._plans import ModulePlans, Plan, conditions
 from ._policy import AutoDecision, auto_fractions, budget_share, token_fractions, whole_tier
 from ._record import Record, State
 from ._tiers import Tier
@@ -38,11 +40,19 @@ class TokenwiseRun(Tier):
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
         self.seq_len = 0
+        # Note [plans per module and conditions]: what probes learned about the run's module,
+        # the key of the conditions it runs under, and the plan for them if there is one yet.
+        self.learned: ModulePlans | None = None
+        self.conditions: tuple = ()
+        self.plan: Plan | None = None
         self.fn: Callable[..., Any] | None = None
         self.input_spec: Any = None  # pytree structure of (args, kwargs)
         self.inputs: list[Any] = []  # their flattened leaves: Record, or the value itself
         self.input_status: list[str | None] = []  # autograd_status of each input at capture
-        self.mixer_outputs: list[tuple[Any, int | None]] = []  # (Record or tensor, token dim)
+        # (Record or tensor, token dim, autograd_status): the re-forward serves its rows alike
+        self.mixer_outputs: list[tuple[Any, int | None, str | None]] = []
+        self.grad_enabled = True  # the forward's grad mode and autocast state (_replay.forward_state)
+        self.autocast: tuple = ()
         self.owned: list[Any] = []  # handles actoff holds for inputs and mixer outputs
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.ranges: TokenRanges | None = None
@@ -57,9 +67,13 @@ class TokenwiseRun(Tier):
         self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
     # ------------------------------------------------------------------ forward
-    def capture(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
-        """What the re-forward needs: the inputs (kept whole), the function, the RNG state.
-        False when the block input has no token dimension (the run is placed whole)."""
+    def capture(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, module: torch.nn.Module | None
+    ) -> bool:
+        """What the re-forward needs: the inputs (kept whole), the function, the RNG state; and
+        what probes learned about ``module`` (or ``fn`` when the scope is a function) under
+        these conditions. False when the run is placed whole: the block input has no token
+        dimension, or the block cannot be recomputed under these conditions."""
         run = self.run
         token_dim = run.config.token_dim
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -68,6 +82,13 @@ class TokenwiseRun(Tier):
         self.seq_len = first.shape[token_dim]
         # Inputs may nest (Hugging Face passes position_embeddings=(cos, sin)): flatten them.
         values, self.input_spec = pytree.tree_flatten((args, kwargs))
+        self.grad_enabled, self.autocast = torch.is_grad_enabled(), _replay.autocast_state(run.device)
+        owner = module if module is not None else fn
+        self.learned = run.runtime.token_plans.setdefault(owner, ModulePlans)
+        self.conditions = conditions(values, self.input_spec, module, self.grad_enabled, self.autocast)
+        if self.conditions in self.learned.verdicts:
+            return False
+        self.plan = self.learned.plans.get(self.conditions)
         self.fn = fn
         self.input_status = [autograd_status(value) for value in values]
         self.inputs = [self.keep_whole(value) for value in values]
@@ -108,32 +129,39 @@ class TokenwiseRun(Tier):
         return handle.record
 
     def capture_mixer_output(self, output: Any, token_dim: int | None) -> None:
-        self.mixer_outputs.append((self.keep_whole(output), token_dim))
+        self.mixer_outputs.append((self.keep_whole(output), token_dim, autograd_status(output)))
 
     # ------------------------------------------------------------------ sealing
     def prepare(self, runtime: Any) -> None:
-        """Choose the ranges and the records to split; probe and verify once per block and length.
-        A run that ends with no split records is placed whole."""
+        """Choose the ranges and the records to split; probe and verify once per module and
+        conditions (Note [plans per module and conditions]). A run that ends with no split
+        records is placed whole."""
         run, config = self.run, self.run.config
         candidates = [r for r in run.records if not r.whole and not r.layout.compact]
         fractions = token_fractions(config, runtime.auto_decisions.get(run.name))
         if fractions is None:  # auto's first step: measure, store whole, decide after backward
             self.auto_sample = (
                 sum(v.layout.nbytes for v in self.inputs if isinstance(v, Record)),
-                sum(v.layout.nbytes for v, _ in self.mixer_outputs if isinstance(v, Record)),
+                sum(v.layout.nbytes for v, *_ in self.mixer_outputs if isinstance(v, Record)),
                 sum(r.layout.nbytes for r in candidates),
             )
             return
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:
             return  # nothing to split (or every token to host memory): whole
-        key = (run.name, self.seq_len)
-        plan = runtime.token_plans.get(key)
+        learned, saves, plan = self.learned, self.saves(), self.plan
+        if plan is not None and plan.saves != saves:
+            # Same key, other saves: the block changed in a way the key cannot see (say, its
+            # attention implementation switched in place). Placed whole; the next call probes
+            # afresh, watched for collectives (this forward was not: see CollectiveWatch).
+            del learned.plans[self.conditions]
+            return
         if plan is None:
+            run.stats.probes += 1
             if self.collective is None:
-                plan, reason = _replay.probe(self, candidates)
+                canons, reason = _replay.probe(self, candidates)
             else:  # never re-run it, not even to probe: see CollectiveWatch
-                plan, reason = (
+                canons, reason = (
                     None,
                     (
                         f"its forward calls the collective {self.collective} outside a token mixer, and a "
@@ -141,20 +169,31 @@ class TokenwiseRun(Tier):
                         "that communicates, e.g. a sequence-parallel attention, with actoff.register_token_mixer)"
                     ),
                 )
-            if plan is None:
-                runtime.verdicts[run.name] = reason
-                runtime.warn_once(
-                    f"tokenwise:{run.name}",
-                    f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its "
-                    f"activations are placed whole ({whole_tier(config)}) from now on; gradients stay exact.",
-                )
+            if canons is None:
+                learned.verdicts[self.conditions] = reason
+                if not learned.warned:  # once per module, whatever the conditions
+                    learned.warned = True
+                    warnings.warn(
+                        f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its "
+                        f"activations are placed whole ({whole_tier(config)}) when it runs under these "
+                        "conditions (input shapes, dtypes, autocast, training flags); gradients stay exact.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 return
-            runtime.token_plans[key] = plan
+            plan = learned.plans[self.conditions] = Plan(canons, saves)
         for record in candidates:
-            entry = plan.get(record.index)
-            if entry is not None and entry[:2] == (record.layout.size, record.layout.stride):
-                record.canon = entry[2]
+            canon = plan.canons.get(record.index)
+            if canon is not None:
+                record.canon = canon
                 self.split_records.append(record)
+
+    def saves(self) -> tuple:
+        """What the forward saved, in order: the record of each save (-1: not a record), each
+        record's layout and whether it stays whole, and the mixer calls. Equal on two forwards
+        when a plan of one fits the other."""
+        records = tuple((r.layout.size, r.layout.stride, r.layout.dtype, r.whole) for r in self.run.records)
+        return (tuple(self.events), records, len(self.mixer_outputs))
 
     def place_split(self, tiers: dict[str, Tier]) -> None:
         """Pack the stored token rows of every split record into one buffer per tier."""

@@ -10,8 +10,20 @@
 
 namespace py = pybind11;
 
+namespace {
+
+std::vector<std::tuple<std::size_t, std::int64_t, std::int64_t>> log_tuples(
+    const std::vector<actoff::ReplayAllocator::Event>& log) {
+  std::vector<std::tuple<std::size_t, std::int64_t, std::int64_t>> out;
+  out.reserve(log.size());
+  for (const auto& event : log) out.emplace_back(event.size, event.start, event.end);
+  return out;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "actoff compiled core: the POSIX asynchronous I/O engine";
+  m.doc() = "actoff compiled core: the POSIX asynchronous I/O engine and the replay allocator core";
 
   // I/O failures surface as Python OSError(errno, message): callers catch OSError, and
   // .errno says what failed (EIO for a short read, 0 for a closed engine).
@@ -60,48 +72,81 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("path", &actoff::IoEngine::path);
 
   // The allocator core over host memory (aligned malloc as the fallback): what the tests
-  // drive. Addresses travel as integers.
-  py::class_<actoff::ReplayAllocator>(m, "HostReplayAllocator")
+  // drive. Addresses, streams and fences travel as integers; fences and the arena-released
+  // callback may be Python callables (tests simulate streams with them).
+  using Replay = actoff::ReplayAllocator;
+  py::class_<Replay>(m, "HostReplayAllocator")
       .def(py::init([] {
-        return new actoff::ReplayAllocator(
-            [](std::size_t size) {
+        return new Replay(
+            [](std::size_t size, Replay::Stream) {
               void* pointer = std::aligned_alloc(512, (size + 511) / 512 * 512 + 512);
               if (pointer == nullptr) throw std::bad_alloc();
               return pointer;
             },
-            [](void* pointer, std::size_t) { std::free(pointer); });
+            [](void* pointer, std::size_t, Replay::Stream) { std::free(pointer); });
       }))
-      .def("begin_record", &actoff::ReplayAllocator::begin_record)
-      .def("end_record",
-           [](actoff::ReplayAllocator& self) {
-             std::vector<std::tuple<std::size_t, std::int64_t, std::int64_t>> out;
-             for (const auto& event : self.end_record()) out.emplace_back(event.size, event.start, event.end);
-             return out;
-           })
+      .def("begin_record", &Replay::begin_record)
+      .def("end_record", [](Replay& self) { return log_tuples(self.end_record()); })
+      .def("begin_step", &Replay::begin_step)
+      .def("end_step", [](Replay& self) { return log_tuples(self.end_step()); })
       .def(
           "set_plan",
-          [](actoff::ReplayAllocator& self, const std::vector<std::size_t>& sizes,
-             const std::vector<std::size_t>& offsets, std::uintptr_t arena, std::size_t arena_bytes) {
+          [](Replay& self, const std::vector<std::size_t>& sizes, const std::vector<std::size_t>& offsets,
+             std::uintptr_t arena, std::size_t arena_bytes) {
             self.set_plan(sizes, offsets, reinterpret_cast<void*>(arena), arena_bytes);
           },
           py::arg("sizes"), py::arg("offsets"), py::arg("arena"), py::arg("arena_bytes"))
-      .def("clear_plan", &actoff::ReplayAllocator::clear_plan)
-      .def("begin_step", &actoff::ReplayAllocator::begin_step)
-      .def("allocate",
-           [](actoff::ReplayAllocator& self, std::size_t size) {
-             return reinterpret_cast<std::uintptr_t>(self.allocate(size));
-           })
+      .def("clear_plan", &Replay::clear_plan)
+      .def(
+          "allocate",
+          [](Replay& self, std::size_t size, std::uintptr_t stream) {
+            return reinterpret_cast<std::uintptr_t>(self.allocate(size, stream));
+          },
+          py::arg("size"), py::arg("stream") = 0)
       .def("deallocate",
-           [](actoff::ReplayAllocator& self, std::uintptr_t address) {
-             self.deallocate(reinterpret_cast<void*>(address));
+           [](Replay& self, std::uintptr_t address) { self.deallocate(reinterpret_cast<void*>(address)); })
+      .def(
+          "set_fences",
+          [](Replay& self, py::function record, py::function passed, py::function wait, py::function release) {
+            Replay::Fences fences;
+            fences.record = [record](Replay::Stream stream) {
+              return reinterpret_cast<void*>(record(stream).cast<std::uintptr_t>());
+            };
+            fences.passed = [passed](void* fence) {
+              return passed(reinterpret_cast<std::uintptr_t>(fence)).cast<bool>();
+            };
+            fences.wait = [wait](Replay::Stream stream, void* fence) {
+              wait(stream, reinterpret_cast<std::uintptr_t>(fence));
+            };
+            fences.release = [release](void* fence) { release(reinterpret_cast<std::uintptr_t>(fence)); };
+            self.set_fences(std::move(fences));
+          },
+          py::arg("record"), py::arg("passed"), py::arg("wait"), py::arg("release"))
+      .def("set_arena_released",
+           [](Replay& self, py::function callback) {
+             self.set_arena_released(
+                 [callback](void* arena) { callback(reinterpret_cast<std::uintptr_t>(arena)); });
            })
-      .def("stats", [](const actoff::ReplayAllocator& self) {
-        auto stats = self.stats();
+      .def("reset_peak", &Replay::reset_peak)
+      .def_property_readonly_static("UNPLANNED", [](py::object) { return Replay::kUnplanned; })
+      .def("stats", [](const Replay& self) {
+        const Replay::Stats stats = self.stats();
         py::dict out;
         out["served"] = stats.served;
         out["diverged"] = stats.diverged;
+        out["occupied"] = stats.occupied;
+        out["unplanned"] = stats.unplanned;
+        out["outside"] = stats.outside;
         out["fallback"] = stats.fallback;
+        out["failed"] = stats.failed;
+        out["waits"] = stats.waits;
+        out["plans"] = stats.plans;
         out["live"] = stats.live;
+        out["live_bytes"] = stats.live_bytes;
+        out["peak_bytes"] = stats.peak_bytes;
+        out["fallback_bytes"] = stats.fallback_bytes;
+        out["arena_bytes"] = stats.arena_bytes;
+        out["peak_reserved_bytes"] = stats.peak_reserved_bytes;
         return out;
       });
 }

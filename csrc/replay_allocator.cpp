@@ -1,6 +1,7 @@
 // Implementation of the plan-replaying allocator core; the contract is in replay_allocator.h.
 #include "replay_allocator.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -10,24 +11,49 @@ ReplayAllocator::ReplayAllocator(AllocFn fallback_alloc, FreeFn fallback_free)
     : fallback_alloc_(std::move(fallback_alloc)), fallback_free_(std::move(fallback_free)) {}
 
 ReplayAllocator::~ReplayAllocator() {
-  // Return what the fallback still holds; arena memory belongs to the caller.
+  // Return what the fallback still holds and the fences; arena memory belongs to the caller.
   for (auto& [pointer, info] : live_) {
-    if (!std::get<2>(info)) fallback_free_(pointer, std::get<0>(info));
+    if (info.arena == nullptr) fallback_free_(pointer, info.size, info.stream);
   }
+  drop_pending();
+}
+
+void ReplayAllocator::set_fences(Fences fences) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  drop_pending();
+  fences_ = std::move(fences);
+}
+
+void ReplayAllocator::set_arena_released(std::function<void(void*)> callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  arena_released_ = std::move(callback);
 }
 
 void ReplayAllocator::begin_record() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  recording_ = true;
-  clock_ = 0;
-  log_.clear();
+  clear_plan();
+  begin_step();
 }
 
-std::vector<ReplayAllocator::Event> ReplayAllocator::end_record() {
+std::vector<ReplayAllocator::Event> ReplayAllocator::end_record() { return end_step(); }
+
+void ReplayAllocator::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
-  recording_ = false;
-  for (auto& [pointer, info] : live_) std::get<1>(info) = -1;  // no longer points into the log
+  forget_log_indices();  // buffers of an earlier window no longer point into the log
+  window_ = true;
+  clock_ = 0;
+  log_.clear();
+  next_request_ = 0;
+}
+
+std::vector<ReplayAllocator::Event> ReplayAllocator::end_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  window_ = false;
+  forget_log_indices();
   return std::move(log_);
+}
+
+void ReplayAllocator::forget_log_indices() {
+  for (auto& [pointer, info] : live_) info.index = -1;
 }
 
 void ReplayAllocator::set_plan(const std::vector<std::size_t>& sizes,
@@ -38,18 +64,37 @@ void ReplayAllocator::set_plan(const std::vector<std::size_t>& sizes,
                                 std::to_string(offsets.size()) + " offsets");
   }
   for (std::size_t k = 0; k < sizes.size(); ++k) {
-    if (offsets[k] + sizes[k] > arena_bytes) {
+    if (offsets[k] != kUnplanned && offsets[k] + sizes[k] > arena_bytes) {
       throw std::invalid_argument("set_plan: request " + std::to_string(k) + " ends at " +
                                   std::to_string(offsets[k] + sizes[k]) + ", past the arena of " +
                                   std::to_string(arena_bytes) + " bytes");
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  char* next = static_cast<char*>(arena);
+  if (next != arena_) {
+    // Retire the current arena: its live buffers stay where they are until freed.
+    char* old = arena_;
+    if (old != nullptr) {
+      std::size_t still = 0;
+      for (auto& [pointer, info] : live_) still += info.arena == old;
+      retired_[old] = {still, arena_size_};
+    }
+    live_planned_.clear();
+    drop_pending();  // ranges of the old arena are never handed out again
+    arena_ = next;
+    arena_size_ = arena_bytes;
+    stats_.arena_bytes += arena_bytes;
+    if (old != nullptr && retired_[old].first == 0) release_arena(old);
+  } else {
+    stats_.arena_bytes += arena_bytes - arena_size_;
+    arena_size_ = arena_bytes;
+  }
   plan_sizes_ = sizes;
   plan_offsets_ = offsets;
-  arena_ = static_cast<char*>(arena);
-  arena_bytes_ = arena_bytes;
   next_request_ = 0;
+  ++stats_.plans;
+  note_reserved();
 }
 
 void ReplayAllocator::clear_plan() {
@@ -59,9 +104,17 @@ void ReplayAllocator::clear_plan() {
   next_request_ = 0;
 }
 
-void ReplayAllocator::begin_step() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  next_request_ = 0;
+void ReplayAllocator::release_arena(char* arena) {
+  stats_.arena_bytes -= retired_[arena].second;
+  retired_.erase(arena);
+  if (arena_released_) arena_released_(arena);
+}
+
+void ReplayAllocator::drop_pending() {
+  if (fences_.release) {
+    for (auto& pending : pending_) fences_.release(pending.fence);
+  }
+  pending_.clear();
 }
 
 bool ReplayAllocator::range_free(std::size_t offset, std::size_t size) const {
@@ -74,33 +127,86 @@ bool ReplayAllocator::range_free(std::size_t offset, std::size_t size) const {
   return true;
 }
 
-void* ReplayAllocator::allocate(std::size_t size) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const std::size_t request = next_request_++;
-  void* pointer = nullptr;
-  bool from_arena = false;
-  if (!plan_sizes_.empty()) {
-    if (request < plan_sizes_.size() && plan_sizes_[request] == size &&
-        range_free(plan_offsets_[request], size)) {
-      pointer = arena_ + plan_offsets_[request];
-      live_planned_[plan_offsets_[request]] = plan_offsets_[request] + size;
-      from_arena = true;
-      ++stats_.served;
+void ReplayAllocator::order_after_frees(std::size_t offset, std::size_t size, Stream stream) {
+  // Note [stream-safe reuse]: a range freed on stream A holds A's work until A passes the
+  // fence; B may use it only after that. Passed fences are dropped here, or in a sweep of
+  // all of them once there are many.
+  const bool sweep = pending_.size() >= sweep_at_;
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < pending_.size(); ++i) {
+    Pending& pending = pending_[i];
+    const bool overlaps = pending.offset < offset + size && offset < pending.end;
+    bool drop = false;
+    if (overlaps || sweep) {
+      drop = fences_.passed(pending.fence);
+      if (!drop && overlaps && pending.stream != stream) {
+        fences_.wait(stream, pending.fence);
+        ++stats_.waits;
+      }
+    }
+    if (drop) {
+      fences_.release(pending.fence);
     } else {
-      ++stats_.diverged;  // Note [divergence]: another size, past the plan, or still occupied
+      pending_[kept++] = pending;
     }
   }
-  if (!from_arena) {
-    pointer = fallback_alloc_(size);
-    ++stats_.fallback;
+  pending_.resize(kept);
+  if (sweep) sweep_at_ = std::max<std::size_t>(64, 2 * pending_.size());
+}
+
+void ReplayAllocator::note_reserved() {
+  stats_.peak_bytes = std::max(stats_.peak_bytes, stats_.live_bytes);
+  stats_.peak_reserved_bytes =
+      std::max(stats_.peak_reserved_bytes, stats_.arena_bytes + stats_.fallback_bytes);
+}
+
+void* ReplayAllocator::allocate(std::size_t size, Stream stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  void* pointer = nullptr;
+  char* arena = nullptr;
+  if (!window_) {
+    ++stats_.outside;
+  } else if (!plan_sizes_.empty()) {
+    const std::size_t request = next_request_;
+    std::size_t k = request;
+    while (k < plan_sizes_.size() && plan_offsets_[k] == kUnplanned && plan_sizes_[k] != size) ++k;
+    if (k >= plan_sizes_.size() || plan_sizes_[k] != size) {
+      ++stats_.diverged;  // Note [divergence]: another size, or past the plan
+      next_request_ = request + 1;
+    } else {
+      next_request_ = k + 1;
+      const std::size_t offset = plan_offsets_[k];
+      if (offset == kUnplanned) {
+        ++stats_.unplanned;
+      } else if (!range_free(offset, size)) {
+        ++stats_.occupied;
+      } else {
+        if (!pending_.empty()) order_after_frees(offset, size, stream);
+        pointer = arena_ + offset;
+        arena = arena_;
+        live_planned_[offset] = offset + size;
+        ++stats_.served;
+      }
+    }
   }
   std::int64_t index = -1;
-  if (recording_) {
+  if (window_) {
     index = static_cast<std::int64_t>(log_.size());
     log_.push_back(Event{size, ++clock_, -1});
   }
-  live_[pointer] = std::make_tuple(size, index, from_arena);
+  if (arena == nullptr) {
+    pointer = fallback_alloc_(size, stream);
+    ++stats_.fallback;
+    if (pointer == nullptr) {
+      ++stats_.failed;
+      return nullptr;
+    }
+    stats_.fallback_bytes += size;
+  }
+  live_[pointer] = Live{size, index, arena, stream};
   ++stats_.live;
+  stats_.live_bytes += size;
+  note_reserved();
   return pointer;
 }
 
@@ -110,20 +216,35 @@ void ReplayAllocator::deallocate(void* pointer) {
   if (found == live_.end()) {
     throw std::invalid_argument("deallocate: address not handed out by this allocator");
   }
-  auto [size, index, from_arena] = found->second;
+  const Live info = found->second;
   live_.erase(found);
   --stats_.live;
-  if (recording_ && index >= 0) log_[static_cast<std::size_t>(index)].end = ++clock_;
-  if (from_arena) {
-    live_planned_.erase(static_cast<std::size_t>(static_cast<char*>(pointer) - arena_));
-  } else {
-    fallback_free_(pointer, size);
+  stats_.live_bytes -= info.size;
+  if (window_ && info.index >= 0) log_[static_cast<std::size_t>(info.index)].end = ++clock_;
+  if (info.arena == nullptr) {
+    stats_.fallback_bytes -= info.size;
+    fallback_free_(pointer, info.size, info.stream);
+  } else if (info.arena == arena_) {
+    const auto offset = static_cast<std::size_t>(static_cast<char*>(pointer) - arena_);
+    live_planned_.erase(offset);
+    if (fences_.record) {
+      void* fence = fences_.record(info.stream);
+      if (fence != nullptr) pending_.push_back(Pending{offset, offset + info.size, info.stream, fence});
+    }
+  } else if (--retired_[info.arena].first == 0) {
+    release_arena(info.arena);
   }
 }
 
 ReplayAllocator::Stats ReplayAllocator::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return stats_;
+}
+
+void ReplayAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.peak_bytes = stats_.live_bytes;
+  stats_.peak_reserved_bytes = stats_.arena_bytes + stats_.fallback_bytes;
 }
 
 }  // namespace actoff

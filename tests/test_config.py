@@ -13,6 +13,7 @@ def test_defaults_are_valid():
     assert config.policy == "cpu"
     assert config.min_bytes == 64 * 1024
     assert config.host_budget is None
+    assert config.allocator == "caching"
 
 
 def test_from_env_reads_every_variable(tmp_path):
@@ -31,6 +32,7 @@ def test_from_env_reads_every_variable(tmp_path):
         "ACTOFF_IO_THREADS": "8",
         "ACTOFF_VERIFY": "yes",
         "ACTOFF_TOKEN_DIM": "0",
+        "ACTOFF_ALLOCATOR": "REPLAY",
     }
     config = Config.from_env(env)
     assert config.policy == "nvme"
@@ -43,6 +45,7 @@ def test_from_env_reads_every_variable(tmp_path):
     assert config.io_threads == 8
     assert config.verify is True
     assert config.token_dim == 0
+    assert config.allocator == "replay"
 
 
 def test_python_arguments_win_over_the_environment():
@@ -82,6 +85,11 @@ def test_config_is_frozen():
         ("ACTOFF_IO_THREADS", "0", "ACTOFF_IO_THREADS.*>= 1"),
         ("ACTOFF_PLANNER", "optimal", "ACTOFF_PLANNER.*mip, greedy, off"),
         ("ACTOFF_IO_BACKEND", "gds", "ACTOFF_IO_BACKEND.*auto, kvikio, posix"),
+        (
+            "ACTOFF_ALLOCATOR",
+            "cuda",
+            r"ACTOFF_ALLOCATOR \(Config.allocator\)='cuda' is not valid: expected one of caching, replay",
+        ),
         ("ACTOFF_VERIFY", "maybe", "ACTOFF_VERIFY.*not a boolean"),
         ("ACTOFF_POLCY", "cpu", "ACTOFF_POLCY is not an actoff setting"),
         ("ACTOFF_IO_TIMEOUT", "0", "ACTOFF_IO_TIMEOUT.*seconds > 0"),

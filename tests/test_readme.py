@@ -3,6 +3,8 @@
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,8 +37,9 @@ def test_settings_table_lists_every_config_field():
         assert f"`ACTOFF_{field.name.upper()}`" in readme, field.name
 
 
-def test_guarantees_table_names_existing_tests():
-    section = _readme().split("## Guarantees", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize(("title", "at_least"), [("Guarantees", 20), ("Works with", 15)])
+def test_tables_name_existing_tests(title, at_least):
+    section = _readme().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
     checked = 0
     for row in re.findall(r"^\|.*\|$", section, re.M):
         current = None
@@ -50,4 +53,4 @@ def test_guarantees_table_names_existing_tests():
             if name:
                 assert f"def {name}(" in source, f"{current}::{name} named in the README does not exist"
                 checked += 1
-    assert checked >= 20
+    assert checked >= at_least

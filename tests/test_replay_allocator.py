@@ -120,7 +120,8 @@ def test_a_longer_lifetime_never_overlaps():
     allocator.begin_step()
     late = [("alloc", 0, 4096), ("alloc", 1, 4096), ("free", 1, None), ("free", 0, None)]
     run(allocator, late)  # fills and checks both buffers while both are live
-    assert allocator.stats()["diverged"] == 1
+    stats = allocator.stats()
+    assert stats["occupied"] == 1 and stats["diverged"] == 0 and stats["served"] == 1
 
 
 def test_more_requests_than_the_plan_fall_back():
@@ -140,3 +141,128 @@ def test_errors_name_the_problem():
         allocator.set_plan([1, 2], [0], arena.data_ptr(), 4096)
     with pytest.raises(ValueError, match="past the arena of 4096 bytes"):
         allocator.set_plan([4096], [512], arena.data_ptr(), 4096)
+
+
+def test_requests_outside_a_window_fall_back_unnumbered():
+    events = [("alloc", 0, 1024), ("free", 0, None)]
+    allocator, _, _ = record_and_plan(events)
+    allocator.end_step()
+    run(allocator, [("alloc", 9, 4096), ("free", 9, None)])  # e.g. the optimizer, between steps
+    allocator.begin_step()
+    run(allocator, events)
+    stats = allocator.stats()
+    assert stats["outside"] == 1 and stats["served"] == 1 and stats["diverged"] == 0
+
+
+def test_buffers_that_outlive_the_window_are_unplanned_and_one_time_ones_skipped():
+    # Window 1: a workspace made on first use (lives on), a transient, a gradient (lives on).
+    allocator = HostReplayAllocator()
+    allocator.begin_record()
+    workspace, transient, grad = allocator.allocate(8192), allocator.allocate(1024), allocator.allocate(2048)
+    allocator.deallocate(transient)
+    log = allocator.end_record()
+    assert [end for _, _, end in log] == [-1, 4, -1]
+    unplanned = HostReplayAllocator.UNPLANNED  # what actoff._allocator_steps.plan_window gives
+    arena = torch.empty(1024, dtype=torch.uint8)
+    allocator.set_plan([8192, 1024, 2048], [unplanned, 0, unplanned], arena.data_ptr(), arena.numel())
+    allocator.deallocate(grad)  # zero_grad(set_to_none=True)
+    # Window 2: no workspace this time (Note [skippable]), the same transient and gradient.
+    allocator.begin_step()
+    transient = allocator.allocate(1024)
+    assert transient == arena.data_ptr()
+    allocator.deallocate(transient)
+    allocator.deallocate(allocator.allocate(2048))
+    allocator.deallocate(workspace)
+    stats = allocator.stats()
+    assert (stats["served"], stats["unplanned"], stats["diverged"], stats["live"]) == (1, 1, 0, 0)
+
+
+class FakeStreams:
+    """Streams as counters: a fence passes once its stream has run past it (``run``)."""
+
+    def __init__(self):
+        self.queued, self.done, self.fences, self.waits, self.released = {}, {}, {}, [], []
+
+    def record(self, stream):
+        self.queued[stream] = self.queued.get(stream, 0) + 1
+        fence = len(self.fences) + 1
+        self.fences[fence] = (stream, self.queued[stream])
+        return fence
+
+    def passed(self, fence):
+        stream, mark = self.fences[fence]
+        return self.done.get(stream, 0) >= mark
+
+    def wait(self, stream, fence):
+        self.waits.append((stream, fence))
+
+    def release(self, fence):
+        self.released.append(fence)
+
+    def run(self, stream):
+        self.done[stream] = self.queued.get(stream, 0)
+
+    def install(self, allocator):
+        allocator.set_fences(self.record, self.passed, self.wait, self.release)
+
+
+def test_a_range_freed_on_one_stream_is_reused_by_another_only_after_its_fence():
+    # Plan: A then B at offset 0. A lives on stream 1; B comes on stream 2.
+    events = [("alloc", 0, 4096), ("free", 0, None), ("alloc", 1, 4096), ("free", 1, None)]
+    allocator, layout, _ = record_and_plan(events)
+    assert layout.offsets == (0, 0)
+    streams = FakeStreams()
+    streams.install(allocator)
+    allocator.begin_step()
+    a = allocator.allocate(4096, stream=1)
+    allocator.deallocate(a)  # stream 1 may still be using A: a fence on stream 1
+    b = allocator.allocate(4096, stream=2)
+    assert b == a and streams.waits == [(2, 1)]  # stream 2 waits for stream 1's fence
+    assert allocator.stats()["waits"] == 1
+    allocator.deallocate(b)
+
+
+def test_the_same_stream_reuses_at_once_and_passed_fences_cost_nothing():
+    events = [("alloc", 0, 4096), ("free", 0, None), ("alloc", 1, 4096), ("free", 1, None)]
+    allocator, _, _ = record_and_plan(events)
+    streams = FakeStreams()
+    streams.install(allocator)
+    allocator.begin_step()
+    allocator.deallocate(allocator.allocate(4096, stream=1))
+    allocator.deallocate(allocator.allocate(4096, stream=1))  # same stream: in order, no wait
+    assert streams.waits == []
+    allocator.begin_step()
+    allocator.deallocate(allocator.allocate(4096, stream=1))
+    streams.run(1)  # stream 1 has passed every fence
+    allocator.deallocate(allocator.allocate(4096, stream=2))
+    assert streams.waits == [] and allocator.stats()["waits"] == 0
+    assert streams.released  # passed fences are given back
+
+
+def test_a_new_arena_retires_the_old_one_until_its_last_buffer_is_freed():
+    released = []
+    events = [("alloc", 0, 4096), ("free", 0, None)]
+    allocator, _, first = record_and_plan(events)
+    allocator.set_arena_released(released.append)
+    allocator.begin_step()
+    held = allocator.allocate(4096)  # lives in the first arena across the re-plan
+    second = torch.empty(8192, dtype=torch.uint8)
+    allocator.set_plan([8192], [0], second.data_ptr(), second.numel())
+    assert released == [] and allocator.stats()["arena_bytes"] == first.numel() + 8192
+    allocator.deallocate(held)
+    assert released == [first.data_ptr()] and allocator.stats()["arena_bytes"] == 8192
+    allocator.begin_step()
+    assert allocator.allocate(8192) == second.data_ptr()
+
+
+def test_figures_count_bytes_and_peaks():
+    allocator = HostReplayAllocator()
+    allocator.begin_record()
+    a, b = allocator.allocate(1000), allocator.allocate(3000)
+    allocator.deallocate(a)
+    stats = allocator.stats()
+    assert (stats["live_bytes"], stats["peak_bytes"], stats["fallback_bytes"]) == (3000, 4000, 3000)
+    assert stats["peak_reserved_bytes"] == 4000
+    allocator.reset_peak()
+    assert allocator.stats()["peak_bytes"] == 3000
+    allocator.deallocate(b)

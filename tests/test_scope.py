@@ -1,6 +1,7 @@
 """offload on a class, an instance or a function; offload_ in place; errors and pass-through."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -25,6 +26,15 @@ def test_decorating_a_class_makes_every_instance_a_scope():
     second(first(x)).sum().backward()
     assert set(actoff.stats().blocks) == {"Tanh#0", "Tanh#1"}
     assert actoff.stats().total_bytes_offloaded > 0
+    # Names are per instance and go with it: a later instance gets a new one, never a dead
+    # instance's (its id may be reused), and the class keeps no entry for the dead.
+    names = Tanh.forward.__actoff_scope__._names
+    assert len(names) == 2
+    del first, second
+    gc.collect()
+    assert len(names) == 0
+    Tanh()(x).sum().backward()
+    assert set(actoff.stats().blocks) == {"Tanh#2"}
 
 
 def test_bare_decorator_without_arguments_uses_the_global_config():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from actoff._tokens import base_info, changed_dim, detect_canon, token_ranges, unique_dim
+from actoff._record import TensorLayout
+from actoff._tokens import Canon, base_info, changed_dim, detect_canon, token_ranges, unique_dim
 
 
 def test_unique_dim():
@@ -31,11 +32,26 @@ def test_detect_canon_on_the_base_of_a_merged_view():
     forward = torch.zeros(2, 128, 128)
     saved = forward.view(256, 128)
     replayed = torch.zeros(2, 32, 128).view(64, 128)
-    canon = detect_canon((tuple(saved.shape), saved.stride()), base_info(saved), replayed, 128, 32)
+    canon = detect_canon(
+        (tuple(saved.shape), saved.stride()), base_info(saved), tuple(replayed.shape), (2, 32, 128), 128, 32
+    )
     assert canon.on_base and canon.dim == 1 and canon.shape == (2, 128, 128)
     assert canon.source(replayed).shape == (2, 32, 128)
     flat = torch.arange(2 * 128 * 128.0)
     assert torch.equal(canon.view(flat), flat.view(2, 128, 128))
+
+
+def test_canon_view_of_a_chunk_with_a_storage_offset():
+    # The second chunk of a fused projection (Phi-3's gate_up_proj) starts 3 elements into
+    # its storage: its canonical view must read from there, not from the storage's start.
+    fused = torch.arange(2 * 8 * 6.0).view(2, 8, 6)  # (B, S, 2 * I)
+    up = fused.chunk(2, dim=-1)[1]
+    assert up.storage_offset() == 3
+    canon = Canon(tuple(up.shape), up.stride(), 1)
+    assert torch.equal(canon.view(TensorLayout(up).flat(up)), up)
+    span = TensorLayout(up).span
+    copied = torch.cat((torch.full((1,), -1.0), fused.reshape(-1)[3 : 3 + span]))  # a pad, then the span
+    assert torch.equal(canon.view(copied, pad=1), up)
 
 
 def test_base_info_requires_a_dense_merged_view():

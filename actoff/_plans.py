@@ -1,0 +1,137 @@
+"""Token plans: what a probe learned about a block, kept per module and per the conditions it ran
+under, and forgotten when the module dies.
+
+Note [plans per module and conditions]: a probe (actoff._replay.probe) finds the token dimension
+of each tensor one module saves under one set of conditions, and checks the recomputed rows.
+Applied to another module, a plan is wrong without a sound: a model rebuilt with the same layer
+names but with dropout recomputes other masks (wrong gradients); one with eager attention re-runs
+attention on a slice (a crash in backward). Applied under other conditions the records no longer
+line up: a smaller last batch, autocast switched on, adapters unfrozen, a dropout submodule put
+in eval mode all change what the block saves. So what probes learn is kept per owner (the
+module, or the function of a function scope), by identity and held weakly (`ByOwner`), then per
+`conditions` key. A plan also keeps the saves it was probed on: a forward under the same key
+that saves something else (an attention implementation switched in place) is never split with
+it. A block that cannot be recomputed under some conditions is placed whole under them (a
+verdict), with one warning per module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ._mixers import autograd_status
+from ._tokens import Canon
+
+__all__ = ["ByOwner", "ModulePlans", "Plan", "conditions"]
+
+V = TypeVar("V")
+
+# Non-tensor inputs kept by value in the key; others by type (a cache object, say).
+_BY_VALUE = (bool, int, float, str, bytes, torch.dtype, torch.device)
+
+
+def conditions(values: list[Any], spec: Any, module: torch.nn.Module | None, grad_enabled: bool,
+               autocast: tuple) -> tuple:  # fmt: skip
+    """What decides what a block saves, as a hashable key (Note [plans per module and conditions]).
+
+    ``values`` are the flattened inputs and ``spec`` their pytree structure; ``autocast`` is
+    `actoff._replay.autocast_state`. Tensors count by shape (batch included), strides, dtype,
+    device and how they take part in autograd; other inputs by value when plain, else by type;
+    the module by the training flag of every submodule and the dtype, ``requires_grad`` and
+    shape of every parameter.
+
+    >>> x = torch.zeros(2, 8, 4)
+    >>> key = conditions([x], None, None, True, ())
+    >>> key == conditions([torch.ones(2, 8, 4)], None, None, True, ())  # values do not count
+    True
+    >>> key == conditions([torch.zeros(1, 8, 4)], None, None, True, ())  # a smaller batch does
+    False
+    """
+    inputs = tuple(_input_key(value) for value in values)
+    if module is None:
+        return (spec, inputs, grad_enabled, autocast)
+    training = tuple(m.training for m in module.modules())
+    parameters = tuple((p.dtype, p.requires_grad, p.shape) for p in module.parameters())
+    return (spec, inputs, grad_enabled, autocast, training, parameters)
+
+
+def _input_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        strides = value.stride() if value.layout == torch.strided else value.layout
+        return (value.shape, strides, value.dtype, value.device, autograd_status(value))
+    if value is None or type(value) in _BY_VALUE:
+        return value
+    return type(value)
+
+
+@dataclass
+class Plan:
+    """A verified probe: the token view of each record it splits (by record index), and what
+    the forward it was probed on saved (`actoff._tokenwise.TokenwiseRun.saves`)."""
+
+    canons: dict[int, Canon]
+    saves: tuple
+
+
+@dataclass
+class ModulePlans:
+    """What probes learned about one module (or function), per `conditions` key."""
+
+    plans: dict[tuple, Plan] = field(default_factory=dict)
+    verdicts: dict[tuple, str] = field(default_factory=dict)  # placed whole under these, and why
+    warned: bool = False  # one fallback warning per module, whatever the conditions
+
+
+class ByOwner(Generic[V]):
+    """Values keyed by an object's identity (never its name, hash or ``==``), each dropped when
+    its object dies. Objects that take no weak reference are held (so their id stays theirs).
+
+    >>> import gc
+    >>> plans = ByOwner()
+    >>> module = torch.nn.Linear(2, 2)
+    >>> plans.put(module, "learned") and plans.get(module)
+    'learned'
+    >>> del module; _ = gc.collect()
+    >>> len(plans)
+    0
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Any, V]] = {}
+
+    def get(self, owner: object) -> V | None:
+        """The value of ``owner``, or ``None``."""
+        found = self._entries.get(id(owner))
+        if found is None:
+            return None
+        holder, value = found
+        alive = holder() if isinstance(holder, weakref.ref) else holder
+        return value if alive is owner else None
+
+    def put(self, owner: object, value: V) -> V:
+        """Set the value of ``owner`` (until ``owner`` dies); return ``value``."""
+        key, entries = id(owner), self._entries
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if entries.get(key, (None,))[0] is ref:  # not a later owner's entry
+                del entries[key]
+
+        try:
+            holder: Any = weakref.ref(owner, forget)
+        except TypeError:
+            holder = owner
+        entries[key] = (holder, value)
+        return value
+
+    def setdefault(self, owner: object, factory: Callable[[], V]) -> V:
+        """The value of ``owner``, made by ``factory()`` if it has none."""
+        value = self.get(owner)
+        return value if value is not None else self.put(owner, factory())
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,453 @@
+"""Token-wise recompute as clients use it: a new length every step, frozen base weights with
+low-rank adapters (LoRA), autocast, several models with the same layer names in one process,
+a smaller last batch.
+
+Tolerances: on CPU the re-forward runs the same kernels on fewer rows, so float32 results
+are expected within ``RECOMPUTE_TOL`` (float32 reassociation, as in test_tokenwise.py).
+Under bf16 autocast the block output is rounded to bf16 (8 bits of mantissa) in both runs;
+the recomputed rows are rounded the same way, but a GEMM on fewer rows may sum in another
+order before that rounding, so one bf16 ulp of the largest values is allowed: ``BF16_TOL``.
+"""
+
+import copy
+import gc
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import make_model, train
+from torch import nn
+
+import actoff
+import actoff._runtime
+import actoff._tokenwise
+from actoff._record import Record
+from actoff._step import ScopeRun, Step
+from actoff._tokenwise import TokenwiseRun
+from actoff.reference import Block
+
+RECOMPUTE_TOL = {"rtol": 1e-5, "atol": 1e-6}
+BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-3}
+
+
+def _live_actoff_objects() -> int:
+    gc.collect()
+    kinds = (Step, ScopeRun, Record, TokenwiseRun)
+    # type(), not isinstance: isinstance reads __class__, which warns on some torch objects.
+    return sum(type(o) in kinds for o in gc.get_objects())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------------- lengths
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"policy": "tokenwise", "cpu_fraction": 0.25},
+        {"policy": "recompute"},
+        {"policy": "auto", "host_bandwidth": "20MB"},
+    ],
+    ids=["tokenwise", "recompute", "auto"],
+)
+def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
+    # Every step probes (a new sequence length): the probe must keep nothing of the
+    # re-forward's graph (Note [probe keeps no graph]), or each step leaks its whole state.
+    # Under auto the block's forward time is injected (1 ms): measured on a loaded machine it
+    # can be long enough for the link to hide every copy, and then nothing is recomputed.
+    monkeypatch.setattr(actoff._tokenwise, "forward_ms", lambda tokenwise: 1.0)
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, min_bytes=0, **overrides)
+    generator = torch.Generator().manual_seed(0)
+    samples = {}
+    for step in range(110):
+        length = 20 + step  # never the head size (16): see the README on ambiguous inputs
+        tokens = torch.randint(0, 256, (2, length + 1), generator=generator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every length is recomputed, none falls back
+            model.loss(tokens).backward()
+        model.zero_grad(set_to_none=True)
+        if step in (10, 109):
+            samples[step] = (_live_actoff_objects(), _rss_bytes(), len(os.listdir("/proc/self/fd")))
+    assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] > 0
+    (objects_before, rss_before, fds_before), (objects_after, rss_after, fds_after) = (
+        samples[10],
+        samples[109],
+    )
+    assert objects_after == objects_before, (objects_before, objects_after)  # one step's worth
+    assert fds_after == fds_before
+    assert rss_after - rss_before < 24 * 2**20, (rss_before, rss_after)  # allocator noise, not a leak
+    actoff.reset()
+    assert _live_actoff_objects() == 0
+
+
+def _no_fallback(run):
+    """``run()`` with every warning an error: a block that falls back warns, and must not."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return run()
+
+
+def assert_close_history(expected, actual, tolerance=RECOMPUTE_TOL) -> None:
+    """Losses and every gradient of the parameters both runs have, step by step."""
+    assert len(expected) == len(actual)
+    for step, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(expected, actual, strict=True)):
+        torch.testing.assert_close(loss_b, loss_a, **tolerance, msg=lambda m, s=step: f"step {s} loss: {m}")
+        assert grads_a.keys() == grads_b.keys()
+        for name in grads_a:
+            torch.testing.assert_close(
+                grads_b[name], grads_a[name], **tolerance, msg=lambda m, s=step, n=name: f"step {s} {n}: {m}"
+            )
+
+
+def _recompute_bytes(block: str = "layers.0") -> int:
+    return actoff.stats().blocks[block].bytes_per_tier["recompute"]
+
+
+# ---------------------------------------------------------------------------------- fused projections
+class FusedGateUpMLP(nn.Module):
+    """Phi-3's MLP: one fused gate/up projection split with ``chunk``. The multiply saves the
+    up half, a view whose storage offset is the intermediate size, not zero."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # up: storage offset = intermediate
+        return self.down_proj(up * F.silu(gate))
+
+
+def test_chunk_then_multiply_block_is_recomputed_token_wise():
+    model = make_model()
+    for layer in model.layers:
+        layer.mlp = FusedGateUpMLP(model.config.hidden_size, model.config.intermediate_size)
+    reference = copy.deepcopy(model)
+    expected = train(reference, 3)
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual = _no_fallback(lambda: train(model, 3))
+    assert_close_history(expected, actual)
+    assert _recompute_bytes() > 0
+
+
+# ---------------------------------------------------------------------------------- Hugging Face
+def _hf(family: str, attn_implementation: str = "sdpa", **changes):
+    """A Hugging Face causal LM of ``family`` from a tiny random config (nothing downloaded)."""
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+    }[family]
+    if family == "gpt2":
+        sizes = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+                 "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    else:
+        sizes = {
+            "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        }  # fmt: skip
+    config = config_cls(**{**sizes, "use_cache": False, **changes})
+    torch.manual_seed(0)
+    return model_cls._from_config(config, attn_implementation=attn_implementation)
+
+
+def _hf_layer_cls(model) -> type:
+    return type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
+
+
+def _hf_train(model, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, autocast: bool = False):
+    """SGD steps on random tokens, the forward under bf16 autocast if asked; per step the loss
+    and the gradient of every parameter that has one. Dropout draws from the global generator,
+    seeded here: actoff's re-forwards restore what they draw, so both runs see the same masks."""
+    return _hf_in_turns([model], steps, batch=batch, seq=seq, seed=seed, autocast=autocast)[0]
+
+
+def _hf_in_turns(
+    models, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, autocast: bool = False
+):
+    """`_hf_train` for several models side by side: a step of each in turn (model 0, model 1,
+    model 0, ...), each on its own token stream; per model its history."""
+    torch.manual_seed(seed)
+    generators = [torch.Generator().manual_seed(seed) for _ in models]
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in models]
+    histories = [[] for _ in models]
+    for _ in range(steps):
+        for model, generator, optimizer, history in zip(
+            models, generators, optimizers, histories, strict=True
+        ):
+            tokens = torch.randint(0, 256, (batch, seq), generator=generator)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            history.append((loss.detach().clone(), grads))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return histories
+
+
+def _hf_offloaded(model, steps: int = 3, *, autocast: bool = False, **overrides):
+    """The same model trained without actoff (a copy) and under ``overrides``, with no fallback."""
+    reference = copy.deepcopy(model)
+    expected = _hf_train(reference, steps, autocast=autocast)
+    actoff.offload_(model, block_cls=_hf_layer_cls(model), min_bytes=0, **overrides)
+    actual = _no_fallback(lambda: _hf_train(model, steps, autocast=autocast))
+    return expected, actual
+
+
+def test_phi3_fused_projections_are_recomputed_token_wise():
+    # Phi-3 splits its fused gate_up_proj with chunk (and its qkv_proj by slicing): saved
+    # views with a nonzero storage offset.
+    model = _hf("phi3")
+    expected, actual = _hf_offloaded(model, policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("model.layers.0") > 0
+
+
+# ---------------------------------------------------------------------------------- LoRA, autocast
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update: ``base(x) + B(A(x)) * scale``."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)  # not zero: the adapters count from step one
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scale
+
+
+def _lora_llama(targets: tuple[str, ...]):
+    """A Llama with every base weight frozen and adapters on the attention projections ``targets``."""
+    model = _hf("llama").requires_grad_(False)
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for name in targets:
+            setattr(attention, name, LoRALinear(getattr(attention, name)))
+    return model
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16_autocast"])
+@pytest.mark.parametrize(
+    "targets", [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj")], ids=["qv", "qkvo"]
+)
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+def test_lora_on_a_frozen_llama_is_recomputed_token_wise(policy, targets, autocast):
+    # In the forward, attention's output requires grad (the adapters do) and is not a leaf;
+    # the rows the re-forward serves must be the same, or what autograd saves after
+    # attention differs (adapters on q and v, PEFT's default for Llama: the frozen o_proj
+    # and MLP of layer 0 then save nothing) and the block falls back. Under autocast the
+    # re-forward must also run in bf16, or it saves other tensors (no weight casts).
+    model = _lora_llama(targets)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    overrides = {"cpu_fraction": 0.25} if policy == "tokenwise" else {}
+    expected, actual = _hf_offloaded(model, autocast=autocast, policy=policy, **overrides)
+    assert_close_history(expected, actual, BF16_TOL if autocast else RECOMPUTE_TOL)
+    assert set(actual[0][1]) == trainable
+    assert _recompute_bytes("model.layers.0") > 0
+
+
+def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
+    def train_autocast(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return train(model, 3)  # backward inside the region too: the re-forward must not depend on it
+
+    model = make_model()
+    reference = copy.deepcopy(model)
+    expected = train_autocast(reference)
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual = _no_fallback(lambda: train_autocast(model))
+    assert_close_history(expected, actual, BF16_TOL)
+    assert _recompute_bytes() > 0
+
+
+# ---------------------------------------------------------------------------------- same names, other models
+# Note [plans per module and conditions]: a hyper-parameter sweep, two models trained side by
+# side, a model rebuilt with dropout or another attention: the qualified layer names are the
+# same, the modules are not. A plan probed on one must never be applied to another.
+def _gpt2(dropout: float):
+    """GPT-2 with its embedding and residual dropout at ``dropout``. The residual dropouts are
+    inside the blocks, where a re-forward on a token slice draws other masks; attention
+    dropout is left out (inside the token mixer it is served from the store, not re-drawn)."""
+    return _hf("gpt2", embd_pdrop=dropout, attn_pdrop=0.0, resid_pdrop=dropout)
+
+
+def _with_fallbacks(run):
+    """``run()`` and the fallback warnings it gave (checked after the gradients, which come first)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run()
+    return result, [str(w.message) for w in caught if "cannot be recomputed token-wise" in str(w.message)]
+
+
+def _offload_hf(model, **overrides):
+    actoff.offload_(model, block_cls=_hf_layer_cls(model), min_bytes=0, **overrides)
+
+
+def test_gpt2_without_then_with_dropout():
+    # The plain model's plan must not be applied to the dropout model, whose residual dropout
+    # draws other masks on a token slice: it falls back, warned, instead of wrong gradients.
+    expected, actual = _hf_offloaded(_gpt2(0.0), policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("transformer.h.0") > 0
+    model = _gpt2(0.1)
+    expected = _hf_train(copy.deepcopy(model))
+    _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    actual, messages = _with_fallbacks(lambda: _hf_train(model))
+    assert_close_history(expected, actual)
+    assert len(messages) == 2, messages  # one per block of the dropout model
+    assert "'transformer.h.0'" in messages[0] and "placed whole (cpu)" in messages[0]
+    assert _recompute_bytes("transformer.h.0") == 0
+
+
+def test_llama_with_sdpa_then_eager_attention():
+    # Eager attention (matmul and softmax) is no token mixer: the sdpa model's plan would re-run
+    # it on a token slice in backward, which crashed. It is probed on its own and falls back.
+    expected, actual = _hf_offloaded(_hf("llama"), policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    model = _hf("llama", attn_implementation="eager")
+    expected = _hf_train(copy.deepcopy(model))
+    _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    actual, messages = _with_fallbacks(lambda: _hf_train(model))
+    assert_close_history(expected, actual)
+    assert len(messages) == 2, messages
+
+
+def test_a_dropout_model_first_leaves_a_plain_model_recomputed():
+    # A verdict (placed whole) is the dropout model's, not its layer names': the plain model
+    # after it is probed, recomputed token-wise, and not warned about.
+    model = _gpt2(0.1)
+    _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    _, messages = _with_fallbacks(lambda: _hf_train(model, 1))
+    assert len(messages) == 2, messages
+    expected, actual = _hf_offloaded(_gpt2(0.0), policy="tokenwise", cpu_fraction=0.25)
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("transformer.h.0") > 0
+
+
+@pytest.mark.parametrize("order", ["plain_first", "dropout_first"])
+def test_two_models_with_the_same_names_side_by_side(order):
+    plain, dropout = _gpt2(0.0), _gpt2(0.1)
+    models = [plain, dropout] if order == "plain_first" else [dropout, plain]
+    expected = _hf_in_turns([copy.deepcopy(m) for m in models])
+    for model in models:
+        _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
+    actual, messages = _with_fallbacks(lambda: _hf_in_turns(models))
+    for want, got in zip(expected, actual, strict=True):
+        assert_close_history(want, got)
+    assert len(messages) == 2, messages  # the dropout model's blocks, once each
+    # One more step each: every model keeps what was learned about it, not about its names.
+    _no_fallback(lambda: _hf_train(plain, 1))
+    block = actoff.stats().blocks["transformer.h.0"]
+    assert block.bytes_per_tier["recompute"] > 0 and block.probes == 0
+    _no_fallback(lambda: _hf_train(dropout, 1))  # no second warning either
+    block = actoff.stats().blocks["transformer.h.0"]
+    assert block.bytes_per_tier["recompute"] == 0 and block.probes == 0
+
+
+class SwitchableBlock(Block):
+    """A block whose attention implementation is an attribute changed in place, as Hugging
+    Face's ``set_attn_implementation`` does: ``"sdpa"`` or ``"written_out"`` (matmul and softmax,
+    which saves other tensors). The conditions of a call do not see it; what it saves does."""
+
+    attention = "sdpa"
+
+    def forward(self, x, cos, sin):
+        if self.attention == "sdpa":
+            return super().forward(x, cos, sin)
+        original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = _written_out_attention
+        try:
+            return super().forward(x, cos, sin)
+        finally:
+            F.scaled_dot_product_attention = original
+
+
+def _written_out_attention(q, k, v, *, is_causal, enable_gqa=False):
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+
+
+def test_attention_switched_in_place_is_not_split_with_the_old_plan():
+    def switch(model):
+        for layer in model.layers:
+            layer.attention = "written_out"
+
+    model = make_model()
+    for index, layer in enumerate(model.layers):
+        layer.__class__ = SwitchableBlock  # same parameters, a switchable forward
+        assert type(model.layers[index]) is SwitchableBlock
+    reference = copy.deepcopy(model)
+    expected = train(reference, 2)
+    switch(reference)
+    expected += train(reference, 2, seed=2)
+    actoff.offload_(model, block_cls=SwitchableBlock, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual = _no_fallback(lambda: train(model, 2))
+    assert _recompute_bytes() > 0
+    switch(model)
+    switched, messages = _with_fallbacks(lambda: train(model, 2, seed=2))
+    assert_close_history(expected, actual + switched)
+    assert len(messages) == 2, messages  # re-probed, then placed whole
+    assert _recompute_bytes() == 0
+
+
+# ---------------------------------------------------------------------------------- last batch
+def test_a_smaller_last_batch_at_the_same_length_is_planned():
+    # An epoch's last batch: the same length, fewer sequences. Every record has another shape,
+    # so the full batch's plan does not fit; it is probed as new conditions and recomputed like
+    # the others (it was stored whole without a word: recompute fell to 0).
+    batches = (4, 4, 2, 2)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    expected = [train(reference, 1, batch=b, seed=i)[0] for i, b in enumerate(batches)]
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    actual, blocks = [], []
+    for index, batch in enumerate(batches):
+        actual += _no_fallback(lambda b=batch, i=index: train(model, 1, batch=b, seed=i))
+        blocks.append(actoff.stats().blocks["layers.0"])
+    assert_close_history(expected, actual)
+    full, full_again, last, last_again = (b.bytes_per_tier["recompute"] for b in blocks)
+    assert full > 0 and full_again == full
+    assert last * 2 == full and last_again == last  # half the rows: half the recomputed bytes
+    assert [b.probes for b in blocks] == [1, 0, 1, 0]  # a probe for each new condition, once
+
+
+# ---------------------------------------------------------------------------------- lifetimes
+def test_plans_go_with_their_module_and_with_reset():
+    def trained():
+        model = make_model()  # the same names every time: layers.0, layers.1
+        actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+        train(model, 1)
+        return model
+
+    runtime = actoff._runtime.get_runtime()
+    first, second = trained(), trained()
+    assert len(runtime.token_plans) == 4  # one entry per module, not per name
+    del first
+    gc.collect()
+    assert len(runtime.token_plans) == 2
+    del second
+    gc.collect()  # its step ended with its backward: nothing of actoff holds the model
+    assert len(runtime.token_plans) == 0
+    third = trained()
+    assert len(runtime.token_plans) == 2
+    actoff.reset()
+    runtime = actoff._runtime.get_runtime()
+    assert len(runtime.token_plans) == 0
+    train(third, 1)  # learned afresh
+    assert len(runtime.token_plans) == 2
