@@ -42,7 +42,7 @@ from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from ._record import Record, State
 from ._simdevice import settings_for
 from ._stats import BlockStats, Stats, collect, snapshot
-from ._step import ScopeRun, Step, unpack
+from ._step import ScopeRun, Step, serve, unpack
 from ._tier_nvme import NVME
 from ._tiers import HOST, KEEP, Tier
 from ._tokenwise import TokenwiseRun, decide_auto
@@ -237,32 +237,13 @@ class Runtime:
                 step.runs[run.index - 1].poll()
             return self.materialize(record)
 
-    def materialize(self, record: Record) -> torch.Tensor:
-        """The device tensor of ``record`` for compute, from wherever it is now."""
-        state = record.state
-        if state is State.OFFLOADING and record.device_tensor is None:
-            return record.tier.materialize(record)  # its bytes left the device already
-        if state in (State.RESIDENT, State.OFFLOADING, State.READY):
-            if state is State.OFFLOADING:
-                record.run.stats.forwarded += 1
-            return record.device_tensor
-        if state is State.RELEASED:
-            raise RuntimeError(
-                f"actoff internal error: a saved tensor of block {record.run.name!r} was "
-                "unpacked after it was released"
-            )
-        if state is State.OFFLOADED:
-            live = record.live_source()
-            if live is not None:  # forwarding: the original is still alive, serve it
-                record.run.stats.forwarded += 1
-                return live
-        return record.tier.materialize(record)
+    #: The device tensor of a record for compute, from wherever it is now.
+    materialize = staticmethod(serve)
 
     def _end_backward(self, step: Step) -> None:
         with self.lock:
             step.callback_queued = False
-            # The host does not wait for copies still running to time them (the device may
-            # lag behind backward's host side): they are added when the next step begins.
+            # Copies still running are timed when the next step begins (the host never waits).
             step.harvest(block=False)
             decide_auto(self, step)
             for run in step.runs:
@@ -290,9 +271,8 @@ class Runtime:
             step = run.step
             step.live -= 1
             if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
-                # Nothing of the step can be rebuilt now: let go of the forwards its token-wise
-                # runs would re-run, which hold their modules (a model deleted after its last
-                # step is then freed at once, not at the next step).
+                # Nothing of the step can be rebuilt now: let go of the forwards token-wise runs
+                # would re-run, which hold their modules (a deleted model is freed at once).
                 for done in step.runs:
                     if done.tokenwise is not None:
                         done.tokenwise.fn = None

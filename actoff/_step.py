@@ -21,7 +21,7 @@ from ._record import Record, State
 from ._stats import BlockStats
 from ._tiers import KEEP
 
-__all__ = ["Handle", "ScopeRun", "Step", "param_like", "unpack"]
+__all__ = ["Handle", "ScopeRun", "Step", "param_like", "serve", "unpack"]
 
 _finalizing = sys.is_finalizing
 
@@ -228,3 +228,25 @@ class ScopeRun:
     def account_io(self, what: str, future: Any) -> None:
         """Add an NVMe request's time (the engine's, queueing excluded) to the run's figures."""
         setattr(self.stats, what, getattr(self.stats, what) + future.elapsed() * 1e3)
+
+
+def serve(record: Record) -> torch.Tensor:
+    """The device tensor of ``record`` for compute, from wherever it is now."""
+    state = record.state
+    if state is State.OFFLOADING and record.device_tensor is None:
+        return record.tier.materialize(record)  # its bytes left the device already
+    if state in (State.RESIDENT, State.OFFLOADING, State.READY):
+        if state is State.OFFLOADING:
+            record.run.stats.forwarded += 1
+        return record.device_tensor
+    if state is State.RELEASED:
+        raise RuntimeError(
+            f"actoff internal error: a saved tensor of block {record.run.name!r} was "
+            "unpacked after it was released"
+        )
+    if state is State.OFFLOADED:
+        live = record.live_source()
+        if live is not None:  # forwarding: the original is still alive, serve it
+            record.run.stats.forwarded += 1
+            return live
+    return record.tier.materialize(record)
