@@ -49,13 +49,10 @@ class NvmeTier(HostTier):
         if record.write_future is None:
             # Staged, the file write not started: the host copy first.
             if record.device_tensor is not None:
-                if not (force or finish):
-                    # The last run placed keeps its device tensors until the next run is placed
-                    # or backward forwards them, whatever the copy's timing: so backward's
-                    # requests for staging slots, which the host arena's plan counts on, are
-                    # the same every step.
-                    return
-                run.backend.wait(ticket)  # stream-side: the device tensor may go now
+                if not ticket.query():
+                    if not (force or finish):
+                        return
+                    run.backend.wait(ticket)  # stream-side: the device tensor may go now
                 # Note [staged writes free the device early]: from here the slot holds the
                 # bytes (in stream order), so the device tensor goes at once rather than when
                 # the disk is done; backward before the write ends reads the slot.
@@ -76,10 +73,8 @@ class NvmeTier(HostTier):
         self._finish_write(record)
 
     def settle(self, record: Record) -> None:
-        # The write ends before backward reads the record back: served from the file every
-        # step, never from the staging slot on one step and a new slot on the next, which
-        # would make the host arena's requests, and so its plan, depend on the disk's timing.
-        # A record still holding its device tensor is forwarded instead (no copy back).
+        # A record whose device tensor went (a staged write running) is read back from the
+        # file once its write ends: backward reads every record the same way.
         if record.device_tensor is None:
             self.advance(record, force=True, finish=True)
 

@@ -47,8 +47,8 @@ class Tier:
         device tensor can go; ``finish``: everything now, the disk included (`Runtime.flush`)."""
 
     def settle(self, record: Record) -> None:
-        """Backward is about to need an OFFLOADING record: finish moving it out, so that it
-        comes back the same way every step (a plan counts on the same requests)."""
+        """Backward is about to need an OFFLOADING record: finish moving it out where the
+        tier needs that (a staged NVMe write) before it is read back."""
 
     def fetch(self, record: Record) -> None:
         """OFFLOADED -> FETCHING: start bringing the bytes back (a prefetch)."""
@@ -123,6 +123,7 @@ class HostTier(Tier):
         )
         record.tier = self
         record.to(State.OFFLOADING)
+        run.account("copy_ms", record.copy_ticket)  # timed when done, forwarded or not
 
     def advance(self, record: Record, *, force: bool, finish: bool = False) -> None:
         run, ticket = record.run, record.copy_ticket
@@ -139,7 +140,6 @@ class HostTier(Tier):
     @staticmethod
     def _offloaded(record: Record) -> None:
         # The copy's ticket stays until the slot is freed (Note [host slot reuse]).
-        record.run.account("copy_ms", record.copy_ticket)
         record.device_tensor = None
         record.copy_source = None
         record.to(State.OFFLOADED)

@@ -38,7 +38,10 @@ def fresh_actoff(monkeypatch, request):
     actoff.set_config(actoff.Config())
     actoff.reset()
     if (SIM_DEVICE and "no_sim_device" not in request.keywords) or "sim_device" in request.keywords:
-        device = simulated_device(seed=zlib.crc32(request.node.nodeid.encode()) % 10_000)
+        device = simulated_device(
+            seed=zlib.crc32(request.node.nodeid.encode()) % 10_000,
+            track_memory="no_sim_memory" not in request.keywords,
+        )
     else:
         device = contextlib.nullcontext()
     with device:

@@ -60,6 +60,7 @@ def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
     # Under auto the block's forward time is injected (1 ms): measured on a loaded machine it
     # can be long enough for the link to hide every copy, and then nothing is recomputed.
     monkeypatch.setattr(actoff._tokenwise, "forward_ms", lambda tokenwise: 1.0)
+    already = _live_actoff_objects()  # left by other tests in this process (a mutation test's)
     model = make_model()
     actoff.offload_(model, block_cls=Block, min_bytes=0, **overrides)
     generator = torch.Generator().manual_seed(0)
@@ -82,7 +83,7 @@ def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
     assert fds_after == fds_before
     assert rss_after - rss_before < 24 * 2**20, (rss_before, rss_after)  # allocator noise, not a leak
     actoff.reset()
-    assert _live_actoff_objects() == 0
+    assert _live_actoff_objects() == already
 
 
 def _no_fallback(run):
