@@ -1,9 +1,11 @@
 """I/O engines for the NVMe tier: the C++ POSIX engine, its pure-Python twin, and kvikio.
 
 Every engine has the same small interface: ``pwrite(buffer, nbytes, offset)`` and
-``pread(buffer, nbytes, offset)`` take a contiguous tensor (host memory; device memory too for
-kvikio) and return a future with ``done()``, ``wait()`` and ``elapsed()`` (seconds of I/O); ``wait()`` raises ``OSError``
-naming the operation, path, offset, size and errno text. ``reserve(nbytes)`` preallocates.
+``pread(buffer, nbytes, offset)`` take a contiguous tensor (host memory;
+device memory too for kvikio) and return a future with ``done()``, ``wait()`` and ``elapsed()``
+(seconds of I/O); ``wait()`` raises ``OSError`` naming the operation, path, offset, size and
+errno text. ``reserve(nbytes)`` preallocates. ``name`` says which engine runs, and for kvikio
+whether GDS or its compat (POSIX) mode is active.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import concurrent.futures
 import errno as errno_codes
 import importlib.util
 import os
+import sys
 import threading
 import time
 
 import torch
 
-__all__ = ["FailedFuture", "IoEngine", "PythonEngine", "open_engine"]
+__all__ = ["FailedFuture", "IoEngine", "KvikioEngine", "PythonEngine", "open_engine", "probe_kvikio"]
 
 try:
     from . import _C  # type: ignore[attr-defined]
@@ -52,6 +55,8 @@ class IoEngine:
 
     name = "none"
     path: str
+    gds = False  # GPUDirect Storage active (kvikio only)
+    direct = False  # O_DIRECT (or GDS) in use
 
     def pwrite(self, buffer: torch.Tensor, nbytes: int, offset: int):
         raise NotImplementedError
@@ -204,39 +209,107 @@ class PythonEngine(IoEngine):
 
 
 class _KvikioFuture:
-    __slots__ = ("_describe", "_future", "_nbytes")
+    """A kvikio ``IOFuture`` behind the engines' future interface.
 
-    def __init__(self, future, nbytes: int, describe: str) -> None:
-        self._future, self._nbytes, self._describe = future, nbytes, describe
+    kvikio's future wraps a C++ ``std::future``: ``get()`` may be called once only, and the
+    future (and the buffer it reads or writes) must stay referenced until then, so this object
+    holds both and remembers the result. kvikio reports no timing: ``elapsed()`` is the time
+    from submission until completion was first seen (``done()`` or ``wait()``), queueing in
+    kvikio's thread pool included.
+    """
+
+    __slots__ = ("_buffer", "_error", "_finished_s", "_future", "_moved", "_request", "_started_s")
+
+    def __init__(self, future, buffer, request: tuple[str, str, int, int], started_s: float) -> None:
+        self._future, self._buffer = future, buffer
+        self._request = request  # (op, path, nbytes, offset)
+        self._started_s = started_s
+        self._finished_s: float | None = None
+        self._moved: int | None = None
+        self._error: OSError | None = None
 
     def done(self) -> bool:
-        return self._future.done()
+        if self._finished_s is not None:
+            return True
+        if self._future.done():
+            self._finished_s = time.perf_counter()
+            return True
+        return False
 
     def wait(self, timeout: float = -1.0) -> int:
         del timeout  # kvikio futures have no timeout
+        if self._moved is None and self._error is None:
+            try:
+                self._moved = int(self._future.get())
+            except Exception as error:  # kvikio raises RuntimeError for I/O failures
+                self._error = self._failure(error)
+            else:
+                if self._moved != self._request[2]:
+                    self._error = self._failure(None)
+            if self._finished_s is None:
+                self._finished_s = time.perf_counter()
+            self._future = self._buffer = None  # the C++ future is spent: let both go
+        if self._error is not None:
+            raise self._error
+        return self._moved
+
+    def _failure(self, error: Exception | None) -> OSError:
+        op, path, nbytes, offset = self._request
+        describe = _describe(op, path, nbytes, offset)
         try:
-            moved = self._future.get()
-            self._finished = self._finished or time.perf_counter()
-        except Exception as error:  # kvikio raises RuntimeError for I/O failures
-            raise OSError(errno_codes.EIO, f"{self._describe} failed: {error}") from error
-        if moved != self._nbytes:
-            raise OSError(0, f"{self._describe} moved {moved} of {self._nbytes} bytes")
-        return moved
+            file_size = os.stat(path).st_size
+        except OSError:
+            file_size = -1
+        if op == "pread" and 0 <= file_size < offset + nbytes:
+            # kvikio fails a read past the end of the file ("POSIX error on pread: EOF") without
+            # saying how far it got: the file size does.
+            moved = max(0, min(nbytes, file_size - offset))
+            return OSError(
+                errno_codes.EIO,
+                f"{describe} is a short read: {moved} of {nbytes} bytes moved (file size {file_size})",
+            )
+        if error is None:
+            return OSError(errno_codes.EIO, f"{describe} moved {self._moved} of {nbytes} bytes")
+        return OSError(getattr(error, "errno", None) or errno_codes.EIO, f"{describe} failed: {error}")
+
+    def elapsed(self) -> float:
+        """Seconds from submission to completion (0 until completion was seen, or on failure)."""
+        if self._finished_s is None or self._error is not None:
+            return 0.0
+        return self._finished_s - self._started_s
 
 
 class KvikioEngine(IoEngine):
-    """kvikio's CuFile: GPUDirect Storage where the system has it, else kvikio's POSIX mode."""
+    """kvikio's ``CuFile``: GPUDirect Storage where the system has it, else kvikio's POSIX mode.
 
-    def __init__(self, path: str) -> None:
-        import kvikio  # optional extra: pip install actoff[nvme]
+    ``gds`` says whether kvikio runs with cuFile (compat mode off, or ``AUTO`` resolved to
+    off); ``name`` says the same (``kvikio (GDS)`` or ``kvikio (compat)``). Host buffers go
+    through POSIX I/O inside kvikio in both modes; only device buffers can use GDS.
+    ``num_threads`` raises kvikio's global thread pool to at least that many threads
+    (``KVIKIO_NTHREADS`` defaults to 1).
+
+    >>> engine = KvikioEngine("/mnt/nvme/a.bin")  # doctest: +SKIP
+    >>> engine.name                               # doctest: +SKIP
+    'kvikio (compat)'
+    """
+
+    def __init__(self, path: str, num_threads: int = 4) -> None:
+        try:
+            import kvikio  # optional extra: pip install actoff[nvme]
+        except ImportError as error:
+            raise ImportError(
+                f"io_backend='kvikio' needs the kvikio package (pip install actoff[nvme]): {error}"
+            ) from error
 
         self.path = path
+        _raise_kvikio_threads(kvikio, num_threads)
         # Create the file first: CuFile's "r+" needs it to exist.
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._file = kvikio.CuFile(path, "r+")
-        self.gds = not _kvikio_compat(kvikio, self._file)
+        self.gds = not kvikio_compat_mode(kvikio)
         self.direct = self.gds
-        self.name = "kvikio (" + ("GDS" if self.gds else "compat mode: POSIX inside kvikio") + ")"
+        self.name = "kvikio (GDS)" if self.gds else "kvikio (compat)"
+        self._closed = False
 
     @staticmethod
     def _buffer(buffer: torch.Tensor):
@@ -245,13 +318,26 @@ class KvikioEngine(IoEngine):
         raw = buffer.view(torch.uint8)
         return raw.numpy() if raw.device.type == "cpu" else raw
 
+    def _submit(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int):
+        describe = _describe(op, self.path, nbytes, offset)
+        if self._closed:
+            return FailedFuture(OSError(0, describe + " failed: the I/O engine is closed"))
+        view = self._buffer(buffer)
+        started_s = time.perf_counter()
+        try:
+            call = self._file.pwrite if op == "pwrite" else self._file.pread
+            future = call(view, nbytes, offset)
+        except Exception as error:  # refused before queueing (bad buffer, closed file, ...)
+            return FailedFuture(
+                OSError(getattr(error, "errno", None) or errno_codes.EIO, f"{describe} failed: {error}")
+            )
+        return _KvikioFuture(future, view, (op, self.path, nbytes, offset), started_s)
+
     def pwrite(self, buffer: torch.Tensor, nbytes: int, offset: int):
-        future = self._file.pwrite(self._buffer(buffer), nbytes, offset)
-        return _KvikioFuture(future, nbytes, _describe("pwrite", self.path, nbytes, offset))
+        return self._submit("pwrite", buffer, nbytes, offset)
 
     def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
-        future = self._file.pread(self._buffer(buffer), nbytes, offset)
-        return _KvikioFuture(future, nbytes, _describe("pread", self.path, nbytes, offset))
+        return self._submit("pread", buffer, nbytes, offset)
 
     def reserve(self, nbytes: int) -> None:
         if nbytes <= self.file_size():
@@ -260,53 +346,88 @@ class KvikioEngine(IoEngine):
         try:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as error:
-            raise OSError(
-                error.errno,
-                f"cannot reserve {nbytes} bytes for {self.path}: {os.strerror(error.errno)}",
-            ) from None
+            if error.errno not in (errno_codes.EOPNOTSUPP, errno_codes.EINVAL):
+                raise OSError(
+                    error.errno,
+                    f"cannot reserve {nbytes} bytes for {self.path}: {os.strerror(error.errno)}",
+                ) from None
+            os.truncate(self.path, nbytes)
         finally:
             os.close(fd)
 
     def close(self) -> None:
+        # Callers wait for their futures before closing (the store drains them); a second
+        # close is a no-op, as for the other engines.
+        if self._closed:
+            return
+        self._closed = True
         self._file.close()
 
 
-def _kvikio_compat(kvikio, handle) -> bool:
-    """Whether kvikio really runs POSIX I/O (compat mode) for this file."""
-    for method in ("is_compat_mode_preferred",):
-        probe = getattr(handle, method, None)
-        if callable(probe):
-            return bool(probe())
+def kvikio_compat_mode(kvikio) -> bool:
+    """Whether kvikio runs POSIX I/O (compat mode) rather than cuFile, as far as it can tell.
+
+    kvikio 26: ``kvikio.defaults.is_compat_mode_preferred()`` resolves ``AUTO`` (no cuFile
+    library, no nvidia-fs, ...) to on or off; Python's ``CuFile`` has no per-file query. An
+    older kvikio without it: ``kvikio.defaults.get("compat_mode")`` (a ``CompatMode`` enum),
+    where ``AUTO`` counts as compat since nothing says cuFile really works.
+    """
+    preferred = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
+    if callable(preferred):
+        return bool(preferred())
     mode = kvikio.defaults.get("compat_mode")
-    return str(mode).upper().endswith("ON")
+    return getattr(mode, "name", str(mode)).upper().rsplit(".", 1)[-1] != "OFF"
+
+
+def _raise_kvikio_threads(kvikio, num_threads: int) -> None:
+    """Grow kvikio's global thread pool to ``num_threads`` (never shrink what a user set)."""
+    try:
+        if int(kvikio.defaults.get("num_threads")) < num_threads:
+            kvikio.defaults.set("num_threads", num_threads)
+    except (KeyError, ValueError, TypeError):  # a kvikio without the setting: keep its default
+        pass
 
 
 def kvikio_available() -> bool:
     """True when the kvikio package is importable (not that it can do I/O here)."""
-    return importlib.util.find_spec("kvikio") is not None
+    if sys.modules.get("kvikio") is not None:
+        return True
+    try:
+        return importlib.util.find_spec("kvikio") is not None
+    except ValueError:  # a module in sys.modules without a spec
+        return False
 
 
-def _probe_kvikio(directory: str) -> KvikioEngine | None:
-    """A kvikio engine if a 4 KiB write and read-back really work in ``directory``."""
+def probe_kvikio(directory: str, num_threads: int = 1) -> tuple[bool, str]:
+    """Whether kvikio really does I/O in ``directory``: a 4 KiB write and read-back, compared.
+
+    Returns ``(True, engine name)`` or ``(False, why not)``.
+
+    >>> import tempfile
+    >>> ok, why = probe_kvikio(tempfile.mkdtemp())
+    >>> ok or why.startswith(("kvikio is not installed", "kvikio cannot do I/O"))
+    True
+    """
     if not kvikio_available():
-        return None
-    path = os.path.join(directory, f".actoff-probe-{os.getpid()}")
+        return False, "kvikio is not installed"
+    path = os.path.join(directory, f".actoff-probe-{os.getpid()}-{threading.get_ident()}")
     engine = None
     try:
-        engine = KvikioEngine(path)
+        engine = KvikioEngine(path, num_threads)
         data = torch.arange(ALIGNMENT, dtype=torch.int32).to(torch.uint8)
         back = torch.empty_like(data)
         engine.pwrite(data, ALIGNMENT, 0).wait()
         engine.pread(back, ALIGNMENT, 0).wait()
-        ok = torch.equal(data, back)
-    except Exception:  # no driver, no libcufile, ...: kvikio cannot do I/O here
-        ok = False
+        if not torch.equal(data, back):
+            return False, "kvikio cannot do I/O here: data read back differs from data written"
+        return True, engine.name
+    except Exception as error:  # no driver, no libcufile, ...: kvikio cannot do I/O here
+        return False, f"kvikio cannot do I/O here: {type(error).__name__}: {error}"
     finally:
         if engine is not None:
             engine.close()
         if os.path.exists(path):
             os.unlink(path)
-    return ok or None  # type: ignore[return-value]
 
 
 def open_engine(path: str, backend: str = "auto", num_threads: int = 4) -> IoEngine:
@@ -319,8 +440,8 @@ def open_engine(path: str, backend: str = "auto", num_threads: int = 4) -> IoEng
     True
     >>> engine.close()
     """
-    if backend == "kvikio" or (backend == "auto" and _probe_kvikio(os.path.dirname(path))):
-        return KvikioEngine(path)
+    if backend == "kvikio" or (backend == "auto" and probe_kvikio(os.path.dirname(path) or ".")[0]):
+        return KvikioEngine(path, num_threads)
     if _C is not None:
         return CppEngine(path, num_threads)
     return PythonEngine(path, num_threads)

@@ -24,7 +24,7 @@ from _common import format_table, median, print_header, system_header, write_jso
 
 import actoff
 from actoff._arena import ALIGNMENT
-from actoff._io import CppEngine, KvikioEngine, PythonEngine, _probe_kvikio
+from actoff._io import CppEngine, KvikioEngine, PythonEngine, probe_kvikio
 
 CHUNK = 4 * 2**20
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda p: CppEngine(p, 4, allow_direct=False), misalign=64
         )
     methods["engine-python-t4"] = engine_method(lambda p: PythonEngine(p, 4))
-    if _probe_kvikio(directory):
+    if probe_kvikio(directory)[0]:
         methods["kvikio"] = engine_method(KvikioEngine)
     methods["raw-numpy"] = raw_numpy
     methods["raw-os-pwrite"] = raw_os
