@@ -9,6 +9,14 @@ allocator over a few chunks fits: a chunk rewinds when its last slot is freed. T
 step may need several chunks; when a step ends with every chunk empty, they are replaced by
 one chunk as large as the step's high-water mark, so later steps of the same shape allocate
 nothing (`num_allocations` stays put: the tests count it).
+
+Note [pinned footprint]: torch's caching host allocator rounds every pinned allocation up to
+a power of two and keeps freed blocks cached until told to empty its cache. So on a pinned
+backend chunks are requested as powers of two and used whole (pinned blocks are page-aligned:
+no alignment slack), `capacity` counts what the allocator really holds, and whenever chunks
+are dropped the backend's `release_host_cache()` gives their blocks back. Otherwise a budget
+of B could hold 2 B (rounding) plus every chunk ever dropped (caching). Other backends get
+exactly what they ask for, with one page of slack to align the chunk's start.
 """
 
 from __future__ import annotations
@@ -32,12 +40,21 @@ def align_up(value: int, alignment: int = ALIGNMENT) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-class _Chunk:
-    __slots__ = ("buffer", "capacity", "live", "top")
+def _next_pow2(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
 
-    def __init__(self, buffer: torch.Tensor, capacity: int) -> None:
-        self.buffer = buffer  # (capacity,) uint8, ALIGNMENT-aligned start
-        self.capacity = capacity
+
+def _prev_pow2(value: int) -> int:
+    return 1 << (value.bit_length() - 1) if value > 0 else 0
+
+
+class _Chunk:
+    __slots__ = ("buffer", "capacity", "live", "top", "usable")
+
+    def __init__(self, buffer: torch.Tensor, usable: int, capacity: int) -> None:
+        self.buffer = buffer  # (usable,) uint8, ALIGNMENT-aligned start
+        self.usable = usable  # bytes slots can use
+        self.capacity = capacity  # bytes the host allocator really holds for it
         self.top = 0
         self.live = 0
 
@@ -106,7 +123,7 @@ class HostArena:
 
     @property
     def capacity(self) -> int:
-        """Bytes of host memory held by the arena."""
+        """Bytes of host memory the allocator really holds for the arena (Note [pinned footprint])."""
         planned = self.planned.capacity if self.planned is not None else 0
         return planned + sum(chunk.capacity for chunk in self._chunks)
 
@@ -123,17 +140,38 @@ class HostArena:
             self.divergences = 0
 
     def install_plan(self, sizes: tuple[int, ...], offsets: tuple[int, ...], peak: int) -> None:
-        """Serve later steps at these offsets, in one chunk of ``peak`` bytes."""
+        """Serve later steps at these offsets, in one chunk of ``peak`` bytes.
+
+        Not installed (``plan`` stays ``None``) when that chunk would not fit in the budget.
+        """
         with self._lock:
-            if self.planned is None or self.planned.capacity < peak or self._live_planned:
-                if not self._live_planned:
-                    self.planned = self._new_chunk(max(peak, ALIGNMENT))
-                else:  # slots of an older plan are still live: keep them, plan in a new chunk
-                    self.planned = self._new_chunk(max(peak, ALIGNMENT))
-                    self._live_planned = {}
+            # Bump chunks with nothing live are no longer needed: give their memory back first,
+            # so the planned chunk can reuse it rather than add to it.
+            kept = [chunk for chunk in self._chunks if chunk.live]
+            dropped = len(kept) < len(self._chunks)
+            self._chunks = kept
+            need = align_up(max(peak, 1))
+            reuse = self.planned is not None and self.planned.usable >= need and not self._live_planned
+            if not reuse:
+                if self.planned is not None and not self._live_planned:
+                    self.planned, dropped = None, True
+                # Slots of an older plan that are still live keep their chunk alive by
+                # themselves; the arena stops counting it.
+                held = sum(chunk.capacity for chunk in self._chunks)
+                room = None if self.budget is None else self.budget - held
+                request = self._request(need, need, room)
+                if dropped:
+                    self.backend.release_host_cache()
+                    dropped = False
+                if request is None:
+                    self.planned, self._live_planned, self.plan = None, {}, None
+                    self.plan_method = "none (the plan does not fit the host budget)"
+                    return
+                self.planned = self._new_chunk(request)
+                self._live_planned = {}
+            if dropped:
+                self.backend.release_host_cache()
             self.plan = (tuple(sizes), tuple(offsets))
-            # Bump chunks with nothing live are no longer needed: give their memory back.
-            self._chunks = [chunk for chunk in self._chunks if chunk.live]
 
     def drop_plan(self) -> None:
         with self._lock:
@@ -162,7 +200,7 @@ class HostArena:
             if planned is not None:
                 chunk, offset = self.planned, planned
             else:
-                chunk = next((c for c in self._chunks if c.capacity - c.top >= size), None)
+                chunk = next((c for c in self._chunks if c.usable - c.top >= size), None)
                 if chunk is None:
                     chunk = self._grow(size)
                     if chunk is None:
@@ -214,26 +252,44 @@ class HostArena:
         with self._lock:
             if len(self._chunks) <= 1 or any(chunk.live for chunk in self._chunks):
                 return
-            size = align_up(self.high_water, _MIN_CHUNK)
-            if self.budget is not None:
-                size = min(size, self.budget)
+            need = align_up(max(self.high_water, 1))
+            request = self._request(need, align_up(need, _MIN_CHUNK), self.budget)
+            if request is None:  # one chunk of that size would break the budget: keep these
+                return
             self._chunks = []
-            self._chunks.append(self._new_chunk(size))
+            self.backend.release_host_cache()  # before the new chunk: never both held at once
+            self._chunks.append(self._new_chunk(request))
 
     def _grow(self, size: int) -> _Chunk | None:
         # Grow geometrically so a first step needs few chunks; never past the budget.
         want = max(size, _MIN_CHUNK, self.capacity)
-        if self.budget is not None:
-            room = self.budget - self.capacity
-            if room < size:
-                return None
-            want = min(want, room)
-        chunk = self._new_chunk(want)
+        room = None if self.budget is None else self.budget - self.capacity
+        request = self._request(size, want, room)
+        if request is None:
+            return None
+        chunk = self._new_chunk(request)
         self._chunks.append(chunk)
-        return chunk
+        return chunk if chunk.usable >= size else None
 
-    def _new_chunk(self, capacity: int) -> _Chunk:
-        raw = self.backend.host_empty(capacity + ALIGNMENT)
+    def _request(self, need: int, want: int, room: int | None) -> int | None:
+        """Bytes to ask the backend for: a chunk with at least ``need`` usable bytes, ``want``
+        if it fits, whose real footprint is at most ``room``; ``None`` if none fits."""
+        if self.backend.pinned:  # Note [pinned footprint]: powers of two, used whole
+            request = _next_pow2(max(want, need))
+            if room is not None and request > room:
+                request = _prev_pow2(room)
+            return request if request >= need else None
+        request = max(want, need) + ALIGNMENT  # slack to align the start
+        if room is not None and request > room:
+            request = room // ALIGNMENT * ALIGNMENT
+        return request if request - ALIGNMENT >= need else None
+
+    def _new_chunk(self, request: int) -> _Chunk:
+        raw = self.backend.host_empty(request)
         self.num_allocations += 1
         pad = (-raw.data_ptr()) % ALIGNMENT
-        return _Chunk(raw[pad : pad + capacity], capacity)
+        usable = request if self.backend.pinned else request - ALIGNMENT
+        if pad + usable > request:  # a pinned block that is not page-aligned: lose a page
+            usable = (request - pad) // ALIGNMENT * ALIGNMENT
+        footprint = _next_pow2(request) if self.backend.pinned else request
+        return _Chunk(raw[pad : pad + usable], usable, footprint)

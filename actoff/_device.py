@@ -49,6 +49,9 @@ class DeviceBackend:
         """Start copying device ``src`` into host ``dst`` after the work queued so far."""
         raise NotImplementedError
 
+    def release_host_cache(self) -> None:
+        """Give host buffers freed so far back to the system (no cache to empty on the CPU)."""
+
     def copy_to_device(self, src: torch.Tensor, *, pad: int = 0) -> tuple[torch.Tensor, Ticket]:
         """Start copying host ``src`` (1-D) into a new device buffer, ``pad`` elements in."""
         raise NotImplementedError
@@ -162,6 +165,14 @@ class CudaBackend(DeviceBackend):
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def release_host_cache(self) -> None:
+        # torch's caching host allocator keeps freed pinned blocks until asked to let go.
+        empty = getattr(torch._C, "_host_emptyCache", None) or getattr(
+            torch.accelerator, "empty_host_cache", None
+        )
+        if empty is not None:
+            empty()
 
     def _copy_on(self, side: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         compute = torch.cuda.current_stream(self.device)  # Note [capture the compute stream]
