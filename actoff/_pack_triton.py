@@ -1,8 +1,17 @@
-"""Triton kernels for actoff._pack: strided token rows to and from a contiguous buffer.
+"""Triton kernel for actoff._pack: strided token rows to and from a contiguous buffer.
 
-Kept in their own module so that importing actoff never imports Triton. A view has at most
-four dimensions (padded with leading 1s); element ``index`` of it, in row-major order, lives
-at ``strided_offsets(index, ...)`` in its storage.
+Kept in its own module so that importing actoff never imports Triton. The caller hands over
+a view already reduced to rows (see ``_pack._rows``): ``num_rows`` rows, the row index split
+over three outer dimensions ``(n0, n1, n2)`` with element strides ``t0, t1, t2``, and
+``row_len`` elements per row ``t3`` apart (1 when the innermost dimension is contiguous, the
+common case). The contiguous side is row-major: element ``col`` of row ``row`` sits at
+``row * row_len + col``.
+
+Note [index arithmetic]: a program copies a tile of ``BLOCK_R`` rows by ``BLOCK_C`` columns.
+Splitting a row index into its three outer coordinates takes two divisions and two modulos,
+done once per row of the tile (``BLOCK_R`` of them), never per element; the program id's
+split into (row block, column block) is one division and one modulo per program. Per element
+only a multiply-add remains (``col * t3``; Triton specialises ``t3 == 1`` away).
 """
 
 import triton
@@ -10,30 +19,26 @@ import triton.language as tl
 
 
 @triton.jit
-def strided_offsets(index, s1, s2, s3, t0, t1, t2, t3):
-    """Row-major element ``index`` of a (s0, s1, s2, s3) view to its offset by strides t0..t3."""
-    i3 = index % s3
-    rest = index // s3
-    i2 = rest % s2
-    rest = rest // s2
-    i1 = rest % s1
-    i0 = rest // s1
-    return i0 * t0 + i1 * t1 + i2 * t2 + i3 * t3
-
-
-@triton.jit
-def gather(src, dst, numel, s1, s2, s3, t0, t1, t2, t3, BLOCK: tl.constexpr):
-    """Strided ``src`` view to contiguous ``dst``."""
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = index < numel
-    values = tl.load(src + strided_offsets(index, s1, s2, s3, t0, t1, t2, t3), mask=mask)
-    tl.store(dst + index, values, mask=mask)
-
-
-@triton.jit
-def scatter(src, dst, numel, s1, s2, s3, t0, t1, t2, t3, BLOCK: tl.constexpr):
-    """Contiguous ``src`` to strided ``dst`` view."""
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = index < numel
-    values = tl.load(src + index, mask=mask)
-    tl.store(dst + strided_offsets(index, s1, s2, s3, t0, t1, t2, t3), values, mask=mask)
+def copy_rows(src, dst, num_rows, row_len, n1, n2, t0, t1, t2, t3,
+              STRIDED_SRC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """Strided rows of ``src`` to contiguous ``dst`` (``STRIDED_SRC``), or the reverse."""
+    col_blocks = tl.cdiv(row_len, BLOCK_C)
+    program = tl.program_id(0).to(tl.int64)
+    row_block = program // col_blocks
+    col_block = program % col_blocks
+    rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)  # (BLOCK_R,)
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)  # (BLOCK_C,)
+    # Note [index arithmetic]: per row, not per element.
+    i2 = rows % n2
+    rest = rows // n2
+    i1 = rest % n1
+    i0 = rest // n1
+    strided = (i0 * t0 + i1 * t1 + i2 * t2)[:, None] + (cols * t3)[None, :]  # (BLOCK_R, BLOCK_C)
+    packed = (rows * row_len)[:, None] + cols[None, :]
+    mask = (rows < num_rows)[:, None] & (cols < row_len)[None, :]
+    if STRIDED_SRC:
+        values = tl.load(src + strided, mask=mask)
+        tl.store(dst + packed, values, mask=mask)
+    else:
+        values = tl.load(src + packed, mask=mask)
+        tl.store(dst + strided, values, mask=mask)
