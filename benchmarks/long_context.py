@@ -1,12 +1,15 @@
 """Long-context training benchmark: actoff's policies side by side with the alternatives.
 
-Each (policy, sequence length) runs in a fresh process, so an out-of-memory error or a crash
-in one does not take the others. Prints a system header and a table; ``--json`` writes one
-record per policy and length; ``--plot`` draws memory over one step and tokens/s and peak
-memory against sequence length.
+Each policy runs in a fresh process that builds the model once, on the device and in its
+dtype, and measures every sequence length in turn, shortest first; the first failure (out of
+memory, say) skips the longer lengths, and a crash takes only that policy. Records are
+printed as they are made: ``--jsonl`` appends each one to a file at once (flushed), so a run
+cut short keeps everything measured so far; ``--time-budget`` stops starting work that could
+not finish in time. ``--json`` writes all records at the end; ``--plot`` draws memory over
+one step and tokens/s and peak memory against sequence length.
 
     python benchmarks/long_context.py                       # CPU default, about a minute
-    python benchmarks/long_context.py --preset 7b --seq 8k,16k,32k --layers 4 --json out.json
+    python benchmarks/long_context.py --preset 7b --seq 8k,16k,32k --layers 4 --jsonl out.jsonl
     python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,checkpoint,cpu
     torchrun --nproc-per-node 2 benchmarks/long_context.py --seq 1k   # DDP: per rank and in total
 """
@@ -22,11 +25,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+# This checkout's actoff (and _common) before any installed copy: a benchmark measures the
+# code it sits next to, also when the package is installed elsewhere or not at all.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import format_table, print_header, progress, system_header, write_json
+from _common import JsonLines, format_table, print_header, progress, system_header, write_json
 
 BASELINES = ("keep", "checkpoint", "save_on_cpu")
 ACTOFF_POLICIES = ("cpu", "nvme", "tokenwise", "recompute", "auto")
@@ -101,12 +108,31 @@ def _apply_policy(model, policy: str, nvme_dir: str | None):
     return contextlib.nullcontext
 
 
-def worker(spec: dict) -> dict:
+def build_model(config, device, dtype):
+    """The reference model with its parameters made on ``device`` in ``dtype``: no CPU copy
+    first (a 7B-shaped model built on the CPU in float32 took about 15 s per process)."""
     import torch
 
-    import actoff
-    from actoff._runtime import get_runtime
-    from actoff.reference import ModelConfig, Transformer
+    from actoff.reference import Transformer
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the rotary tables are computed in float32 regardless
+    try:
+        with torch.device(device):
+            return Transformer(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def worker(spec: dict):
+    """Yield one record per sequence length of ``spec["seqs"]`` (or ``spec["seq"]``), in order.
+
+    The model is built once; after a failure the longer lengths are skipped (they would fail
+    too, and the failed step may have left state behind).
+    """
+    import torch
+
+    from actoff.reference import ModelConfig
 
     cuda = torch.cuda.is_available()
     ddp = spec.get("ddp")  # {rank, world, address, port} when launched by torchrun
@@ -121,13 +147,40 @@ def worker(spec: dict) -> dict:
         dist.init_process_group("nccl" if cuda else "gloo", store=_rendezvous(ddp, ddp["job"]),
                                 rank=ddp["rank"], world_size=ddp["world"])  # fmt: skip
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = getattr(torch, spec["dtype"])
     config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
     torch.manual_seed(0)
-    model = Transformer(config).to(device=device, dtype=dtype)
+    model = build_model(config, device, getattr(torch, spec["dtype"]))
     step_context = _apply_policy(model, spec["policy"], spec.get("nvme_dir"))
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp is not None else model
-    tokens = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"] + 1), device=device)
+    hang_after = int(os.environ.get("_ACTOFF_BENCH_HANG_AFTER", "0"))  # tests: a worker that hangs
+    failed = None
+    for made, seq in enumerate(spec.get("seqs") or [spec["seq"]]):
+        if hang_after and made >= hang_after:
+            time.sleep(3600)
+        record = {**{key: spec[key] for key in ("policy", "batch", "model", "layers", "dtype")}, "seq": seq}
+        if ddp is not None:
+            record["rank"] = ddp["rank"]
+        if failed is not None:
+            record.update(status="skipped", error=f"a shorter length failed ({failed})")
+        else:
+            record.update(_measure(spec, seq, model, net, step_context, config, device))
+            if record["status"] != "ok":
+                failed = f"seq {seq}: {record['status']}"
+                if cuda:
+                    torch.cuda.empty_cache()
+        yield record
+
+
+def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> dict:
+    """Warm-up and timed steps at one sequence length; the record's measured fields."""
+    import torch
+
+    import actoff
+    from actoff._runtime import get_runtime
+
+    cuda = device.type == "cuda"
+    generator = torch.Generator().manual_seed(seq)
+    tokens = torch.randint(0, config.vocab_size, (spec["batch"], seq + 1), generator=generator).to(device)
     runtime = get_runtime()
 
     timeline: list[tuple[float, int, int, int]] = []
@@ -150,8 +203,7 @@ def worker(spec: dict) -> dict:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: (sample(), grad)[1])
 
-    for layer in model.layers:
-        layer.register_forward_hook(after_forward)
+    hooks = [layer.register_forward_hook(after_forward) for layer in model.layers]
 
     def step() -> None:
         with step_context():
@@ -171,9 +223,7 @@ def worker(spec: dict) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    record = {key: spec[key] for key in ("policy", "seq", "batch", "model", "layers", "dtype")}
-    if ddp is not None:
-        record["rank"] = ddp["rank"]
+    record: dict = {}
     try:
         for _ in range(spec["warmup"]):
             step()
@@ -190,15 +240,16 @@ def worker(spec: dict) -> dict:
         times.append(timed_step())
         sampling["on"] = False
     except torch.cuda.OutOfMemoryError as error:
-        record.update(status="oom", error=str(error).splitlines()[0])
-        return record
+        return {"status": "oom", "error": str(error).splitlines()[0]}
     except Exception as error:  # reported per policy; the other policies still run
-        record.update(status="error", error=f"{type(error).__name__}: {error}")
-        return record
+        return {"status": "error", "error": f"{type(error).__name__}: {error}"}
+    finally:
+        for hook in hooks:
+            hook.remove()
 
     times.sort()
     step_s = times[len(times) // 2]
-    tokens_per_step = spec["batch"] * spec["seq"]
+    tokens_per_step = spec["batch"] * seq
     stats = actoff.stats()
     record.update(
         status="ok",
@@ -232,7 +283,7 @@ def worker(spec: dict) -> dict:
         )
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-        flops = config.flops_per_token(spec["seq"]) * tokens_per_step
+        flops = config.flops_per_token(seq) * tokens_per_step
         record["mfu"] = flops / step_s / peak if peak and spec["dtype"] == "bfloat16" else None
     else:
         record.update(peak_allocated_bytes=None, peak_reserved_bytes=None, fragmentation_bytes=None,
@@ -241,19 +292,46 @@ def worker(spec: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------- parent
-def run_one(spec: dict, timeout_s: float) -> dict:
-    """Run one (policy, length) in a fresh process and return its record."""
+def run_one(spec: dict, timeout_s: float, on_record=None) -> list[dict]:
+    """Run one policy over ``spec["seqs"]`` (or one ``spec["seq"]``) in a fresh process.
+
+    Records are passed to ``on_record`` as the worker prints them; lengths the worker never
+    reported (it timed out, crashed or ran out of memory outside a step) get a record saying so.
+    """
+    seqs = spec.get("seqs") or [spec["seq"]]
     command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {**spec, "status": "timeout", "error": f"over {timeout_s:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        status = "oom" if "out of memory" in done.stderr.lower() else "crash"
-        return {**spec, "status": status, "error": f"exit {done.returncode}: {tail}"}
-    return json.loads(lines[-1])
+    records: list[dict] = []
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        timer = threading.Timer(timeout_s, process.kill)
+        timer.start()
+        try:
+            for line in process.stdout:
+                if line.startswith("{"):
+                    records.append(json.loads(line))
+                    if on_record is not None:
+                        on_record(records[-1])
+            returncode = process.wait()
+        finally:
+            timed_out = not timer.is_alive() and process.returncode not in (0, None)
+            timer.cancel()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        stderr.seek(0)
+        err = stderr.read()
+    base = {key: value for key, value in spec.items() if key not in ("seqs", "ddp")}
+    for seq in seqs[len(records) :]:
+        if timed_out:
+            failure = {"status": "timeout", "error": f"over {timeout_s:.0f} s"}
+        else:
+            tail = (err.strip().splitlines() or ["no output"])[-1]
+            status = "oom" if "out of memory" in err.lower() else "crash"
+            failure = {"status": status, "error": f"exit {returncode}: {tail}"}
+        records.append({**base, "seq": seq, **failure})
+        if on_record is not None:
+            on_record(records[-1])
+    return records
 
 
 def add_derived(records: list[dict]) -> None:
@@ -277,35 +355,48 @@ def add_derived(records: list[dict]) -> None:
             record["verify_cost"] = record["step_ms"] / base["step_ms"] - 1.0
 
 
-def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s: float) -> tuple[int, int]:
-    """Doubling then bisection to the longest length that trains; returns (ok, probes)."""
+def _probe(policy: str, base: dict, seq: int, timeout_s, on_record) -> bool:
+    """One training step of ``policy`` at ``seq`` in a fresh process; whether it trained."""
+    if callable(timeout_s):  # the time left, asked at each probe
+        timeout_s = timeout_s()
+    if timeout_s <= 0:
+        raise TimeoutError("time budget spent")
+    spec = {**base, "policy": policy, "seq": seq, "steps": 1, "warmup": 0}
+    return run_one(spec, timeout_s, on_record)[0]["status"] == "ok"
+
+
+def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s,
+                 on_record=None) -> tuple[int, int, bool]:  # fmt: skip
+    """Doubling then bisection to the longest length that trains.
+
+    ``timeout_s`` is seconds per probe, or a function giving them (the time left). Returns
+    the longest length that trained, the number of probes, and whether the search finished
+    (False when the time ran out: the length is then a lower bound).
+    """
     probes, good, bad, seq = 0, 0, None, start
-    while seq <= limit:
-        probes += 1
-        ok = (
-            run_one({**base, "policy": policy, "seq": seq, "steps": 1, "warmup": 0}, timeout_s)["status"]
-            == "ok"
-        )
-        print(f"   {policy:<12} seq {seq:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
-        if not ok:
-            bad = seq
-            break
-        good, seq = seq, seq * 2
-    if bad is None:
-        return good, probes
-    step = max(256, start // 8)
-    while bad - good > step:
-        middle = (good + bad) // 2 // step * step or step
-        if middle in (good, bad):
-            break
-        probes += 1
-        ok = (
-            run_one({**base, "policy": policy, "seq": middle, "steps": 1, "warmup": 0}, timeout_s)["status"]
-            == "ok"
-        )
-        print(f"   {policy:<12} seq {middle:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
-        good, bad = (middle, bad) if ok else (good, middle)
-    return good, probes
+    try:
+        while seq <= limit:
+            probes += 1
+            ok = _probe(policy, base, seq, timeout_s, on_record)
+            print(f"   {policy:<12} seq {seq:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
+            if not ok:
+                bad = seq
+                break
+            good, seq = seq, seq * 2
+        if bad is None:
+            return good, probes, True
+        step = max(256, start // 8)
+        while bad - good > step:
+            middle = (good + bad) // 2 // step * step or step
+            if middle in (good, bad):
+                break
+            probes += 1
+            ok = _probe(policy, base, middle, timeout_s, on_record)
+            print(f"   {policy:<12} seq {middle:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
+            good, bad = (middle, bad) if ok else (good, middle)
+    except TimeoutError:
+        return good, probes - 1, False
+    return good, probes, True
 
 
 def gib(value: float | None) -> float | None:
@@ -374,19 +465,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--nvme-dir", help="directory for the nvme policy (default: a temp dir)")
-    parser.add_argument("--json", help="write records to this path")
+    parser.add_argument("--json", help="write all records to this path at the end")
+    parser.add_argument("--jsonl", help="append each record to this path as it is made (JSON lines)")
     parser.add_argument("--plot", help="write a PNG to this path")
     parser.add_argument(
         "--find-max-seq", action="store_true", help="longest trainable length per policy (CUDA)"
     )
     parser.add_argument("--max-seq", default="1024k", help="upper limit for --find-max-seq")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per process (one policy)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds for the whole run: no process outlives it, none starts late",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
         spec = json.loads(args.worker)
-        print(json.dumps(worker(spec)), flush=True)
+        for record in worker(spec):
+            print(json.dumps(record), flush=True)
         if spec.get("ddp") is not None:
             # A gloo work freed by its thread during interpreter finalisation aborts the process
             # (a torch bug; "terminate called without an active exception"): the record is out,
@@ -431,31 +529,48 @@ def main(argv: list[str] | None = None) -> int:
         preset=preset_name,
         model=f"{base['model']}-shaped, {base['layers']} layers, batch {base['batch']}, {base['dtype']}",
     )
-    if launch is None or launch["rank"] == 0:
+    lead = launch is None or launch["rank"] == 0
+    if lead:
         print_header("actoff long-context benchmark", header)
+    started_s = time.perf_counter()
 
+    def time_left() -> float:
+        """Seconds a new process may run: the per-process timeout, within the time budget."""
+        if args.time_budget is None:
+            return args.timeout
+        return min(args.timeout, args.time_budget - (time.perf_counter() - started_s))
+
+    out = JsonLines(args.jsonl if lead else None, header)
     try:
         if args.find_max_seq:
-            return _find_max(policies, base, lengths[0], parse_lengths(args.max_seq)[0], args, header)
-        jobs = [(policy, seq) for seq in lengths for policy in policies]
-        shown = jobs if launch is None or launch["rank"] == 0 else iter(jobs)
-        if shown is jobs:
-            shown = progress(jobs, len(jobs), lambda job: f"{job[0]} seq={job[1]}")
+            return _find_max(policies, base, lengths[0], parse_lengths(args.max_seq)[0], time_left, header,
+                             args, out)  # fmt: skip
+        lengths.sort()  # shortest first: a failure skips the longer ones
+        shown = progress(policies, len(policies), lambda policy: policy) if lead else policies
         records = []
-        for index, (policy, seq) in enumerate(shown):
-            spec = {**base, "policy": policy, "seq": seq}
+        for index, policy in enumerate(shown):
+            spec = {**base, "policy": policy, "seqs": lengths}
             if (
                 launch is not None
             ):  # every job its own key space in the launch's store, the same on every rank
                 spec["ddp"] = {**launch, "job": f"job{index}"}
-            records.append(run_one(spec, args.timeout))
+            if time_left() <= 0:
+                late = {"status": "not run", "error": "--time-budget spent"}
+                for seq in lengths:
+                    records.append({**base, "policy": policy, "seq": seq, **late})
+                    out.write(records[-1])
+                continue
+            records.extend(run_one(spec, time_left(), out.write))
         if launch is not None:
             records = _gather_to_rank0(records, launch)
             if records is None:
                 return 0
     finally:
+        out.close()
         if not args.nvme_dir:
             shutil.rmtree(nvme_dir, ignore_errors=True)
+    order = {policy: i for i, policy in enumerate(policies)}
+    records.sort(key=lambda r: (str(r.get("rank", "")), r["seq"], order.get(r["policy"], len(order))))
     add_derived(records)
     for record in records:
         for key in ("act_keep_bytes", "act_cpu_bytes", "act_nvme_bytes", "act_recompute_bytes", "peak_allocated_bytes",
@@ -558,16 +673,20 @@ def _gather_to_rank0(records: list[dict], launch: dict) -> list[dict] | None:
     return rows + totals
 
 
-def _find_max(policies: list[str], base: dict, start: int, limit: int, args, header: dict) -> int:
+def _find_max(policies: list[str], base: dict, start: int, limit: int, time_left, header: dict, args,
+              out: JsonLines) -> int:  # fmt: skip
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("--find-max-seq needs a CUDA GPU: on a CPU every tier shares the same host memory")
     records = []
     for policy in policies:
-        longest, probes = find_max_seq(policy, base, start, limit, args.timeout)
-        records.append({"policy": policy, "max_seq": longest, "probes": probes})
-    print(format_table(records, [("policy", "policy"), ("max_seq", "longest seq"), ("probes", "probes")]))
+        longest, probes, finished = find_max_seq(policy, base, start, limit, time_left, out.write)
+        records.append({"policy": policy, "max_seq": longest, "probes": probes,
+                        "search": "done" if finished else "cut short by --time-budget (a lower bound)"})  # fmt: skip
+        out.write({"result": records[-1]})
+    print(format_table(records, [("policy", "policy"), ("max_seq", "longest seq"), ("probes", "probes"),
+                                 ("search", "search")]))  # fmt: skip
     if args.json:
         write_json(args.json, header, records)
     return 0
