@@ -18,10 +18,12 @@ Example:
 
 from ._config import Config, get_config, parse_size, set_config
 from ._io import kvikio_available
-from ._recompute import register_token_mixer
+from ._loss import chunked_cross_entropy, chunked_loss_
+from ._mixers import register_token_mixer
 from ._runtime import get_runtime
 from ._scope import no_offload, offload, offload_
 from ._stats import BlockStats, Stats
+from ._tile import tile_
 from ._version import __version__
 
 try:
@@ -37,6 +39,8 @@ __all__ = [
     "Config",
     "Stats",
     "__version__",
+    "chunked_cross_entropy",
+    "chunked_loss_",
     "get_config",
     "kvikio_available",
     "no_offload",
@@ -47,6 +51,7 @@ __all__ = [
     "reset",
     "set_config",
     "stats",
+    "tile_",
 ]
 
 

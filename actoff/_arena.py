@@ -21,12 +21,20 @@ exactly what they ask for, with one page of slack to align the chunk's start.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import itertools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ._device import DeviceBackend
+
+# Trace generations are unique in the process: a slot freed after actoff.reset() (a graph that
+# outlived it) never matches the new arena's trace.
+_GENERATIONS = itertools.count()
 
 __all__ = ["ALIGNMENT", "HostArena", "Slot"]
 
@@ -111,7 +119,7 @@ class HostArena:
         self.tracing = False
         self.clock = 0
         self.trace: list[list] = []
-        self.trace_generation = 0
+        self.trace_generation = next(_GENERATIONS)
         # Planned offsets (see the module docstring).
         self.plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # sizes, offsets
         self.plan_method = "none"  # where the plan came from (Layout.method): shown in stats
@@ -120,6 +128,21 @@ class HostArena:
         self.divergences = 0  # since the last begin_step
         self.total_divergences = 0
         self._live_planned: dict[int, int] = {}  # offset -> end, in the planned chunk
+        # Note [host slot reuse]: slots returned while copies the host has not seen finish
+        # may still touch them, with those copies' tickets; freed once every ticket is done.
+        self._deferred: list[tuple[Slot, tuple]] = []
+        # Note [frees from the collector]: `free` runs from autograd's release of a handle,
+        # which the garbage collector can start inside any allocation, this arena's own
+        # included. It only queues the slot (an atomic append, no lock), and whoever holds the
+        # lock next returns the queued slots first.
+        self._returned: collections.deque[tuple[Slot, tuple]] = collections.deque()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            while self._returned:
+                self._return(*self._returned.popleft())
+            yield
 
     @property
     def capacity(self) -> int:
@@ -129,13 +152,19 @@ class HostArena:
 
     @property
     def used(self) -> int:
-        """Bytes currently handed out (including alignment padding)."""
+        """Bytes currently handed out (including alignment padding); waits for the copies
+        that still touch returned slots (Note [host slot reuse])."""
+        with self._locked():
+            self._reap(wait=True)  # a figure for people: the copies in flight finish first
+            return self._used()
+
+    def _used(self) -> int:
         planned = sum(end - offset for offset, end in self._live_planned.items())
         return planned + sum(chunk.top for chunk in self._chunks if chunk.live)
 
     def begin_step(self) -> None:
         """A new step: the next request is request 0 of the plan."""
-        with self._lock:
+        with self._locked():
             self.request = 0
             self.divergences = 0
 
@@ -144,7 +173,8 @@ class HostArena:
 
         Not installed (``plan`` stays ``None``) when that chunk would not fit in the budget.
         """
-        with self._lock:
+        with self._locked():
+            self._reap(wait=True)  # a step boundary, once per plan: the old chunks can go
             # Bump chunks with nothing live are no longer needed: give their memory back first,
             # so the planned chunk can reuse it rather than add to it.
             kept = [chunk for chunk in self._chunks if chunk.live]
@@ -174,19 +204,23 @@ class HostArena:
             self.plan = (tuple(sizes), tuple(offsets))
 
     def drop_plan(self) -> None:
-        with self._lock:
+        with self._locked():
             self.plan = None
 
-    def _take_planned(self, size: int) -> int | None:
+    def _take_planned(self, size: int) -> tuple[_Chunk, int] | None:
         k = self.request
         self.request += 1
         sizes, offsets = self.plan
         if k < len(sizes) and sizes[k] == size:
             offset = offsets[k]
             end = offset + size
-            if all(end <= low or high <= offset for low, high in self._live_planned.items()):
-                self._live_planned[offset] = end
-                return offset
+            for attempt in range(2):
+                if all(end <= low or high <= offset for low, high in self._live_planned.items()):
+                    self._live_planned[offset] = end
+                    return self.planned, offset
+                if attempt or not self._deferred:
+                    break
+                self._reap(wait=True)  # its range is held by copies still running: wait
         self.divergences += 1
         self.total_divergences += 1
         return None
@@ -195,41 +229,93 @@ class HostArena:
         """A slot of ``nbytes``, or ``None`` when the budget does not allow it. ``tag`` (the
         block, say) goes into the trace."""
         size = align_up(max(nbytes, 1))
-        with self._lock:
-            planned = self._take_planned(size) if self.plan is not None else None
-            if planned is not None:
-                chunk, offset = self.planned, planned
-            else:
-                chunk = next((c for c in self._chunks if c.usable - c.top >= size), None)
-                if chunk is None:
-                    chunk = self._grow(size)
-                    if chunk is None:
-                        return None
-                offset = chunk.top
-                chunk.top += size
-                chunk.live += 1
+        with self._locked():
+            self._reap(wait=False)
+            place = self._take_planned(size) if self.plan is not None else None
+            if place is None:
+                place = self._bump(size)
+            if place is None and self._deferred:  # the room is held by copies still running
+                self._reap(wait=True)
+                place = self._bump(size)
+            if place is None:
+                return None
+            chunk, offset = place
             index = -1
             if self.tracing:
                 self.clock += 1
                 self.trace.append([size, self.clock, None, tag])
                 index = len(self.trace) - 1
             slot = Slot(chunk, offset, nbytes, index, self.trace_generation)
-            self.high_water = max(self.high_water, self.used)
+            self.backend.check_host_reuse(slot.raw(), "handed out")
+            self.high_water = max(self.high_water, self._used())
             return slot
 
-    def free(self, slot: Slot) -> None:
-        """Return ``slot``; its chunk rewinds when its last slot comes back."""
-        with self._lock:
-            if self.tracing and slot.trace_generation == self.trace_generation and slot.trace_index >= 0:
-                self.clock += 1
-                self.trace[slot.trace_index][2] = self.clock
-            chunk = slot.chunk
-            if chunk is self.planned and slot.offset in self._live_planned:
-                del self._live_planned[slot.offset]
-                return
-            chunk.live -= 1
-            if chunk.live == 0:
-                chunk.top = 0
+    def _bump(self, size: int) -> tuple[_Chunk, int] | None:
+        chunk = next((c for c in self._chunks if c.usable - c.top >= size), None)
+        if chunk is None:
+            chunk = self._grow(size)
+            if chunk is None:
+                return None
+        offset = chunk.top
+        chunk.top += size
+        chunk.live += 1
+        return chunk, offset
+
+    def free(self, slot: Slot, after: tuple = ()) -> None:
+        """Return ``slot``; its chunk rewinds when its last slot comes back.
+
+        ``after``: tickets of copies that may still touch the slot (Note [host slot reuse]);
+        the slot is freed once every one of them has completed, never blocking the caller.
+        Safe from a garbage collector's callback (Note [frees from the collector]).
+        """
+        self._returned.append((slot, after))
+        if self._lock.acquire(blocking=False):  # else the holder returns it
+            try:
+                while self._returned:
+                    self._return(*self._returned.popleft())
+            finally:
+                self._lock.release()
+
+    def _return(self, slot: Slot, after: tuple) -> None:
+        # The trace ends the buffer here, where the step returned it, not when its copies
+        # end: that moment depends on the copy stream's timing, and a plan must not.
+        if self.tracing and slot.trace_generation == self.trace_generation and slot.trace_index >= 0:
+            self.clock += 1
+            self.trace[slot.trace_index][2] = self.clock
+        pending = tuple(ticket for ticket in after if ticket is not None and not ticket.query())
+        if pending:
+            self._deferred.append((slot, pending))
+        else:
+            self._free(slot)
+
+    @property
+    def deferred(self) -> int:
+        """Slots returned whose copies have not finished yet."""
+        with self._locked():
+            return len(self._deferred)
+
+    def _reap(self, *, wait: bool) -> None:
+        """Free the deferred slots whose copies are done (``wait``: all of them, blocking)."""
+        still = []
+        for slot, tickets in self._deferred:
+            if wait:
+                for ticket in tickets:
+                    ticket.synchronize()
+            elif not all(ticket.query() for ticket in tickets):
+                still.append((slot, tickets))
+                continue
+            self._free(slot)
+        self._deferred = still
+
+    def _free(self, slot: Slot) -> None:
+        self.backend.check_host_reuse(slot.raw(), "freed")
+        chunk = slot.chunk
+        if chunk is self.planned and slot.offset in self._live_planned:
+            del self._live_planned[slot.offset]
+            return
+        chunk.live -= 1
+        if chunk.live == 0:
+            chunk.top = 0
 
     def take_trace(self) -> list[tuple[int, int, int, object]]:
         """The finished buffers traced so far as ``(size, start, end, tag)``; starts a new trace.
@@ -241,15 +327,16 @@ class HostArena:
         >>> arena.take_trace()
         [(4096, 1, 2, 'block0')]
         """
-        with self._lock:
+        with self._locked():
             done = [(size, start, end, tag) for size, start, end, tag in self.trace if end is not None]
             self.trace = []  # slots still live belong to the old generation: not traced on
-            self.trace_generation += 1
+            self.trace_generation = next(_GENERATIONS)
             return done
 
     def consolidate(self) -> None:
         """At a step boundary: merge several empty chunks into one of the high-water size."""
-        with self._lock:
+        with self._locked():
+            self._reap(wait=False)
             if len(self._chunks) <= 1 or any(chunk.live for chunk in self._chunks):
                 return
             need = align_up(max(self.high_water, 1))

@@ -130,6 +130,15 @@ class Config:
     verify_interval: int = 100
     #: Token dimension of a block's input: 1 for ``(B, S, H)``, 0 for ``(S, B, H)``.
     token_dim: int = 1
+    #: `actoff.tile_` splits a module's tokens into this many chunks (``None``: not set).
+    tile_chunks: int | None = None
+    #: `actoff.tile_` gives a chunk at most this many positions along the token dimension
+    #: (``None``: not set). At most one of ``tile_chunks`` and ``tile_max_tokens``.
+    tile_max_tokens: int | None = None
+    #: Run scopes on a CPU device on the simulated asynchronous device (a debugging aid like
+    #: ``CUDA_LAUNCH_BLOCKING``: CUDA's stream semantics, poisoned copy destinations and a race
+    #: checker on the CPU; see `actoff.testing.simulated_device`).
+    sim_device: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
@@ -166,6 +175,15 @@ class Config:
         for name, low in (("keep_last", 0), ("io_threads", 1), ("token_dim", 0), ("verify_interval", 1)):
             set_(self, name, _as_int(name, getattr(self, name), low))
         set_(self, "verify", _as_bool("verify", self.verify))
+        set_(self, "sim_device", _as_bool("sim_device", self.sim_device))
+        for name in ("tile_chunks", "tile_max_tokens"):
+            if getattr(self, name) is not None:
+                set_(self, name, _as_int(name, getattr(self, name), 1))
+        if self.tile_chunks is not None and self.tile_max_tokens is not None:
+            raise ValueError(
+                f"ACTOFF_TILE_CHUNKS={self.tile_chunks} and ACTOFF_TILE_MAX_TOKENS={self.tile_max_tokens} are "
+                "both set: a tile is sized by one of them; unset the other"
+            )
 
         for name in ("nvme_dir", "plan_cache"):
             value = getattr(self, name)
@@ -208,7 +226,7 @@ class Config:
             text = raw.strip()
             if name in ("nvme_dir", "plan_cache"):
                 values[name] = text or None
-            elif name in ("host_budget", "gpu_budget", "host_bandwidth") and text.lower() in ("", "none"):
+            elif name in _OPTIONAL and text.lower() in ("", "none"):
                 values[name] = None
             else:
                 values[name] = text
@@ -226,6 +244,9 @@ class Config:
                 raise TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+
+# Settings whose variable may say "none" (or be empty) for "not set".
+_OPTIONAL = frozenset({"host_budget", "gpu_budget", "host_bandwidth", "tile_chunks", "tile_max_tokens"})
 
 # Variables that share the prefix but configure tests or builds, not the runtime.
 _NOT_CONFIG = frozenset({"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR"})

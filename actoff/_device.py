@@ -1,18 +1,40 @@
 """Device interface: host buffers, copies off the compute stream, and their completion tickets.
 
-One small interface with two implementations, so nothing else in actoff asks "is this CUDA?":
-- `CpuBackend`: plain host buffers, synchronous copies (CI, laptops, CPU training).
-- `CudaBackend`: pinned host buffers, separate device-to-host and host-to-device streams,
-  copies ordered after the compute stream by events.
+One small interface, so nothing else in actoff asks "is this CUDA?":
+- `CpuBackend`: plain host buffers, synchronous copies (CI, laptops, CPU training). On a
+  host-resident device there is nothing to copy: the host tier keeps tensors where they are.
+- `StreamBackend`: host staging buffers, one device-to-host and one host-to-device stream,
+  copies ordered after the compute stream by events. It runs over a stream API: CUDA's
+  (actoff._cuda) or the simulated asynchronous device's (actoff._simdevice), which takes
+  the same code paths on a CPU so that CI sees ordering and lifetime bugs.
+
+Note [capture the compute stream]: the caller's current stream is read *before* work is put
+on a side stream; reading it inside ``torch.cuda.stream(side)`` returns the side stream and
+turns the wait into a no-op (the torchtitan bug).
+
+Note [no record_stream]: sources of device-to-host copies stay referenced by their record
+until the copy's event has completed or the compute stream has waited on it; destinations of
+host-to-device copies are allocated on the compute stream and the H2D stream waits for the
+compute stream first, so the caching allocator never hands their memory to anyone while a
+copy still touches it.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-__all__ = ["CpuBackend", "CudaBackend", "DeviceBackend", "Stopwatch", "Ticket", "backend_for"]
+__all__ = [
+    "CpuBackend",
+    "DeviceBackend",
+    "Stopwatch",
+    "StreamBackend",
+    "Ticket",
+    "backend_for",
+    "forget_backend",
+]
 
 
 class Ticket:
@@ -35,28 +57,56 @@ class Ticket:
         return self.elapsed_s * 1e3
 
 
+class Stopwatch(Ticket):
+    """Wall time of work between ``start()`` and ``stop()`` (the CPU flavour)."""
+
+    __slots__ = ("_start",)
+
+    def start(self) -> Stopwatch:
+        self._start = time.perf_counter()
+        return self
+
+    def stop(self) -> Stopwatch:
+        self.elapsed_s = time.perf_counter() - self._start
+        return self
+
+
 class DeviceBackend:
-    """What actoff needs from a device. Subclasses implement every method."""
+    """What actoff needs from a device. Subclasses implement every method.
+
+    ``what`` arguments name the copied record (``block 'layers.3' record 5``) in the errors a
+    checking backend raises.
+    """
 
     device: torch.device
-    pinned: bool
+    #: Copies go through host staging buffers with asynchronous tickets (a device with DMA),
+    #: rather than straight from the tensors (a host-resident device).
+    staged: bool
+    #: The device's memory is host memory (a plain CPU device): the host tier has nothing
+    #: to copy (Note [nothing to copy on the host]).
+    host_resident: bool = False
+    #: Host buffers come from torch's caching pinned allocator, which rounds every request up
+    #: to a power of two and caches freed blocks (Note [pinned footprint] in actoff._arena).
+    pinned: bool = False
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 host buffer of ``nbytes`` (pinned where the device has DMA)."""
         raise NotImplementedError
 
-    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Ticket:
         """Start copying device ``src`` into host ``dst`` after the work queued so far."""
         raise NotImplementedError
 
     def release_host_cache(self) -> None:
         """Give host buffers freed so far back to the system (no cache to empty on the CPU)."""
 
-    def copy_to_device(self, src: torch.Tensor, *, pad: int = 0) -> tuple[torch.Tensor, Ticket]:
+    def copy_to_device(
+        self, src: torch.Tensor, *, pad: int = 0, what: str = ""
+    ) -> tuple[torch.Tensor, Ticket]:
         """Start copying host ``src`` (1-D) into a new device buffer, ``pad`` elements in."""
         raise NotImplementedError
 
-    def wait(self, ticket: Ticket) -> None:
+    def wait(self, ticket: Ticket | None) -> None:
         """Make the caller's current stream wait for ``ticket`` (no host blocking)."""
         raise NotImplementedError
 
@@ -64,10 +114,14 @@ class DeviceBackend:
         """Time work queued on the current stream between ``start()`` and ``stop()``."""
         return Stopwatch()
 
-    def stall(self, ticket: Ticket) -> Ticket:
+    def stall(self, ticket: Ticket | None) -> Ticket:
         """How long the current stream will wait for ``ticket`` from now (0 on the CPU, where
         a prefetched copy has already happened)."""
         return Ticket(0.0)
+
+    def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
+        """Raise if a copy still in flight touches ``buffer`` (host memory about to be freed
+        or handed out): the simulated device checks; real devices trust the caller."""
 
     def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
         """Measured device-to-host copy bandwidth in bytes per second (memcpy on the CPU)."""
@@ -82,53 +136,44 @@ class DeviceBackend:
         return nbytes / max(best, 1e-6) * 1e3
 
 
-class Stopwatch(Ticket):
-    """Wall time on the CPU; a pair of events on CUDA (see `CudaBackend.stopwatch`)."""
-
-    __slots__ = ("_start",)
-
-    def start(self) -> Stopwatch:
-        self._start = time.perf_counter()
-        return self
-
-    def stop(self) -> Stopwatch:
-        self.elapsed_s = time.perf_counter() - self._start
-        return self
-
-
 class CpuBackend(DeviceBackend):
     """No pinning, no streams: copies run at once in the calling thread.
 
     Serves the CPU and any device without CUDA streams (copies there are synchronous).
     """
 
-    pinned = False
+    staged = False
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device if device is not None else torch.device("cpu")
+        self.host_resident = self.device.type == "cpu"
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Ticket:
         start = time.perf_counter()
         dst.copy_(src)
         return Ticket(time.perf_counter() - start)
 
-    def copy_to_device(self, src: torch.Tensor, *, pad: int = 0) -> tuple[torch.Tensor, Ticket]:
+    def copy_to_device(
+        self, src: torch.Tensor, *, pad: int = 0, what: str = ""
+    ) -> tuple[torch.Tensor, Ticket]:
         start = time.perf_counter()
         out = torch.empty(src.numel() + pad, dtype=src.dtype, device=self.device)
         out[pad:].copy_(src)
         return out, Ticket(time.perf_counter() - start)
 
-    def wait(self, ticket: Ticket) -> None:
+    def wait(self, ticket: Ticket | None) -> None:
         pass
 
 
-class _CudaTicket(Ticket):
+class StreamTicket(Ticket):
+    """A copy between two events on a side stream."""
+
     __slots__ = ("end", "start")
 
-    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def __init__(self, start: Any, end: Any) -> None:
         super().__init__()
         self.start, self.end = start, end
 
@@ -142,97 +187,45 @@ class _CudaTicket(Ticket):
         return self.start.elapsed_time(self.end)
 
 
-class CudaBackend(DeviceBackend):
-    """CUDA: pinned host buffers, one D2H and one H2D stream, event-ordered copies.
+class _Stall(StreamTicket):
+    """From a point on the compute stream to the end of a copy; negative means no wait.
 
-    Note [capture the compute stream]: the caller's current stream is read *before* entering
-    a side stream; reading it inside ``torch.cuda.stream(side)`` returns the side stream and
-    turns the wait into a no-op (the torchtitan bug).
-
-    Note [no record_stream]: sources of device-to-host copies stay referenced by their record
-    until the copy's event has completed or the compute stream has waited on it; destinations
-    of host-to-device copies are allocated on the compute stream and the H2D stream waits for
-    the compute stream first, so the caching allocator never hands their memory to anyone
-    while a copy still touches it.
+    Both events must have completed before the time between them can be read: the marker on
+    the compute stream usually completes after the copy did (the host runs ahead).
     """
 
-    pinned = True
+    __slots__ = ()
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.d2h_stream = torch.cuda.Stream(device)
-        self.h2d_stream = torch.cuda.Stream(device)
+    def query(self) -> bool:
+        return self.start.query() and self.end.query()
 
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def release_host_cache(self) -> None:
-        # torch's caching host allocator keeps freed pinned blocks until asked to let go.
-        empty = getattr(torch._C, "_host_emptyCache", None) or getattr(
-            torch.accelerator, "empty_host_cache", None
-        )
-        if empty is not None:
-            empty()
-
-    def _copy_on(self, side: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        compute = torch.cuda.current_stream(self.device)  # Note [capture the compute stream]
-        side.wait_stream(compute)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            start.record(side)
-            dst.copy_(src, non_blocking=True)
-            end.record(side)
-        return _CudaTicket(start, end)
-
-    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        return self._copy_on(self.d2h_stream, dst, src)
-
-    def copy_to_device(self, src: torch.Tensor, *, pad: int = 0) -> tuple[torch.Tensor, Ticket]:
-        out = torch.empty(src.numel() + pad, dtype=src.dtype, device=self.device)
-        return out, self._copy_on(self.h2d_stream, out[pad:], src)
-
-    def wait(self, ticket: Ticket) -> None:
-        if isinstance(ticket, _CudaTicket):
-            torch.cuda.current_stream(self.device).wait_event(ticket.end)
-
-    def stopwatch(self) -> Stopwatch:
-        return _CudaStopwatch(self.device)
-
-    def stall(self, ticket: Ticket) -> Ticket:
-        if not isinstance(ticket, _CudaTicket):
-            return Ticket(0.0)
-        marker = torch.cuda.Event(enable_timing=True)
-        marker.record(torch.cuda.current_stream(self.device))
-        return _Stall(marker, ticket.end)
-
-
-class _Stall(_CudaTicket):
-    """From a point on the compute stream to the end of a copy; negative means no wait."""
+    def synchronize(self) -> None:
+        self.start.synchronize()
+        self.end.synchronize()
 
     def elapsed_ms(self) -> float:
         return max(0.0, self.start.elapsed_time(self.end))
 
 
-class _CudaStopwatch(Stopwatch):
-    __slots__ = ("device", "end", "start_event")
+class _StreamStopwatch(Stopwatch):
+    __slots__ = ("end", "start_event", "streams")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, streams: Any) -> None:
         super().__init__()
-        self.device = device
-        self.start_event = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
+        self.streams = streams
+        self.start_event = streams.event()
+        self.end = streams.event()
 
     def start(self) -> Stopwatch:
-        self.start_event.record(torch.cuda.current_stream(self.device))
+        self.start_event.record(self.streams.current())
         return self
 
     def stop(self) -> Stopwatch:
-        self.end.record(torch.cuda.current_stream(self.device))
+        self.end.record(self.streams.current())
         return self
 
     def query(self) -> bool:
-        return self.end.query()
+        return self.start_event.query() and self.end.query()
 
     def synchronize(self) -> None:
         self.end.synchronize()
@@ -241,19 +234,101 @@ class _CudaStopwatch(Stopwatch):
         return self.start_event.elapsed_time(self.end)
 
 
-_backends: dict[torch.device, DeviceBackend] = {}
+class StreamBackend(DeviceBackend):
+    """Staging buffers, a D2H and an H2D stream, event-ordered copies (Note [capture the
+    compute stream], Note [no record_stream]).
+
+    ``streams`` is the stream API: ``current()``, ``new_stream()``, ``event()``,
+    ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes)``
+    and ``check_host_reuse(buffer, action)``; its streams have ``wait_stream`` and
+    ``wait_event``, its events ``record``, ``query``, ``synchronize`` and ``elapsed_time``,
+    as ``torch.cuda``'s do. Optional: ``pinned`` (host buffers from torch's caching pinned
+    allocator) and ``release_host_cache()``.
+    """
+
+    staged = True
+
+    def __init__(self, device: torch.device, streams: Any) -> None:
+        self.device = device
+        self.streams = streams
+        self.d2h_stream = streams.new_stream()
+        self.h2d_stream = streams.new_stream()
+        self.pinned = bool(getattr(streams, "pinned", False))
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        return self.streams.host_empty(nbytes)
+
+    def release_host_cache(self) -> None:
+        release = getattr(self.streams, "release_host_cache", None)
+        if release is not None:
+            release()
+
+    def _copy_on(self, side: Any, dst: torch.Tensor, src: torch.Tensor, what: str) -> StreamTicket:
+        compute = self.streams.current()  # Note [capture the compute stream]
+        side.wait_stream(compute)
+        start, end = self.streams.event(), self.streams.event()
+        start.record(side)
+        self.streams.copy(side, dst, src, what)
+        end.record(side)
+        return StreamTicket(start, end)
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Ticket:
+        return self._copy_on(self.d2h_stream, dst, src, what)
+
+    def copy_to_device(
+        self, src: torch.Tensor, *, pad: int = 0, what: str = ""
+    ) -> tuple[torch.Tensor, Ticket]:
+        out = self.streams.device_empty(src.numel() + pad, src.dtype)  # on the compute stream
+        return out, self._copy_on(self.h2d_stream, out[pad:], src, what)
+
+    def wait(self, ticket: Ticket | None) -> None:
+        if isinstance(ticket, StreamTicket):
+            self.streams.current().wait_event(ticket.end)
+
+    def stopwatch(self) -> Stopwatch:
+        return _StreamStopwatch(self.streams)
+
+    def stall(self, ticket: Ticket | None) -> Ticket:
+        if not isinstance(ticket, StreamTicket):
+            return Ticket(0.0)
+        marker = self.streams.event()
+        marker.record(self.streams.current())
+        return _Stall(marker, ticket.end)
+
+    def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
+        self.streams.check_host_reuse(buffer, action)
 
 
-def backend_for(device: torch.device) -> DeviceBackend:
-    """The (cached) backend of ``device``: CUDA for ``cuda`` devices, CPU otherwise.
+_backends: dict[tuple, DeviceBackend] = {}
 
-    >>> backend_for(torch.device("cpu")).pinned
+
+def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
+    """The (cached) backend of ``device``: streams for ``cuda`` devices; for a CPU device the
+    simulated asynchronous device when ``simulated`` (an actoff._simdevice.SimSettings) is
+    given, else plain CPU copies.
+
+    >>> backend_for(torch.device("cpu")).staged
     False
     """
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    backend = _backends.get(device)
+    key = (device, simulated if device.type == "cpu" else None)
+    backend = _backends.get(key)
     if backend is None:
-        backend = CudaBackend(device) if device.type == "cuda" else CpuBackend(device)
-        _backends[device] = backend
+        if device.type == "cuda":
+            from ._cuda import CudaStreams
+
+            backend = StreamBackend(device, CudaStreams(device))
+        elif simulated is not None:
+            from ._simdevice import SimStreams
+
+            backend = StreamBackend(device, SimStreams(simulated))
+        else:
+            backend = CpuBackend(device)
+        _backends[key] = backend
     return backend
+
+
+def forget_backend(device: torch.device, simulated: Any = None) -> None:
+    """Drop the cached backend of ``device`` (and ``simulated`` settings), if any."""
+    _backends.pop((device, simulated if device.type == "cpu" else None), None)

@@ -297,8 +297,9 @@ class KvikioEngine(IoEngine):
         try:
             import kvikio  # optional extra: pip install actoff[nvme]
         except ImportError as error:
-            raise ImportError(
-                f"io_backend='kvikio' needs the kvikio package (pip install actoff[nvme]): {error}"
+            raise ModuleNotFoundError(
+                f"io_backend='kvikio' needs the kvikio package (pip install actoff[nvme]): {error}",
+                name="kvikio",
             ) from error
 
         self.path = path

@@ -108,6 +108,7 @@ class NvmeStore:
         self.reserved = 0  # bytes preallocated in the file
         self.growths = 0  # times the file was grown (constant after the first step)
         self._lock = threading.Lock()
+        self._io: dict[int, object] = {}  # extent offset -> its last request's future
         # Runs on close(), when the store is collected, and at interpreter exit.
         self._finalizer = weakref.finalize(self, _remove, self.engine, self.path)
         _exit_on_sigterm()
@@ -129,16 +130,30 @@ class NvmeStore:
                         return extent, FailedFuture(_io_error(error))
                 self.reserved = want
                 self.growths += 1
-        return extent, self.engine.pwrite(buffer, nbytes, extent.offset)
+        future = self.engine.pwrite(buffer, nbytes, extent.offset)
+        self._io[extent.offset] = future
+        return extent, future
 
     def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int) -> object:
         """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer``."""
-        return self.engine.pread(buffer, nbytes, extent.offset)
+        future = self.engine.pread(buffer, nbytes, extent.offset)
+        self._io[extent.offset] = future
+        return future
 
     def free(self, extent: Extent | None) -> None:
-        if extent is not None:
-            with self._lock:
-                self.extents.free(extent)
+        """Return ``extent``; raise if a request on it is still running (the next write there
+        could land before it, or it could overwrite the new bytes)."""
+        if extent is None:
+            return
+        with self._lock:
+            future = self._io.pop(extent.offset, None)
+            if future is not None and not future.done():
+                self._io[extent.offset] = future
+                raise RuntimeError(
+                    f"actoff internal error: NVMe extent at offset {extent.offset} freed while a "
+                    "request on it is still running"
+                )
+            self.extents.free(extent)
 
     def file_size(self) -> int:
         try:

@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from ._arena import Slot
-    from ._device import Ticket
-    from ._runtime import ScopeRun
 
 __all__ = ["Record", "RecordStateError", "State", "TensorLayout"]
 
@@ -39,7 +34,9 @@ class State(enum.Enum):
 
 _TRANSITIONS: dict[State, frozenset[State]] = {
     State.RESIDENT: frozenset({State.OFFLOADING, State.RELEASED}),
-    State.OFFLOADING: frozenset({State.OFFLOADED, State.RESIDENT, State.RELEASED}),
+    # OFFLOADING -> FETCHING: a staged NVMe record whose write is still running is served
+    # from its staging slot (Note [staged writes free the device early]).
+    State.OFFLOADING: frozenset({State.OFFLOADED, State.RESIDENT, State.FETCHING, State.RELEASED}),
     State.OFFLOADED: frozenset({State.FETCHING, State.RELEASED}),
     State.FETCHING: frozenset({State.READY, State.RELEASED}),
     State.READY: frozenset({State.OFFLOADED, State.RELEASED}),
@@ -118,36 +115,43 @@ class Record:
         "write_future",
     )
 
-    def __init__(self, tensor: torch.Tensor, run: ScopeRun, index: int) -> None:
+    def __init__(self, tensor: torch.Tensor, run: Any, index: int, tier: Any = None) -> None:
         self.layout = TensorLayout(tensor)
-        self.run = run
+        self.run = run  # the scope run (actoff._step.ScopeRun) that saved it
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
-        self.tier = "keep"
+        # Where its bytes live: an actoff._tiers.Tier, which owns every move of the record.
+        self.tier = tier
         # Note [no cycle through autograd]: a detached alias (same storage, no grad_fn). The
         # tensor itself would link record -> tensor -> grad_fn -> saved variable -> handle ->
         # record, a cycle through C++ that Python's collector cannot see: a graph dropped
         # without backward (an exception, a forward with no backward) would never be freed.
         self.device_tensor: torch.Tensor | None = tensor.detach()
         # Note [version check]: saved_tensors_hooks turn off autograd's own check that a
-        # saved tensor was not modified in place, so actoff makes it: a weak reference to
-        # the tensor (never keeping its memory alive) and the version it was saved at.
-        self.source = weakref.ref(tensor)
+        # saved tensor was not modified in place, so actoff makes it. The detached alias
+        # shares the tensor's version counter (a weak reference to the tensor would not do:
+        # a local is dead by backward while a view of it can still change its bytes). It is
+        # checked whenever actoff reads the bytes or lets the alias go: the copy out issued
+        # and done, and unpack. Bytes copied out before a change are the saved ones.
+        self.source = weakref.ref(tensor)  # the tensor while it lives (forwarding, too)
         self.saved_version = tensor._version
-        self.host_slot: Slot | None = None
-        self.extent: object | None = None  # NVMe extent (actoff._nvme.Extent) ...
-        self.store: object | None = None  # ... in this NvmeStore
-        self.copy_ticket: Ticket | None = None
-        self.fetch_ticket: Ticket | None = None
+        # Set by the tiers (actoff._tiers): a host arena slot (actoff._arena.Slot), an NVMe
+        # extent (actoff._nvme.Extent) in its store, and the device tickets of copies in flight.
+        self.host_slot: Any = None
+        self.extent: Any = None
+        self.store: Any = None
+        self.copy_ticket: Any = None
+        self.fetch_ticket: Any = None
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
         self.copy_source: torch.Tensor | None = None  # held while a copy reads it
         self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
-        # Token-wise placement (actoff._tokenwise): the token-dimension view of the span,
-        # whether the record must stay whole (block input, mixer saves), and its ranges once split.
-        self.canon = None
-        self.base_info = None  # (shape, stride) of a merged view's base, for token dims
+        # Token-wise placement (actoff._tokenwise): the token-dimension view of the span
+        # (actoff._tokens.Canon), whether the record must stay whole (block input, mixer saves),
+        # and its ranges once split (actoff._tokens.TokenRanges).
+        self.canon: Any = None
+        self.base_info: Any = None  # (shape, stride) of a merged view's base, for token dims
         self.whole = False
-        self.split = None
+        self.split: Any = None
 
     def to(self, state: State) -> None:
         """Move to ``state``; raise `RecordStateError` if the machine forbids it."""
@@ -159,17 +163,30 @@ class Record:
         self.state = state
 
     def check_version(self) -> None:
-        """Raise autograd's in-place error if the saved tensor was modified since."""
-        tensor = self.source()
-        if tensor is not None and tensor._version != self.saved_version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a tensor of shape {list(self.layout.size)} and dtype "
-                f"{self.layout.dtype} saved in block {self.run.name!r} is at version "
-                f"{tensor._version}; expected version {self.saved_version} instead "
-                "(caught by actoff, which saves it). Avoid the in-place operation, or clone "
-                "the tensor before modifying it."
-            )
+        """Raise autograd's in-place error if the saved tensor was modified since it was saved
+        (Note [version check])."""
+        alias = None
+        if self.state in (State.RESIDENT, State.OFFLOADING):  # later: a copy brought back
+            alias = self.device_tensor if self.device_tensor is not None else self.copy_source
+        if alias is None:
+            alias = self.source()  # the tensor itself, while it lives
+        if alias is None or alias._version == self.saved_version:
+            return
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a tensor of shape {list(self.layout.size)} and dtype "
+            f"{self.layout.dtype} saved in block {self.run.name!r} is at version "
+            f"{alias._version}; expected version {self.saved_version} instead (caught by "
+            "actoff, which saves it). Avoid the in-place operation, or clone the tensor "
+            "before modifying it."
+        )
+
+    def what(self) -> str:
+        """The record in messages: ``block 'layers.3' record 5 (shape [2, 32, 64] float32)``."""
+        return (
+            f"block {self.run.name!r} record {self.index} "
+            f"(shape {list(self.layout.size)} {str(self.layout.dtype).removeprefix('torch.')})"
+        )
 
     def live_source(self) -> torch.Tensor | None:
         """The original tensor when it is still alive elsewhere (forwarding, no copy needed)."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._config import format_bytes
 
-__all__ = ["BlockStats", "Stats"]
+__all__ = ["BlockStats", "Stats", "collect", "copy_stats", "snapshot"]
 
 TIERS = ("keep", "cpu", "nvme", "recompute")
 
@@ -142,3 +143,50 @@ class Stats:
                 f"{format_bytes(decision.attention_bytes)}, other {format_bytes(decision.other_bytes)})"
             )
         return "\n".join(lines)
+
+
+_SUMMED = (
+    "dedup_hits", "skipped_param_bytes", "skipped_small_bytes", "skipped_other_bytes",
+    "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms", "fetch_ms",
+    "wait_ms", "recompute_ms",
+)  # fmt: skip
+
+
+def collect(step: Any) -> dict[str, BlockStats]:
+    """Per block name, the figures of one step (actoff._step.Step): calls of a block summed."""
+    blocks: dict[str, BlockStats] = {}
+    for run in step.runs:
+        block = blocks.get(run.name)
+        if block is None:
+            block = blocks[run.name] = BlockStats(run.name, calls=0)
+        source = run.stats
+        block.calls += 1
+        for name in _SUMMED:
+            setattr(block, name, getattr(block, name) + getattr(source, name))
+        for record in run.records:
+            block.tensors += 1
+            block.bytes_saved += record.layout.nbytes
+            record.tier.count(record, block.bytes_per_tier)
+    return blocks
+
+
+def copy_stats(block: BlockStats) -> BlockStats:
+    """An independent copy (the per-tier dictionary included)."""
+    copy = BlockStats(**{k: v for k, v in vars(block).items() if k != "bytes_per_tier"})
+    copy.bytes_per_tier = dict(block.bytes_per_tier)
+    return copy
+
+
+def snapshot(blocks: dict[str, BlockStats], steps: int, arenas: Any, stores: Any, auto: dict) -> Stats:
+    """A `Stats` of the runtime's figures: blocks copied, host arenas and NVMe stores summed."""
+    return Stats(
+        blocks={name: copy_stats(b) for name, b in blocks.items()},
+        steps=steps,
+        host_capacity=sum(a.capacity for a in arenas.values()),
+        host_high_water=max((a.high_water for a in arenas.values()), default=0),
+        host_allocations=sum(a.num_allocations for a in arenas.values()),
+        nvme_file_bytes=stores.file_bytes(),
+        io_backend=stores.backend_name(),
+        auto=dict(auto),
+        host_plan=next((a.plan_method for a in arenas.values() if a.plan is not None), "none"),
+    )

@@ -1,214 +1,287 @@
-"""Token-wise placement decisions: token dimensions, canonical views, ranges, MEMO's closed form.
+"""Token-wise runs: a block's activations split by token range between host, NVMe and recompute.
 
-Pure functions on shapes and numbers, so they are tested without a model.
+A `TokenwiseRun` is the token-wise state of one scope run (``run.tokenwise``): what the
+re-forward needs (inputs kept whole, the function, the RNG state, the mixer's outputs), the
+ranges, the records it splits, and the packed rows it stores. It is also the tier of its
+split records: their `materialize` rebuilds them, stored rows scattered back and dropped
+rows recomputed (actoff._replay). Runs whose policy never splits have no such object.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-__all__ = [
-    "Canon",
-    "TokenRanges",
-    "auto_fractions",
-    "base_info",
-    "changed_dim",
-    "detect_canon",
-    "token_ranges",
-    "unique_dim",
-]
+from . import _replay
+from ._distributed import local_world_size
+from ._mixers import autograd_status
+from ._pack import pack_rows, scatter_rows
+from ._policy import AutoDecision, auto_fractions, budget_share, token_fractions, whole_tier
+from ._record import Record, State
+from ._tiers import Tier
+from ._tokens import TokenRanges, base_info, token_ranges
 
-
-def unique_dim(shape: tuple[int, ...], size: int) -> int | None:
-    """The only dimension of ``shape`` equal to ``size``, else ``None`` (none or several).
-
-    >>> unique_dim((2, 128, 64), 128), unique_dim((128, 128), 128), unique_dim((4,), 8)
-    (1, None, None)
-    """
-    found = [i for i, n in enumerate(shape) if n == size]
-    return found[0] if len(found) == 1 else None
+__all__ = ["TokenwiseRun", "decide_auto", "forward_ms"]
 
 
-@dataclass(frozen=True)
-class Canon:
-    """How to see a saved tensor's storage span as a tensor with a token dimension.
+class TokenwiseRun(Tier):
+    """The token-wise state of a scope run, and the tier of the records it splits."""
 
-    ``shape``/``stride`` describe the saved view itself, or its ``_base`` when ``on_base``
-    (linear layers save ``(B*S, H)`` views of ``(B, S, H)`` tensors: no dimension is S);
-    ``dim`` is the token dimension in ``shape``. Offsets are relative to the copied span.
-    """
+    name = "tokenwise"
 
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dim: int
-    on_base: bool = False
+    def __init__(self, run: Any) -> None:
+        self.run = run  # the actoff._step.ScopeRun
+        self.events: list[int] = []  # record index per non-parameter save, -1: not a record
+        self.in_mixer = 0
+        self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
+        self.seq_len = 0
+        self.fn: Callable[..., Any] | None = None
+        self.input_spec: Any = None  # pytree structure of (args, kwargs)
+        self.inputs: list[Any] = []  # their flattened leaves: Record, or the value itself
+        self.input_status: list[str | None] = []  # autograd_status of each input at capture
+        self.mixer_outputs: list[tuple[Any, int | None]] = []  # (Record or tensor, token dim)
+        self.owned: list[Any] = []  # handles actoff holds for inputs and mixer outputs
+        self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.ranges: TokenRanges | None = None
+        self.children: list[Record] = []  # packed rows, one record per stored tier
+        self.bundles: dict[str, tuple[Record, list[int], tuple[int, int]]] = {}
+        self.split_records: list[Record] = []
+        self.split_live = 0
+        self.split_pending = 0
+        self.replay_rows: dict[int, torch.Tensor] | None = None
+        self.verify_rows: tuple[int, torch.Tensor] | None = None  # ACTOFF_VERIFY's kept copy
+        self.forward_watch: Any = None  # time of the forward (the auto policy's T_layer)
+        self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
-    def view(self, flat: torch.Tensor, pad: int = 0) -> torch.Tensor:
-        """The canonical tensor over a 1-D buffer holding ``pad`` spare elements, then the span."""
-        return flat.as_strided(self.shape, self.stride, pad)
-
-    def source(self, saved: torch.Tensor) -> torch.Tensor | None:
-        """The tensor to take rows from among a re-forward's save: the view or its base."""
-        return saved._base if self.on_base else saved
-
-
-def base_info(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Shape and strides of ``tensor._base`` when the view covers exactly the base's memory
-    (a merged view such as ``(B*S, H)`` of ``(B, S, H)``), else ``None``.
-
-    >>> base_info(torch.zeros(2, 16, 8).view(32, 8))
-    ((2, 16, 8), (128, 8, 1))
-    """
-    base = tensor._base
-    if (
-        base is None
-        or base.numel() != tensor.numel()
-        or base.storage_offset() != tensor.storage_offset()
-        or not (_dense(tensor) and _dense(base))
-    ):
-        return None
-    return tuple(base.shape), tuple(base.stride())
-
-
-def _dense(t: torch.Tensor) -> bool:
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1):
-        if stride != expected:
+    # ------------------------------------------------------------------ forward
+    def capture(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
+        """What the re-forward needs: the inputs (kept whole), the function, the RNG state.
+        False when the block input has no token dimension (the run is placed whole)."""
+        run = self.run
+        token_dim = run.config.token_dim
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None or first.dim() <= token_dim:
             return False
-        expected *= size
-    return True
+        self.seq_len = first.shape[token_dim]
+        # Inputs may nest (Hugging Face passes position_embeddings=(cos, sin)): flatten them.
+        values, self.input_spec = pytree.tree_flatten((args, kwargs))
+        self.fn = fn
+        self.input_status = [autograd_status(value) for value in values]
+        self.inputs = [self.keep_whole(value) for value in values]
+        cuda_state = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
+        self.rng = (torch.get_rng_state(), cuda_state)
+        return True
+
+    def classify(self, record: Record, tensor: torch.Tensor) -> None:
+        """A new record of the forward: the mixer's saves are not replayed (stored whole);
+        others may be split, found through their view or its base."""
+        if self.in_mixer:
+            record.whole = True
+        else:
+            record.base_info = base_info(tensor)
+
+    def keep_whole(self, value: Any) -> Any:
+        """A record (stored whole, held by actoff) for a block input or mixer output tensor, or
+        the value itself when actoff would not offload it (small, a parameter, not a tensor)."""
+        from ._step import param_like
+
+        if not isinstance(value, torch.Tensor):
+            return value
+        run = self.run
+        # Held directly: a detached alias (Note [no cycle through autograd]).
+        if type(value) is not torch.Tensor or value.device != run.device:
+            return value.detach()
+        storage = value.untyped_storage().data_ptr() if value.numel() else 0
+        if (
+            value.numel() == 0
+            or value.layout != torch.strided
+            or param_like(value, storage, run.param_storages)
+            or value.numel() * value.element_size() < run.config.min_bytes
+        ):
+            return value.detach()
+        handle = run.handle_for(value, storage)
+        handle.record.whole = True
+        self.owned.append(handle)
+        return handle.record
+
+    def capture_mixer_output(self, output: Any, token_dim: int | None) -> None:
+        self.mixer_outputs.append((self.keep_whole(output), token_dim))
+
+    # ------------------------------------------------------------------ sealing
+    def prepare(self, runtime: Any) -> None:
+        """Choose the ranges and the records to split; probe and verify once per block and length.
+        A run that ends with no split records is placed whole."""
+        run, config = self.run, self.run.config
+        candidates = [r for r in run.records if not r.whole and not r.layout.compact]
+        fractions = token_fractions(config, runtime.auto_decisions.get(run.name))
+        if fractions is None:  # auto's first step: measure, store whole, decide after backward
+            self.auto_sample = (
+                sum(v.layout.nbytes for v in self.inputs if isinstance(v, Record)),
+                sum(v.layout.nbytes for v, _ in self.mixer_outputs if isinstance(v, Record)),
+                sum(r.layout.nbytes for r in candidates),
+            )
+            return
+        self.ranges = token_ranges(self.seq_len, *fractions)
+        if not candidates or self.ranges.cpu_end == self.seq_len:
+            return  # nothing to split (or every token to host memory): whole
+        key = (run.name, self.seq_len)
+        plan = runtime.token_plans.get(key)
+        if plan is None:
+            if self.collective is None:
+                plan, reason = _replay.probe(self, candidates)
+            else:  # never re-run it, not even to probe: see CollectiveWatch
+                plan, reason = (
+                    None,
+                    (
+                        f"its forward calls the collective {self.collective} outside a token mixer, and a "
+                        "re-forward on one rank's token slice would call it again (register the function "
+                        "that communicates, e.g. a sequence-parallel attention, with actoff.register_token_mixer)"
+                    ),
+                )
+            if plan is None:
+                runtime.verdicts[run.name] = reason
+                runtime.warn_once(
+                    f"tokenwise:{run.name}",
+                    f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its "
+                    f"activations are placed whole ({whole_tier(config)}) from now on; gradients stay exact.",
+                )
+                return
+            runtime.token_plans[key] = plan
+        for record in candidates:
+            entry = plan.get(record.index)
+            if entry is not None and entry[:2] == (record.layout.size, record.layout.stride):
+                record.canon = entry[2]
+                self.split_records.append(record)
+
+    def place_split(self, tiers: dict[str, Tier]) -> None:
+        """Pack the stored token rows of every split record into one buffer per tier."""
+        run, ranges = self.run, self.ranges
+        for tier, (low, high) in (("cpu", (0, ranges.cpu_end)), ("nvme", (ranges.cpu_end, ranges.nvme_end))):
+            if high <= low:
+                continue
+            views = [
+                r.canon.view(r.layout.flat(r.device_tensor)).narrow(r.canon.dim, low, high - low)
+                for r in self.split_records
+            ]
+            buffer, offsets = pack_rows(views)
+            child = Record(buffer, run, -1, tiers["keep"])
+            run.step.live += 1
+            self.children.append(child)
+            self.bundles[tier] = (child, offsets, (low, high))
+            tiers[tier].place(child)
+        start, stop = ranges.recompute
+        if run.config.verify and stop > start and run.step.number % run.config.verify_interval == 0:
+            # Keep one recomputed range: backward checks the re-forward against it.
+            record = self.split_records[0]
+            kept = record.canon.view(record.layout.flat(record.device_tensor.detach()))
+            self.verify_rows = (
+                record.index,
+                kept.narrow(record.canon.dim, start, stop - start).to("cpu", copy=True),
+            )
+        for record in self.split_records:
+            record.split = ranges
+            record.tier = self
+            record.device_tensor = None  # the packed copies hold what is stored
+            record.to(State.OFFLOADING)
+            record.to(State.OFFLOADED)
+        self.split_live = len(self.split_records)
+
+    # ------------------------------------------------------------------ the tier of split records
+    def materialize(self, record: Record) -> torch.Tensor:
+        """A split record again: stored rows scattered back, dropped rows recomputed."""
+        run, layout, runtime = self.run, record.layout, self.run.runtime
+        if self.replay_rows is None:
+            for child in self.children:
+                runtime.materialize(child)
+            start, stop = self.ranges.recompute
+            watch = run.backend.stopwatch().start()
+            self.replay_rows = _replay.replay(self, start, stop) if stop > start else {}
+            run.account("recompute_ms", watch.stop())
+            self.split_pending = len(self.split_records)
+        flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
+        canon = record.canon.view(flat, layout.pad)
+        position = self.split_records.index(record)
+        for child, offsets, (low, high) in self.bundles.values():
+            scatter_rows(
+                child.device_tensor, [offsets[position]], [canon.narrow(record.canon.dim, low, high - low)]
+            )
+        start, stop = self.ranges.recompute
+        if stop > start:
+            rows = self.replay_rows.pop(record.index)
+            if self.verify_rows is not None and self.verify_rows[0] == record.index:
+                if not _replay.rows_match(self.verify_rows[1], rows.detach().cpu()):
+                    raise RuntimeError(
+                        f"actoff: recomputed token rows [{start}, {stop}) of a saved activation of block "
+                        f"{run.name!r} differ from the copy kept at forward time (ACTOFF_VERIFY=1): the "
+                        "block computed something else in backward (changed weights or state, "
+                        "nondeterministic ops). The step cannot continue with this activation."
+                    )
+                self.verify_rows = None
+            canon.narrow(record.canon.dim, start, stop - start).copy_(rows)
+        record.device_tensor = layout.rebuild(flat)
+        record.to(State.FETCHING)
+        record.to(State.READY)
+        self.split_pending -= 1
+        if self.split_pending == 0:  # every split record rebuilt: drop the packed device copies
+            for child in self.children:
+                child.tier.evict(child)
+        return record.device_tensor
+
+    def release(self, record: Record) -> None:
+        super().release(record)
+        self.split_live -= 1
+        if self.split_live == 0:  # nothing left to rebuild: the stored rows can go
+            self.owned.clear()
+            for child in self.children:
+                self.run.runtime.release(child)
+
+    def count(self, record: Record, bytes_per_tier: dict[str, int]) -> None:
+        split = record.split
+        row_bytes = record.layout.nbytes // split.seq_len
+        bytes_per_tier["cpu"] += row_bytes * split.cpu_end
+        bytes_per_tier["nvme"] += row_bytes * (split.nvme_end - split.cpu_end)
+        bytes_per_tier["recompute"] += row_bytes * split.recompute_len
 
 
-def changed_dim(
-    forward_shape: tuple[int, ...], replay_shape: tuple[int, ...], seq_len: int, length: int
-) -> int | None:
-    """The token dimension, found by comparing a save of the forward pass (``seq_len`` tokens)
-    with the same save of a re-forward on ``length`` tokens: the one dimension that went from
-    ``seq_len`` to ``length``. Dimensions that merely equal ``seq_len`` (a hidden size of 4096
-    at 4096 tokens) do not change and are not mistaken for it.
+def forward_ms(tokenwise: TokenwiseRun) -> float:
+    """Measured forward time of a block (the auto policy's T_layer), in milliseconds.
 
-    >>> changed_dim((2, 128, 128), (2, 64, 128), 128, 64)
-    1
-    >>> changed_dim((256, 128), (128, 128), 128, 64) is None  # (B*S, H): not on the view
-    True
+    The one place where the auto decision consumes a measured time: tests replace it to make
+    the decision independent of the machine's load.
     """
-    if len(forward_shape) != len(replay_shape) or seq_len == length:
-        return None
-    diff = [i for i, (a, b) in enumerate(zip(forward_shape, replay_shape, strict=True)) if a != b]
-    if len(diff) == 1 and forward_shape[diff[0]] == seq_len and replay_shape[diff[0]] == length:
-        return diff[0]
-    return None
+    watch = tokenwise.forward_watch
+    watch.synchronize()
+    return watch.elapsed_ms()
 
 
-def detect_canon(
-    view: tuple[tuple[int, ...], tuple[int, ...]],
-    base: tuple[tuple[int, ...], tuple[int, ...]] | None,
-    replayed: torch.Tensor,
-    seq_len: int,
-    length: int,
-) -> Canon | None:
-    """The `Canon` of a record from its forward view (and base) and its re-forward save."""
-    dim = changed_dim(view[0], tuple(replayed.shape), seq_len, length)
-    if dim is not None:
-        return Canon(view[0], view[1], dim)
-    if base is not None and replayed._base is not None:
-        dim = changed_dim(base[0], tuple(replayed._base.shape), seq_len, length)
-        if dim is not None:
-            return Canon(base[0], base[1], dim, on_base=True)
-    return None
-
-
-@dataclass(frozen=True)
-class TokenRanges:
-    """Tokens ``[0, cpu_end)`` to host memory, ``[cpu_end, nvme_end)`` to NVMe, the rest recomputed."""
-
-    seq_len: int
-    cpu_end: int
-    nvme_end: int
-
-    @property
-    def recompute(self) -> tuple[int, int]:
-        return self.nvme_end, self.seq_len
-
-    @property
-    def recompute_len(self) -> int:
-        return self.seq_len - self.nvme_end
-
-
-def token_ranges(seq_len: int, cpu_fraction: float, nvme_fraction: float) -> TokenRanges:
-    """Split ``seq_len`` tokens by fractions (rounded to whole tokens, cpu first).
-
-    >>> token_ranges(100, 0.3, 0.3)
-    TokenRanges(seq_len=100, cpu_end=30, nvme_end=60)
-    """
-    if cpu_fraction + nvme_fraction > 1.0 + 1e-9:
-        raise ValueError(f"fractions {cpu_fraction} + {nvme_fraction} exceed 1")
-    cpu_end = round(seq_len * cpu_fraction)
-    nvme_end = min(seq_len, cpu_end + round(seq_len * nvme_fraction))
-    return TokenRanges(seq_len, cpu_end, nvme_end)
-
-
-@dataclass(frozen=True)
-class AutoDecision:
-    """The `auto` policy's choice for one block shape, with its inputs (reported in stats)."""
-
-    cpu_fraction: float
-    nvme_fraction: float
-    bandwidth_gbps: float  # host link, bytes per ns
-    t_layer_ms: float
-    input_bytes: int
-    attention_bytes: int
-    other_bytes: int
-    host_budget_per_layer: float | None
-    reason: str
-
-
-def auto_fractions(
-    *,
-    bandwidth_bytes_per_s: float,
-    t_layer_s: float,
-    input_bytes: int,
-    attention_bytes: int,
-    other_bytes: int,
-    num_layers: int,
-    host_budget: int | None,
-    nvme_available: bool,
-) -> AutoDecision:
-    """MEMO's closed form for the stored fraction of the token-local activations.
-
-    ``alpha = clip(min((B*T - S_in - S_attn) / S_other, (M_cpu/(n-2) - S_in - S_attn) / S_other), 0, 1)``:
-    store as much as the host link can copy during one block's forward, within the host budget.
-    When the budget binds and an NVMe directory is set, the part the link could still hide
-    goes to NVMe instead of being recomputed.
-
-    >>> d = auto_fractions(bandwidth_bytes_per_s=1e9, t_layer_s=0.01, input_bytes=2_000_000,
-    ...                    attention_bytes=2_000_000, other_bytes=12_000_000, num_layers=8,
-    ...                    host_budget=None, nvme_available=False)
-    >>> round(d.cpu_fraction, 3)
-    0.5
-    """
-    fixed = input_bytes + attention_bytes
-    other = max(other_bytes, 1)
-    alpha_time = (bandwidth_bytes_per_s * t_layer_s - fixed) / other
-    per_layer = None if host_budget is None else host_budget / max(num_layers - 2, 1)
-    alpha_memory = float("inf") if per_layer is None else (per_layer - fixed) / other
-    clip = lambda value: min(max(value, 0.0), 1.0)  # noqa: E731
-    cpu = clip(min(alpha_time, alpha_memory))
-    nvme = 0.0
-    reason = "host link bound" if alpha_time <= alpha_memory else "host budget bound"
-    if nvme_available and alpha_memory < alpha_time:
-        nvme = clip(alpha_time) - cpu
-        reason = "host budget bound; spilling to NVMe"
-    return AutoDecision(
-        cpu_fraction=cpu,
-        nvme_fraction=max(nvme, 0.0),
-        bandwidth_gbps=bandwidth_bytes_per_s / 1e9,
-        t_layer_ms=t_layer_s * 1e3,
-        input_bytes=input_bytes,
-        attention_bytes=attention_bytes,
-        other_bytes=other_bytes,
-        host_budget_per_layer=per_layer,
-        reason=reason,
-    )
+def decide_auto(runtime: Any, step: Any) -> None:
+    """The auto policy, after its first step: MEMO's closed form per block. Decisions of the
+    first step are replaced by rank 0's with Note [one agreement]; a block that first runs
+    later is decided by its own rank (a broadcast then could wait on ranks that never see
+    that block)."""
+    for run in step.runs:
+        tokenwise = run.tokenwise
+        if tokenwise is None or tokenwise.auto_sample is None or run.name in runtime.auto_decisions:
+            continue
+        config = run.config
+        bandwidth = config.host_bandwidth
+        if bandwidth is None:
+            if run.device not in runtime.bandwidths:
+                # Ranks on one host copy at the same time: each gets its share of the link.
+                runtime.bandwidths[run.device] = run.backend.host_bandwidth() / local_world_size()
+            bandwidth = runtime.bandwidths[run.device]
+        input_bytes, attention_bytes, other_bytes = tokenwise.auto_sample
+        decision: AutoDecision = auto_fractions(
+            bandwidth_bytes_per_s=bandwidth,
+            t_layer_s=forward_ms(tokenwise) / 1e3,
+            input_bytes=input_bytes,
+            attention_bytes=attention_bytes,
+            other_bytes=other_bytes,
+            num_layers=len(step.runs),
+            host_budget=budget_share(config.host_budget, local_world_size()),
+            nvme_available=config.nvme_dir is not None,
+        )
+        runtime.auto_decisions[run.name] = decision

@@ -35,14 +35,19 @@ def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[
     actoff.reset()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("small", num_layers=layers))
+    from actoff.testing import simulated_device
+
     actoff.offload_(model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0)
     tokens = torch.randint(0, 1024, (1, seq + 1))
-    model.loss(tokens).backward()  # first step: probes the replay, warms the arena
-    arena = next(iter(get_runtime().arenas.values()))
-    arena.take_trace()
-    arena.tracing = True
-    model.loss(tokens).backward()
-    trace = arena.take_trace()
+    # On a plain CPU device nothing is copied to the host arena: trace it on the simulated
+    # device, which takes the copy paths of a GPU.
+    with simulated_device(track_memory=False):
+        model.loss(tokens).backward()  # first step: probes the replay, warms the arena
+        arena = next(iter(get_runtime().arenas.values()))
+        arena.take_trace()
+        arena.tracing = True
+        model.loss(tokens).backward()
+        trace = arena.take_trace()
     actoff.reset()
     return [Buffer(size, start, end) for size, start, end, _ in trace], [tag for *_, tag in trace]
 

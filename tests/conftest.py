@@ -1,14 +1,20 @@
 """Test setup: skip what this machine cannot run (and say why); a fresh actoff per test."""
 
+import contextlib
 import os
+import zlib
 
 import pytest
 import torch
 
 import actoff
 import actoff._config
+from actoff.testing import simulated_device
 
-_KEEP_ENV = {"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR"}
+_KEEP_ENV = {"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR", "ACTOFF_SIM_DEVICE"}
+#: ACTOFF_SIM_DEVICE=1 runs every test on the simulated asynchronous device (a fresh one per
+#: test, seeded by the test's name; subprocesses inherit the setting).
+SIM_DEVICE = os.environ.get("ACTOFF_SIM_DEVICE", "0").lower() in ("1", "true", "yes", "on")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,15 +30,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def fresh_actoff(monkeypatch):
+def fresh_actoff(monkeypatch, request):
     """Each test starts from default settings (no ACTOFF_* from the caller) and no state."""
     for key in list(os.environ):
         if key.startswith("ACTOFF_") and key not in _KEEP_ENV:
             monkeypatch.delenv(key)
     actoff.set_config(actoff.Config())
     actoff.reset()
-    yield
-    actoff.reset()
+    if (SIM_DEVICE and "no_sim_device" not in request.keywords) or "sim_device" in request.keywords:
+        device = simulated_device(seed=zlib.crc32(request.node.nodeid.encode()) % 10_000)
+    else:
+        device = contextlib.nullcontext()
+    with device:
+        yield
+        actoff.reset()
     actoff._config._global_config = None
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actoff._arena import ALIGNMENT, HostArena
-from actoff._device import CpuBackend, CudaBackend
+from actoff._device import CpuBackend, backend_for
 
 
 class CountingCpuBackend(CpuBackend):
@@ -176,7 +176,8 @@ def test_a_plan_that_would_break_the_budget_is_not_installed():
 def test_pinned_memory_held_stays_within_the_arenas_capacity():
     """What torch's host allocator holds (its rounded blocks, cached ones included) stays
     within 1.1x of the capacity the arena reports, through growth, consolidation and a plan."""
-    backend = CudaBackend(torch.device("cuda", 0))
+    backend = backend_for(torch.device("cuda", 0))
+    assert backend.pinned
     backend.release_host_cache()
     held = lambda: torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)  # noqa: E731
     baseline = held()

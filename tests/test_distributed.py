@@ -101,6 +101,7 @@ def test_ddp_two_ranks(policy, tmp_path, nvme_dir):
         assert decisions[0] == decisions[1] and decisions[0], decisions
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_host_budget_is_shared_by_the_ranks_on_a_host(monkeypatch):
     from _helpers import make_model, train
 
@@ -194,13 +195,14 @@ PLAN_SCRIPT = textwrap.dedent(
     def worker(rank, world, port, case, cache, out):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
         import actoff
+        import actoff._layout as layout_module
         import actoff._runtime as runtime_module
         from actoff.reference import Block
         from _helpers import make_model, train_ddp
 
         solves = []
-        real_solve = runtime_module.solve
-        runtime_module.solve = lambda *a, **k: solves.append(1) or real_solve(*a, **k)
+        real_solve = layout_module.solve
+        layout_module.solve = lambda *a, **k: solves.append(1) or real_solve(*a, **k)
         # same: every rank the same length. differ: rank 1 longer, and its last step longer still
         # (a divergence: rank 1 re-plans alone while rank 0 runs on, no collective involved).
         lengths = {{"same": [[33] * 4, [33] * 4], "differ": [[33] * 4, [49, 49, 49, 65]]}}[case][rank]
@@ -230,8 +232,9 @@ def test_plan_is_solved_on_rank0_and_broadcast(case, tmp_path):
     script, cache, out = tmp_path / "plan.py", tmp_path / "plans", tmp_path / "out"
     out.mkdir()
     script.write_text(PRELUDE + PLAN_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
+    env = {**os.environ, "ACTOFF_SIM_DEVICE": "1"}  # the host arena: copies on a device with DMA
     done = subprocess.run([sys.executable, str(script), str(free_port()), case, str(cache), str(out)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
     ranks = _read_results(out)

@@ -174,6 +174,7 @@ def _slot_offsets(monkeypatch):
     return seen
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 @pytest.mark.parametrize("planner", ["greedy", "mip", "off"])
 def test_planned_steps_reuse_offsets_and_stay_exact(planner, monkeypatch):
     from _helpers import assert_same_history, baseline_and_offloaded
@@ -196,6 +197,7 @@ def test_planned_steps_reuse_offsets_and_stay_exact(planner, monkeypatch):
         assert actoff.stats().host_capacity == arena.planned.capacity  # one allocation, nothing else
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_a_new_sequence_length_replans_and_a_known_one_reuses_its_plan():
     from _helpers import make_model, train
 
@@ -217,6 +219,7 @@ def test_a_new_sequence_length_replans_and_a_known_one_reuses_its_plan():
     assert arena.plan == first_plan and len(runtime.plans) == 2  # solved once per shape
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_plans_come_back_from_the_disk_cache(tmp_path):
     from _helpers import make_model, train
 

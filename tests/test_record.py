@@ -29,7 +29,7 @@ def test_allowed_path_through_the_state_machine():
     [
         ((), State.READY),
         ((), State.FETCHING),
-        ((State.OFFLOADING,), State.FETCHING),
+        ((State.OFFLOADING,), State.READY),
         ((State.OFFLOADING, State.OFFLOADED), State.READY),
         ((State.RELEASED,), State.RESIDENT),
         ((State.RELEASED,), State.RELEASED),

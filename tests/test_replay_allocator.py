@@ -77,6 +77,7 @@ def test_replay_serves_every_request_at_its_planned_offset():
     assert stats["fallback"] == 40  # only the recorded step
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_replay_of_a_recorded_model_trace():
     # Drive the allocator with the host-arena trace of a real training step.
     from actoff._runtime import get_runtime

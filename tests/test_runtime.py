@@ -8,6 +8,7 @@ import torch
 from _helpers import assert_same_history, baseline_and_offloaded, make_model, train
 
 import actoff
+import actoff._step
 from actoff._record import State
 from actoff._runtime import get_runtime
 from actoff.reference import Block
@@ -77,16 +78,16 @@ def test_parameters_are_never_offloaded(monkeypatch):
     model = make_model()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     recorded = []
-    original = actoff._runtime.Record
+    original = actoff._step.Record
 
     class SpyRecord(original):
         __slots__ = ()
 
-        def __init__(self, tensor, run, index):
+        def __init__(self, tensor, run, index, tier=None):
             recorded.append(tensor.untyped_storage().data_ptr())
-            super().__init__(tensor, run, index)
+            super().__init__(tensor, run, index, tier)
 
-    monkeypatch.setattr(actoff._runtime, "Record", SpyRecord)
+    monkeypatch.setattr(actoff._step, "Record", SpyRecord)
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
     train(model, 1)
     assert recorded, "nothing was recorded"
@@ -117,6 +118,7 @@ def test_retain_graph_backward_twice(policy):
     assert_same_history(expected, actual)
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_everything_released_after_backward():
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
@@ -130,6 +132,7 @@ def test_everything_released_after_backward():
     assert arena.used == 0
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_host_arena_allocated_once():
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
@@ -154,6 +157,40 @@ def test_inplace_modification_after_save_is_caught(policy):
         out.sum().backward()
 
 
+class _ChangesSavedLocal(torch.nn.Module):
+    """A block that changes a saved local in place after autograd saved it: directly, or
+    through a view once the local's own name is gone (its Python object dies in forward)."""
+
+    def __init__(self, through_view: bool) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.through_view = through_view
+
+    def forward(self, x):
+        h = self.fc(x)
+        out = h.sin()  # sin saves h
+        if self.through_view:
+            view = h[:, :8]
+            del h
+            view.mul_(2.0)
+        else:
+            h.mul_(2.0)
+        return out
+
+
+@pytest.mark.parametrize("through_view", [False, True], ids=["direct", "view"])
+@pytest.mark.parametrize("policy", ["keep", "cpu", "nvme", "tokenwise"])
+def test_inplace_change_of_a_saved_local_is_caught(policy, through_view, nvme_dir):
+    """Plain torch raises at backward; so must actoff, naming the block, under every tier."""
+    block = _ChangesSavedLocal(through_view)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        block(torch.randn(4, 16)).sum().backward()  # plain torch: the reference behaviour
+    actoff.offload(block, name="changes", policy=policy, min_bytes=0, nvme_dir=nvme_dir)
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation.*block 'changes'"):
+        block(x).sum().backward()
+
+
 def test_inplace_before_save_is_fine():
     @actoff.offload(policy="cpu", min_bytes=0)
     def block(x):
@@ -170,6 +207,7 @@ class _Boom(RuntimeError):
     pass
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_exception_in_forward_then_clean_step():
     model = make_model()
     reference = copy.deepcopy(model)
@@ -257,6 +295,7 @@ def test_no_offload_region_inside_a_scope():
     assert actoff.stats().blocks["mixed"].tensors == 1  # only (x * 2.0) from outside no_offload
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_host_budget_keeps_the_rest_on_device():
     expected, actual = baseline_and_offloaded(2, policy="cpu", min_bytes=0, host_budget="200KiB")
     assert_same_history(expected, actual)
@@ -369,7 +408,8 @@ def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, n
         del loss
         assert all(r.state is State.RELEASED for r in records)
         # Inputs and mixer outputs kept directly (under min_bytes) hold no graph either.
-        held = [v for run in runs for v in (*run.inputs, *(m for m, _ in run.mixer_outputs))]
+        states = [run.tokenwise for run in runs if run.tokenwise is not None]
+        held = [v for state in states for v in (*state.inputs, *(m for m, _ in state.mixer_outputs))]
         assert all(v.grad_fn is None for v in held if isinstance(v, torch.Tensor))
         assert get_runtime().step.live == 0
     finally:

@@ -1,11 +1,13 @@
 """actoff.stats(): per-block figures that add up, and a readable table."""
 
+import pytest
 from _helpers import make_model, train
 
 import actoff
 from actoff.reference import Block
 
 
+@pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_stats_add_up_and_print():
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0, keep_last=1)

@@ -1,4 +1,5 @@
-"""Token-wise recompute: token mixers, the forward capture, and the re-forward on sliced tokens.
+"""Token mixers: their registry, the modes that see them in forward and serve them in a re-forward,
+and the slicing of a block's inputs for that re-forward.
 
 Note [token-wise replay]: a slice of a block's input gives the same slice of every token-local
 activation; only the token mixer (attention) needs all tokens. So the dropped rows of every
@@ -13,17 +14,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._tokenwise import unique_dim
-
-if TYPE_CHECKING:
-    from ._runtime import ScopeRun
+from ._tokens import unique_dim
 
 __all__ = ["ReplayMismatch", "mixer_token_dim", "register_token_mixer"]
 
@@ -83,9 +81,13 @@ def mixer_token_dim(fn: Callable[..., Any], output: Any, seq_len: int) -> int | 
 
 
 class CaptureMode(TorchFunctionMode):
-    """Forward pass of a token-wise run: notes each mixer call and keeps its output whole."""
+    """Forward pass of a token-wise run: notes each mixer call and keeps its output whole.
 
-    def __init__(self, run: ScopeRun) -> None:
+    ``run`` is the run's token-wise state (actoff._tokenwise.TokenwiseRun): it counts
+    ``in_mixer``, knows ``seq_len`` and takes ``capture_mixer_output``.
+    """
+
+    def __init__(self, run: Any) -> None:
         super().__init__()
         self.run = run
 
@@ -120,9 +122,9 @@ class CollectiveWatch(TorchDispatchMode):
     Python call per operator.
     """
 
-    def __init__(self, run: ScopeRun) -> None:
+    def __init__(self, run: Any) -> None:
         super().__init__()
-        self.run = run
+        self.run = run  # the token-wise state: its ``collective`` and ``in_mixer``
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.run.collective is None and not self.run.in_mixer and func.namespace in _COLLECTIVE_NAMESPACES:

@@ -1,0 +1,416 @@
+"""The simulated asynchronous device: CUDA's stream semantics on a CPU, with a race checker.
+
+A debugging aid like ``CUDA_LAUNCH_BLOCKING``, the other way round: it makes a CPU run as
+asynchronous as a GPU, so that CI sees what a GPU would (``ACTOFF_SIM_DEVICE=1``, or
+`actoff.testing.simulated_device`). Tensors stay CPU tensors; what is simulated is time:
+
+- side streams are queues that worker threads run later, each item after a seeded random
+  delay; events recorded on the compute stream (the calling thread) complete late too, as a
+  GPU lags behind its host; ``elapsed_time`` on an unfinished event raises as CUDA's does;
+- a copy's destination holds poison (0xFF bytes: NaN for floats, -1 for integers) from the
+  moment the copy is queued until it runs, so a read without the right wait sees garbage;
+- only a compute-stream wait on a copy's event (``backend.wait``) or a host observation of
+  it (``query()`` true, ``synchronize()``) orders later work after the copy;
+- the caching allocator's hazard: a device storage that a copy in flight reads or writes,
+  dying before the copy is ordered, is a race; so is host memory freed or handed out while
+  a copy the host has not seen finish still touches it. Races raise `RaceError`, naming the
+  copy's record, at the next copy or wait in the training thread (a race found while autograd
+  frees a graph cannot raise there), and are listed in ``races``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from ._simmemory import DeviceMemory, poison
+
+__all__ = [
+    "RaceError",
+    "SimEvent",
+    "SimSettings",
+    "SimStreams",
+    "poison",
+    "settings_for",
+]
+
+
+class RaceError(RuntimeError):
+    """Work on the simulated device that a real GPU could run in the wrong order."""
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """How the simulated device behaves: ``seed`` of its delays, the longest delay of one
+    queued item (seconds), and the compute stream's longest lag behind the host."""
+
+    seed: int = 0
+    max_delay_s: float = 0.001
+    max_lag_s: float = 0.001
+    #: Device memory in bytes (``None``: unlimited); an allocation past it raises
+    #: ``torch.OutOfMemoryError`` as CUDA's allocator does.
+    capacity: int | None = None
+    #: Tells apart the devices of two `actoff.testing.simulated_device` blocks.
+    generation: int = field(default=0, repr=False)
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """References to ``tensor``'s storage (tensors, views and storage objects), this call's own
+    temporary storage object included."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+class SimEvent:
+    """A CUDA-like event: complete once its stream reaches it."""
+
+    def __init__(self, streams: SimStreams) -> None:
+        self.streams = streams
+        self.done = threading.Event()
+        self.done.set()  # an event never recorded counts as complete, as in CUDA
+        self.time: float | None = None
+        self.stream: Any = None
+        self.seq = -1  # the stream's copy count when recorded
+
+    def record(self, stream: Any) -> None:
+        stream.record(self)
+
+    def query(self) -> bool:
+        if not self.done.is_set():
+            return False
+        self.streams.observed(self)
+        return True
+
+    def synchronize(self) -> None:
+        self.streams.host_syncs += 1
+        self.streams.reach(self)
+        self.streams.observed(self)
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        if not (self.done.is_set() and end.done.is_set()) or self.time is None or end.time is None:
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return (end.time - self.time) * 1e3
+
+
+class _Copy:
+    """One queued copy: what it touches, and how far it has been ordered."""
+
+    __slots__ = ("device_alias", "direction", "dst", "host_range", "ran", "seq", "src", "what")
+
+    def __init__(self, direction: str, dst: torch.Tensor, src: torch.Tensor, what: str, seq: int) -> None:
+        self.direction, self.what, self.seq = direction, what or "a copy", seq
+        # Held until the copy runs: aliases of its own, so that the race check can tell its
+        # references from the caller's.
+        self.dst, self.src = dst.detach(), src.detach()
+        self.ran = False
+        device, host = (src, dst) if direction == "device-to-host" else (dst, src)
+        self.device_alias: torch.Tensor | None = device.detach()  # until ordered on the device
+        self.host_range: tuple[int, int] | None = (host.data_ptr(), host.numel() * host.element_size())
+
+
+class _Gate:
+    """Lets a stream run, or holds it until the host forces it (`SimStreams.hold`)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+
+
+class _SideStream:
+    """A stream whose queue a worker thread runs, each item after a random delay."""
+
+    def __init__(self, streams: SimStreams, seed: int) -> None:
+        self.streams = streams
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.rng = random.Random(seed)
+        self.seq = 0
+        self.copies: list[_Copy] = []
+        threading.Thread(target=self._work, name="actoff-simstream", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            kind, payload = self.items.get()
+            if kind == "stop":
+                return
+            self.streams.copies_gate.open.wait()
+            time.sleep(self.rng.uniform(0, self.streams.settings.max_delay_s))
+            try:
+                if kind == "wait":
+                    self.streams.reach(payload, by="stream")
+                elif kind == "record":
+                    payload.time = time.perf_counter()
+                    payload.done.set()
+                else:
+                    payload.dst.copy_(payload.src)
+                    with self.streams.lock:
+                        payload.dst = payload.src = None  # the device alias alone stays
+                        payload.ran = True
+            except Exception as error:  # surfaces in the training thread
+                self.streams.fail(RuntimeError(f"simulated copy failed: {error}"))
+
+    def wait_stream(self, other: Any) -> None:
+        event = SimEvent(self.streams)
+        other.record(event)
+        self.wait_event(event)
+
+    def wait_event(self, event: SimEvent) -> None:
+        self.items.put(("wait", event))
+
+    def record(self, event: SimEvent) -> None:
+        event.done.clear()
+        event.stream, event.seq, event.time = self, self.seq, None
+        self.items.put(("record", event))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+        direction = "device-to-host" if self.streams.is_host(dst) else "host-to-device"
+        self.seq += 1
+        entry = _Copy(direction, dst, src, what, self.seq)
+        poison(dst)
+        with self.streams.lock:
+            self.copies.append(entry)
+        self.items.put(("copy", entry))
+
+
+class _ComputeStream:
+    """The calling thread's stream: work runs at once on the host, but its events complete
+    late, and never before the events the stream waited on."""
+
+    def __init__(self, streams: SimStreams, seed: int) -> None:
+        self.streams = streams
+        self.rng = random.Random(seed)
+        self.lagging: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_due = 0.0
+        self.waited: list[SimEvent] = []  # side events this stream waits on, not yet done
+        threading.Thread(target=self._complete, name="actoff-simcompute", daemon=True).start()
+
+    def _complete(self) -> None:
+        while True:
+            event, due, after = self.lagging.get()
+            if event is None:
+                return
+            self.streams.compute_gate.open.wait()
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            for other in after:
+                other.done.wait()
+            event.time = time.perf_counter()
+            event.done.set()
+
+    def record(self, event: SimEvent) -> None:
+        event.done.clear()
+        event.stream, event.seq, event.time = self, -1, None
+        # In order: an event completes after every event recorded before it.
+        self.last_due = max(
+            self.last_due, time.perf_counter() + self.rng.uniform(0, self.streams.settings.max_lag_s)
+        )
+        self.waited = [other for other in self.waited if not other.done.is_set()]
+        self.lagging.put((event, self.last_due, tuple(self.waited)))
+
+    def wait_event(self, event: SimEvent) -> None:
+        """Compute waits for ``event``: in stream order, every copy before it is ordered for
+        the caching allocator at once. The host blocks only when a copy to the device is still
+        to land (compute, which runs on the host, is about to read it); a copy to the host
+        need not have run, and the host is not told it has."""
+        self.streams.surface()
+        if not event.done.is_set():
+            if self.streams.h2d_pending(event):
+                self.streams.reach(event, by="compute")
+            else:
+                self.waited.append(event)
+        self.streams.ordered(event, by_host=False)
+
+    def wait_stream(self, other: Any) -> None:
+        event = SimEvent(self.streams)
+        other.record(event)
+        self.wait_event(event)
+
+
+class SimStreams:
+    """The simulated device's stream API (see actoff._device.StreamBackend)."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        self.lock = threading.Lock()
+        self._host_ranges: list[tuple[int, int]] = []  # host buffers (pinned memory's stand-in)
+        self._side: list[_SideStream] = []
+        self.compute = _ComputeStream(self, settings.seed)
+        self._streams = 0
+        self.races: list[RaceError] = []
+        self._undelivered: list[BaseException] = []
+        self.host_syncs = 0  # host synchronize calls on events (each blocks on a real GPU)
+        self.blocking_syncs = 0  # host waits on events not yet complete
+        self.copies_gate, self.compute_gate = _Gate(), _Gate()
+        self.forced = 0  # holds the host had to break (a wait on work not yet run)
+        self.memory = DeviceMemory(settings.capacity)
+
+    # ------------------------------------------------------------------ the stream API
+    def current(self) -> _ComputeStream:
+        return self.compute
+
+    def new_stream(self) -> _SideStream:
+        self._streams += 1
+        stream = _SideStream(self, self.settings.seed * 1000 + self._streams)
+        self._side.append(stream)
+        return stream
+
+    def event(self) -> SimEvent:
+        return SimEvent(self)
+
+    def copy(self, stream: _SideStream, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+        self.surface()
+        stream.copy(dst, src, what)
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        with no_dispatch():  # host memory: not the device's
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        with self.lock:
+            self._host_ranges.append((buffer.data_ptr(), nbytes))
+        return buffer
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        address = tensor.data_ptr()
+        return any(start <= address < start + size for start, size in self._host_ranges)
+
+    # ------------------------------------------------------------------ ordering and races
+    def ordered(self, event: SimEvent, *, by_host: bool) -> None:
+        """Every copy of ``event``'s stream up to it is ordered: for the device's allocator
+        (a compute wait or a host observation) and, ``by_host``, for host memory too."""
+        stream = event.stream
+        if not isinstance(stream, _SideStream):
+            return
+        with self.lock:
+            keep = []
+            for entry in stream.copies:
+                if entry.seq <= event.seq:
+                    if entry.device_alias is not None:
+                        alias, entry.device_alias = entry.device_alias, None
+                        # Nobody else holds the storage: only the alias, this call's storage
+                        # object and, until the copy runs, the queued copy itself.
+                        if _use_count(alias) <= (2 if entry.ran else 3):
+                            self._race(
+                                f"{entry.what}: the device {'source' if entry.direction == 'device-to-host' else 'destination'} "
+                                f"of a {entry.direction} copy was freed before the copy was waited for; the "
+                                "caching allocator could have handed its memory to new work while the copy "
+                                "still used it (hold the tensor until the compute stream waits on the copy)"
+                            )
+                    if by_host:
+                        entry.host_range = None
+                if entry.device_alias is not None or entry.host_range is not None:
+                    keep.append(entry)
+            stream.copies = keep
+
+    def observed(self, event: SimEvent) -> None:
+        self.ordered(event, by_host=True)
+
+    def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
+        """Raise (later) if a copy the host has not seen finish touches ``buffer``."""
+        start, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        with self.lock:
+            for stream in self._side:
+                for entry in stream.copies:
+                    if entry.host_range is None:
+                        continue
+                    other, length = entry.host_range
+                    if other < start + size and start < other + length:
+                        self._race(
+                            f"{entry.what}: host memory was {action} while a {entry.direction} copy "
+                            "that the host had not seen finish still touches it (query or synchronize "
+                            "the copy's ticket before reusing its host buffer)"
+                        )
+                        return
+
+    @contextlib.contextmanager
+    def hold(self, *, copies: bool = True, compute: bool = False) -> Iterator[None]:
+        """A device as slow as it may be: inside the block the side streams (``copies``) and
+        the completion of compute events (``compute``) stop until the host forces them (a
+        host synchronize, or compute waiting on a copy it must read); forcing opens the hold
+        for the rest of the block. Turns timing-dependent races into certain ones.
+        """
+        gates = [gate for gate, held in ((self.copies_gate, copies), (self.compute_gate, compute)) if held]
+        for gate in gates:
+            gate.open.clear()
+        try:
+            yield
+        finally:
+            for gate in gates:
+                gate.open.set()
+
+    def reach(self, event: SimEvent, by: str = "host") -> None:
+        """Block the calling thread until ``event`` completes, breaking a hold that stops it."""
+        if event.done.is_set():
+            return
+        if by == "host":
+            self.blocking_syncs += 1
+        for gate in (self.copies_gate, self.compute_gate):
+            if not gate.open.is_set():
+                self.forced += 1
+                gate.open.set()
+        event.done.wait()
+
+    def h2d_pending(self, event: SimEvent) -> bool:
+        """A copy to the device up to ``event`` on its stream has not run yet."""
+        stream = event.stream
+        if not isinstance(stream, _SideStream):
+            return True
+        with self.lock:
+            return any(
+                entry.direction == "host-to-device" and entry.seq <= event.seq and not entry.ran
+                for entry in stream.copies
+            )
+
+    def drain(self) -> None:
+        """Block until every stream has run what was queued so far (a device synchronize)."""
+        events = []
+        for stream in (*self._side, self.compute):
+            event = SimEvent(self)
+            stream.record(event)
+            events.append(event)
+        for event in events:
+            self.reach(event, by="drain")
+            self.ordered(event, by_host=True)
+
+    def close(self) -> None:
+        """Drain, then stop the worker threads."""
+        self.drain()
+        for stream in self._side:
+            stream.items.put(("stop", None))
+        self.compute.lagging.put((None, 0.0, ()))
+
+    def _race(self, message: str) -> None:
+        error = RaceError("actoff (simulated device): race: " + message)
+        self.races.append(error)
+        self._undelivered.append(error)
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            self._undelivered.append(error)
+
+    def surface(self) -> None:
+        """Raise the first error found since the last call (in the training thread)."""
+        if self._undelivered:
+            with self.lock:
+                errors, self._undelivered = self._undelivered, []
+            raise errors[0]
+
+
+_override: list[SimSettings] = []  # actoff.testing.simulated_device, innermost last
+
+
+def settings_for(sim_device: bool) -> SimSettings | None:
+    """The simulated device's settings for a scope on a CPU device: those of the innermost
+    `actoff.testing.simulated_device`, else the defaults when ``ACTOFF_SIM_DEVICE`` is on."""
+    if _override:
+        return _override[-1]
+    return SimSettings() if sim_device else None

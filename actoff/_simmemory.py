@@ -1,0 +1,98 @@
+"""Memory of the simulated device: poison for what a copy has not written yet, and the live
+and peak bytes of the storages a simulated run allocates, with an optional capacity past which
+allocation fails as a GPU's would.
+
+Part of the simulated device (`actoff._simdevice`); `actoff.testing.simulated_device` turns it
+on around a block of code, and the long-context benchmark reads its peak on a CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DeviceMemory", "poison"]
+
+
+def poison(tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` with 0xFF bytes (NaN for floating types, -1 for integers)."""
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous():
+        tensor.view(-1).view(torch.uint8).fill_(255)
+    elif tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    else:
+        tensor.fill_(-1 if tensor.dtype != torch.bool else True)
+
+
+class DeviceMemory(TorchDispatchMode):
+    """Live and peak bytes of the simulated device: storages allocated on the CPU while the
+    mode is active (host buffers are allocated outside it). It counts storages, not tensors:
+    views and in-place results share their input's storage and add nothing.
+
+    >>> memory = DeviceMemory()
+    >>> with memory:
+    ...     x = torch.ones(256)  # 1 KiB
+    ...     y = x[:128]  # a view: nothing new
+    >>> memory.live, memory.peak
+    (1024, 1024)
+    >>> del x, y
+    >>> memory.live
+    0
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes, until the storage dies
+        self._lock = threading.Lock()
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = None
+        for tensor in pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+                continue
+            storage = tensor.untyped_storage()
+            if id(storage) in self._sizes:
+                continue
+            if inputs is None:  # storages of the inputs: a view or in-place result is not new
+                inputs = {
+                    id(t.untyped_storage())
+                    for t in pytree.tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                }
+            if id(storage) not in inputs:
+                self._track(storage)
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        size = storage.nbytes()
+        with self._lock:
+            if self.capacity is not None and self.live + size > self.capacity:
+                raise torch.OutOfMemoryError(
+                    f"simulated device out of memory: tried to allocate {size} bytes with "
+                    f"{self.live} of {self.capacity} bytes in use (ACTOFF_SIM_DEVICE_MEMORY "
+                    "sets the capacity)"
+                )
+            key = id(storage)
+            self._sizes[key] = size
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self.live -= self._sizes.pop(key, 0)

@@ -1,0 +1,230 @@
+"""Steps and scope runs: one forward call of a scope, its records, and the pack/unpack hooks.
+
+A `Step` is the scope runs of one forward pass, in order, until its backward ends. A
+`ScopeRun` is one call of an offload scope: its pack hook turns each saved tensor into a
+`Handle` to a `Record` (or passes it through), and it gives the tiers what they need from
+the run: the arena, the NVMe store, the statistics. Placement, fetching and release are the
+runtime's and the tiers' (actoff._runtime, actoff._tiers).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from typing import Any
+
+import torch
+
+from ._config import Config
+from ._device import DeviceBackend, Ticket
+from ._record import Record, State
+from ._stats import BlockStats
+from ._tiers import KEEP
+
+__all__ = ["Handle", "ScopeRun", "Step", "param_like", "unpack"]
+
+_finalizing = sys.is_finalizing
+
+
+class Handle:
+    """What autograd stores instead of a saved tensor. Dropping it releases the record."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+
+    def __del__(self) -> None:
+        # At interpreter shutdown module globals may be gone: nothing is left to return then.
+        if _finalizing is not None and not _finalizing():
+            self.record.run.runtime.release(self.record)
+
+
+def unpack(packed: Any) -> torch.Tensor:
+    """The unpack hook: a handle's tensor from the runtime, anything else as it is."""
+    if type(packed) is not Handle:
+        return packed
+    record = packed.record
+    return record.run.runtime.unpack(record)
+
+
+class Step:
+    """The scope runs of one forward pass, in order, until its backward ends."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.runs: list[ScopeRun] = []
+        self.pending: collections.deque[ScopeRun] = collections.deque()  # sealed, not placed
+        self.modules: set[int] = set()  # ids of module scopes entered (re-entry: new step)
+        self.in_flight: list[ScopeRun] = []  # placed runs with copies out not yet finished
+        self.last_placed: ScopeRun | None = None
+        self.live = 0  # records not yet released
+        self.timings: list[tuple[ScopeRun, str, Ticket]] = []  # copies to time at the end
+        self.backward_started = False
+        self.callback_queued = False
+        self.aborted = False
+
+    def harvest(self, *, block: bool) -> None:
+        """Add the times of copies that were in flight when accounted (`ScopeRun.account`):
+        those done now, or every one (``block``: waits for them) when the step is over."""
+        still = []
+        for run, what, ticket in self.timings:
+            if block:
+                ticket.synchronize()
+            if block or ticket.query():
+                setattr(run.stats, what, getattr(run.stats, what) + ticket.elapsed_ms())
+            else:
+                still.append((run, what, ticket))
+        self.timings = still
+
+    def progress(self, *, finish: bool = False) -> None:
+        """Advance copies out: finish what completed; runs older than the last placed must finish.
+
+        MEMO's double buffering: the copies of run i overlap the forward of run i+1 and are
+        waited for (stream-side, no host stall) when the next run is placed.
+        """
+        still: list[ScopeRun] = []
+        for run in self.in_flight:
+            force = run is not self.last_placed
+            busy = False
+            for record in run.all_records():
+                if record.state is State.OFFLOADING:
+                    record.check_version()  # the copy out may have read a changed tensor
+                    record.tier.advance(record, force=force, finish=finish)
+                    busy = busy or record.state is State.OFFLOADING
+            if busy:
+                still.append(run)
+        self.in_flight = still
+
+
+def param_like(tensor: torch.Tensor, storage: int, param_storages: set[int]) -> bool:
+    """Parameters, buffers and their views (by storage), and leaves that require grad."""
+    if storage in param_storages or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = tensor._base
+    return base is not None and base.is_leaf and base.requires_grad
+
+
+class ScopeRun:
+    """One forward call of an offload scope and the records it made."""
+
+    def __init__(
+        self,
+        runtime: Any,
+        step: Step,
+        name: str,
+        config: Config,
+        backend: DeviceBackend,
+        param_storages: set[int],
+    ) -> None:
+        self.runtime = runtime  # the actoff._runtime.Runtime
+        self.step = step
+        self.index = len(step.runs)
+        self.name = name
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        self.param_storages = param_storages
+        self.records: list[Record] = []
+        self.dedup: dict[tuple, Handle] = {}
+        self.stats = BlockStats(name, calls=1)
+        self.fetch_issued = False
+        # Token-wise state (actoff._tokenwise.TokenwiseRun) while the run may be split by
+        # token; None for runs placed whole.
+        self.tokenwise: Any = None
+
+    # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if self.runtime.thread.disabled:
+            return tensor
+        tokenwise = self.tokenwise
+        events = tokenwise.events if tokenwise is not None and not tokenwise.in_mixer else None
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout != torch.strided
+            or tensor.is_quantized
+            or tensor.device != self.device
+            or nbytes == 0
+        ):
+            if isinstance(tensor, torch.nn.Parameter):
+                self.stats.skipped_param_bytes += nbytes
+                return tensor
+            self.stats.skipped_other_bytes += nbytes
+            if events is not None:
+                events.append(-1)
+            return tensor
+        storage = tensor.untyped_storage().data_ptr()
+        if param_like(tensor, storage, self.param_storages):
+            self.stats.skipped_param_bytes += nbytes
+            return tensor
+        if nbytes < self.config.min_bytes:
+            self.stats.skipped_small_bytes += nbytes
+            if events is not None:
+                events.append(-1)
+            return tensor
+        handle = self.handle_for(tensor, storage)
+        if events is not None:
+            events.append(handle.record.index)
+        return handle
+
+    def handle_for(self, tensor: torch.Tensor, storage: int) -> Handle:
+        """The handle of ``tensor``'s record, new or (same view of the same bytes) deduplicated."""
+        # The storage offset is part of the key: q/k/v views of one fused projection share a
+        # storage and must not collide. The version keeps a modified tensor apart.
+        key = (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
+        handle = self.dedup.get(key)
+        if handle is not None:
+            self.stats.dedup_hits += 1
+            return handle
+        record = Record(tensor, self, len(self.records), KEEP)
+        tokenwise = self.tokenwise
+        if tokenwise is not None:
+            tokenwise.classify(record, tensor)
+        self.records.append(record)
+        self.step.live += 1
+        handle = Handle(record)
+        self.dedup[key] = handle
+        return handle
+
+    def all_records(self) -> tuple[Record, ...]:
+        """The run's records and, for a token-wise run, the records of its packed rows."""
+        if self.tokenwise is None:
+            return tuple(self.records)
+        return (*self.records, *self.tokenwise.children)
+
+    def prefetch(self) -> None:
+        """Start bringing back every offloaded record not still alive elsewhere (once a step)."""
+        self.fetch_issued = True
+        for record in self.all_records():
+            if record.state is State.OFFLOADING:  # a write that has ended since: finish it
+                record.tier.advance(record, force=False)
+            if record.state is State.OFFLOADED and record.live_source() is None:
+                record.tier.fetch(record)
+
+    def poll(self) -> None:
+        """Move this run's prefetches on without waiting (see `Tier.poll`)."""
+        for record in self.all_records():
+            record.tier.poll(record)
+
+    # ------------------------------------------------------------------ for the tiers
+    def arena(self) -> Any:
+        """The host arena of this run's device (actoff._arena.HostArena)."""
+        return self.runtime.arena(self)
+
+    def store(self) -> Any:
+        """The NVMe store of this run's settings (actoff._nvme.NvmeStore)."""
+        return self.runtime.stores.get(self.config)
+
+    def account(self, what: str, ticket: Ticket | None) -> None:
+        """Add a copy's time to the run's figures now, or at the end of backward if in flight."""
+        if ticket is None:
+            return
+        if ticket.query():
+            setattr(self.stats, what, getattr(self.stats, what) + ticket.elapsed_ms())
+        else:
+            self.step.timings.append((self, what, ticket))
+
+    def account_io(self, what: str, future: Any) -> None:
+        """Add an NVMe request's time (the engine's, queueing excluded) to the run's figures."""
+        setattr(self.stats, what, getattr(self.stats, what) + future.elapsed() * 1e3)

@@ -1,0 +1,214 @@
+"""The NVMe tier: a record's bytes in the process's file, staged through host memory on CUDA.
+
+Where the device has DMA (``backend.staged``), a record is copied into a host arena slot
+first and written from there (4 KiB-aligned slot: O_DIRECT-ready); on a host-resident device
+it is written straight from the tensor. Reads come back the same way. A failed write loses
+nothing: the bytes are still in the staging slot (the record becomes a host-tier record) or
+on the device (it stays resident). A failed, short or hung read raises in the training thread.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import torch
+
+from ._record import Record, State
+from ._tiers import HOST, KEEP, HostTier, checksum, verify
+
+__all__ = ["NVME", "NvmeTier"]
+
+
+def _timed_out(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno == errno.ETIMEDOUT
+
+
+class NvmeTier(HostTier):
+    """A file extent of the run's NVMe store (actoff._nvme), written and read by its engine."""
+
+    name = "nvme"
+
+    def place(self, record: Record) -> None:
+        run, layout = record.run, record.layout
+        if run.backend.staged:
+            super().place(record)  # the host copy first; the write starts in advance()
+            return
+        # Host-resident tensors go straight to the file; no staging copy.
+        store = run.store()
+        source = layout.flat(record.device_tensor)
+        if run.config.verify:
+            record.checksum = checksum(source)
+        record.extent, record.write_future = store.write(source, layout.nbytes)
+        record.store = store
+        record.copy_source = source
+        record.tier = self
+        record.to(State.OFFLOADING)
+
+    def advance(self, record: Record, *, force: bool, finish: bool = False) -> None:
+        run, ticket = record.run, record.copy_ticket
+        if record.write_future is None:
+            # Staged, the file write not started: the host copy first.
+            if record.device_tensor is not None:
+                if not ticket.query():
+                    if not (force or finish):
+                        return
+                    run.backend.wait(ticket)  # stream-side: the device tensor may go now
+                # Note [staged writes free the device early]: from here the slot holds the
+                # bytes (in stream order), so the device tensor goes at once rather than when
+                # the disk is done; backward before the write ends reads the slot.
+                record.device_tensor = record.copy_source = None
+            if not ticket.query():  # the write reads what the host sees: the copy must be over
+                if not finish:
+                    return
+                ticket.synchronize()
+            store, slot = run.store(), record.host_slot
+            if run.config.verify:
+                record.checksum = checksum(slot.view(record.layout.dtype, record.layout.span))
+            # The whole aligned slot: aligned address, size and offset take O_DIRECT.
+            record.extent, record.write_future = store.write(slot.raw(), slot.capacity)
+            record.store = store
+        future = record.write_future
+        if not future.done() and not finish:
+            return  # never wait for the disk in forward: a later call (or backward) finishes it
+        self._finish_write(record)
+
+    def _finish_write(self, record: Record) -> None:
+        run, future = record.run, record.write_future
+        try:
+            future.wait(run.config.io_timeout)
+        except Exception as error:  # an OSError, a timeout, or a worker that died
+            self._write_failed(record, error)
+            return
+        run.account_io("copy_ms", future)
+        record.write_future = None
+        if record.state is State.OFFLOADING:
+            self._free_slot(record)  # the staging slot: the file has the bytes now
+            self._offloaded(record)
+
+    def _write_failed(self, record: Record, error: Exception) -> None:
+        # Nothing is lost: the bytes are still in the staging slot (-> host tier) or in the
+        # device tensor, which the record still holds (-> keep).
+        run = record.run
+        run.stats.write_fallback_bytes += record.layout.nbytes
+        if _timed_out(error):
+            # Note [hung I/O]: a worker that hangs may still write this extent later: never
+            # hand it out again (and keep the source it reads from alive).
+            run.runtime.quarantine.append((record.extent, record.copy_source))
+        else:
+            record.store.free(record.extent)
+        record.extent = None
+        record.write_future = None
+        record.copy_source = None
+        if record.host_slot is not None:
+            record.tier = HOST
+            if record.state is State.OFFLOADING:
+                record.device_tensor = None
+                record.to(State.OFFLOADED)
+            fallback = "host memory"
+        else:
+            record.tier = KEEP
+            record.to(State.RESIDENT)
+            fallback = "the device"
+        run.runtime.warn_once(
+            f"nvme-write:{run.config.nvme_dir}",
+            f"actoff: an NVMe write failed ({error}); affected activations stay in {fallback} "
+            "and training continues with exact values. Free space or fix ACTOFF_NVME_DIR.",
+        )
+
+    def fetch(self, record: Record) -> None:
+        run, layout, store = record.run, record.layout, record.store
+        if run.backend.staged:
+            slot = run.arena().alloc(layout.nbytes, tag=run.index)
+            if slot is None:
+                raise RuntimeError(
+                    f"actoff: no host staging memory to read {layout.nbytes} bytes back from "
+                    f"NVMe for block {run.name!r}: raise ACTOFF_HOST_BUDGET"
+                )
+            record.host_slot = slot
+            record.write_future = store.read(slot.raw(), record.extent, slot.capacity)
+            record.copy_source = slot.view(layout.dtype, layout.span)
+        else:
+            flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
+            record.device_tensor = layout.rebuild(flat)
+            record.copy_source = flat[layout.pad :]
+            record.write_future = store.read(record.copy_source, record.extent, layout.nbytes)
+        record.to(State.FETCHING)
+
+    def materialize(self, record: Record) -> torch.Tensor:
+        if record.state is State.OFFLOADING:
+            # Note [staged writes free the device early]: the device tensor is gone and the
+            # staging slot has the bytes; the write, if started, goes on.
+            self.advance(record, force=False)
+            if record.state is State.OFFLOADING:
+                if record.write_future is None:
+                    record.tier = HOST  # never written: the slot is its home now
+                HostTier.fetch(self, record)
+                self._arrive(record, prefetched=False)
+                return record.device_tensor
+        prefetched = record.state is State.FETCHING
+        if not prefetched:
+            self.fetch(record)
+        if record.write_future is not None:
+            self._finish_read(record)
+        self._arrive(record, prefetched)
+        return record.device_tensor
+
+    def poll(self, record: Record) -> None:
+        # A prefetched read that has landed starts its copy to the device now, so that the
+        # copy overlaps compute rather than starting when backward asks for the tensor.
+        if record.state is State.FETCHING and record.write_future is not None and record.write_future.done():
+            self._finish_read(record)
+
+    def _finish_read(self, record: Record) -> None:
+        run, layout = record.run, record.layout
+        future, record.write_future = record.write_future, None
+        try:
+            future.wait(run.config.io_timeout)
+            run.account_io("fetch_ms", future)
+        except Exception as error:  # an OSError, a timeout, or a worker that died
+            if _timed_out(error):  # Note [hung I/O]: the read may still land in this buffer
+                run.runtime.quarantine.append((record.host_slot, record.copy_source))
+                record.host_slot = None
+            raise RuntimeError(
+                f"actoff: reading a saved activation of block {run.name!r} back from NVMe "
+                f"failed: {error}. The step cannot continue with this activation."
+            ) from error
+        buffer, record.copy_source = record.copy_source, None
+        if run.config.verify:
+            verify(record, buffer)
+        if run.backend.staged:
+            flat, record.fetch_ticket = run.backend.copy_to_device(buffer, pad=layout.pad, what=record.what())
+            record.device_tensor = layout.rebuild(flat)
+        else:
+            record.fetch_ticket = None
+
+    def evict(self, record: Record) -> None:
+        if record.state is State.READY and record.host_slot is not None:
+            if record.write_future is not None:  # served from the slot while the write went on
+                self._finish_write(record)
+            if record.tier is self:  # the file has the bytes (a failed write left it in HOST)
+                self._free_slot(record)
+        super().evict(record)
+
+    def release(self, record: Record) -> None:
+        self._order_device_side(record)
+        if record.write_future is not None:
+            # A write or read still running (rare: a graph freed before its write ended, a
+            # prefetch backward never used): it touches the slot and the extent, so it ends first.
+            try:
+                record.write_future.wait(record.run.config.io_timeout)
+            except Exception as error:
+                if _timed_out(error):  # Note [hung I/O]
+                    record.run.runtime.quarantine.append(
+                        (record.host_slot, record.extent, record.copy_source)
+                    )
+                    record.host_slot = record.extent = None
+            record.write_future = None
+        self._free_slot(record)
+        if record.extent is not None:
+            record.store.free(record.extent)
+            record.extent = None
+        record.device_tensor = record.copy_source = None
+
+
+NVME = NvmeTier()

@@ -1,0 +1,212 @@
+"""Tiers: where a record's bytes live between forward and backward, and every move they make.
+
+One small interface (`Tier`) with an object per tier: `KEEP` (stay on the device) and `HOST`
+(a host arena slot, pinned on CUDA) here, `NVME` in actoff._tier_nvme, and a token-wise run's
+split records in actoff._tokenwise. The runtime calls the record's tier and never asks which
+tier it is. Tier objects hold no state: everything lives on the record and its run.
+
+Each record moves through its state machine (actoff._record): ``place`` starts the copy out
+(RESIDENT -> OFFLOADING), ``advance`` finishes it (-> OFFLOADED), ``fetch`` starts the copy
+back (-> FETCHING), ``materialize`` waits for it and returns the tensor (-> READY), ``evict``
+drops the device copy kept for ``retain_graph`` (-> OFFLOADED), ``release`` returns every
+buffer. Copy times go into the run's statistics as they complete.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from ._record import Record, State
+
+__all__ = [
+    "HOST",
+    "HOST_IN_PLACE",
+    "KEEP",
+    "HostTier",
+    "InPlaceHostTier",
+    "KeepTier",
+    "Tier",
+    "checksum",
+    "verify",
+]
+
+
+class Tier:
+    """What a tier does with a record. The base class is the device itself (nothing moves)."""
+
+    name = "keep"
+
+    def place(self, record: Record) -> None:
+        """Start moving ``record`` off the device; a record that cannot go stays RESIDENT."""
+
+    def advance(self, record: Record, *, force: bool, finish: bool = False) -> None:
+        """OFFLOADING -> OFFLOADED once the copy out is done. ``force``: the device side must
+        be done now (stream-side where the device allows: the host does not wait), so the
+        device tensor can go; ``finish``: everything now, the disk included (`Runtime.flush`)."""
+
+    def fetch(self, record: Record) -> None:
+        """OFFLOADED -> FETCHING: start bringing the bytes back (a prefetch)."""
+
+    def materialize(self, record: Record) -> torch.Tensor:
+        """The device tensor of an OFFLOADED or FETCHING record (or an OFFLOADING one whose
+        device tensor is gone), ready for compute (-> READY)."""
+        return record.device_tensor
+
+    def poll(self, record: Record) -> None:
+        """Move a prefetch on without waiting (an NVMe read that landed starts its copy)."""
+
+    def evict(self, record: Record) -> None:
+        """READY -> OFFLOADED: drop the device copy; what is stored off the device stays."""
+        if record.state is not State.READY:
+            return
+        record.device_tensor = None  # the copy back's ticket stays (Note [host slot reuse])
+        record.to(State.OFFLOADED)
+
+    def release(self, record: Record) -> None:
+        """Return every buffer the record holds in this tier (the runtime marks it RELEASED)."""
+        record.device_tensor = record.copy_source = None
+
+    def count(self, record: Record, bytes_per_tier: dict[str, int]) -> None:
+        """Add the record's bytes to ``bytes_per_tier`` (tier name -> bytes) for the statistics."""
+        bytes_per_tier[self.name] += record.layout.nbytes
+
+
+class KeepTier(Tier):
+    """The device: a record stays resident (the ``keep`` policy, runs kept last, no room)."""
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """crc32 of a tensor's bytes (``ACTOFF_VERIFY``)."""
+    host = tensor.detach().reshape(-1).view(torch.uint8).cpu()
+    return zlib.crc32(host.numpy())
+
+
+def verify(record: Record, buffer: torch.Tensor) -> None:
+    """Raise if ``buffer`` does not hold the bytes whose checksum was taken at offload."""
+    expected = record.checksum
+    if expected is None:
+        return
+    actual = checksum(buffer)
+    if actual != expected:
+        raise RuntimeError(
+            f"actoff: a saved activation of block {record.run.name!r} (tier {record.tier.name}, "
+            f"{record.layout.nbytes} bytes) came back corrupted: checksum {actual:#010x}, "
+            f"expected {expected:#010x} (ACTOFF_VERIFY=1). Check the disk and memory."
+        )
+
+
+class HostTier(Tier):
+    """Host memory: a slot of the host arena, filled by a copy off the compute stream."""
+
+    name = "cpu"
+
+    def place(self, record: Record) -> None:
+        run, layout = record.run, record.layout
+        if run.backend.host_resident:
+            record.tier = HOST_IN_PLACE
+            return
+        slot = run.arena().alloc(layout.nbytes, tag=run.index)
+        if slot is None:
+            run.stats.over_budget_bytes += layout.nbytes
+            return  # stays resident: the host budget is full
+        source = layout.flat(record.device_tensor)
+        record.host_slot = slot
+        record.copy_source = source  # Note [no record_stream]: held until the copy is done
+        record.copy_ticket = run.backend.copy_to_host(
+            slot.view(layout.dtype, layout.span), source, record.what()
+        )
+        record.tier = self
+        record.to(State.OFFLOADING)
+
+    def advance(self, record: Record, *, force: bool, finish: bool = False) -> None:
+        run, ticket = record.run, record.copy_ticket
+        if run.config.verify or finish:
+            ticket.synchronize()  # the checksum reads the host bytes
+            if run.config.verify:
+                record.checksum = checksum(record.host_slot.view(record.layout.dtype, record.layout.span))
+        elif force:
+            run.backend.wait(ticket)
+        elif not ticket.query():
+            return
+        self._offloaded(record)
+
+    @staticmethod
+    def _offloaded(record: Record) -> None:
+        # The copy's ticket stays until the slot is freed (Note [host slot reuse]).
+        record.run.account("copy_ms", record.copy_ticket)
+        record.device_tensor = None
+        record.copy_source = None
+        record.to(State.OFFLOADED)
+
+    def fetch(self, record: Record) -> None:
+        run, layout = record.run, record.layout
+        host = record.host_slot.view(layout.dtype, layout.span)
+        if run.config.verify:
+            verify(record, host)
+        flat, record.fetch_ticket = run.backend.copy_to_device(host, pad=layout.pad, what=record.what())
+        record.device_tensor = layout.rebuild(flat)
+        record.to(State.FETCHING)
+
+    def materialize(self, record: Record) -> torch.Tensor:
+        prefetched = record.state is State.FETCHING
+        if not prefetched:
+            self.fetch(record)
+        self._arrive(record, prefetched)
+        return record.device_tensor
+
+    @staticmethod
+    def _arrive(record: Record, prefetched: bool) -> None:
+        """The compute stream waits for the copy back: FETCHING -> READY."""
+        run, ticket = record.run, record.fetch_ticket
+        if prefetched:  # only a copy still in flight makes us wait
+            run.account("wait_ms", run.backend.stall(ticket))
+        else:  # fetched just now: backward waits for the whole copy
+            run.account("wait_ms", ticket)
+        run.backend.wait(ticket)
+        run.account("fetch_ms", ticket)
+        # The ticket stays: Note [host slot reuse] needs it when the slot is freed.
+        record.to(State.READY)
+
+    def release(self, record: Record) -> None:
+        self._order_device_side(record)
+        self._free_slot(record)
+        super().release(record)
+
+    @staticmethod
+    def _order_device_side(record: Record) -> None:
+        """Before a record drops its device tensor with a copy still in flight (a graph freed
+        right after forward, a prefetch backward never used), the compute stream waits for
+        the copy: the caching allocator may then hand the memory out (Note [no record_stream]).
+        The host does not wait."""
+        if record.state is State.OFFLOADING and record.device_tensor is not None:
+            record.run.backend.wait(record.copy_ticket)
+        elif record.state is State.FETCHING and record.fetch_ticket is not None:
+            record.run.backend.wait(record.fetch_ticket)
+
+    @staticmethod
+    def _free_slot(record: Record) -> None:
+        """Note [host slot reuse]: the compute stream waited for the copies into and out of
+        the slot, but the host did not, and a freed slot can be refilled at once by an NVMe
+        read on a host thread while the DMA still touches it. So the arena frees the slot
+        only once both copies' tickets are done, and never blocks the host here: the autograd
+        thread runs ahead of the copy streams."""
+        if record.host_slot is not None:
+            record.run.arena().free(record.host_slot, after=(record.copy_ticket, record.fetch_ticket))
+            record.host_slot = None
+        record.copy_ticket = record.fetch_ticket = None
+
+
+class InPlaceHostTier(Tier):
+    """Note [nothing to copy on the host]: on a plain CPU device the tensor already is in
+    host memory. Copying it into the arena would only cost time (``save_on_cpu`` does not copy
+    there either: ``tensor.cpu()`` is the tensor itself), so the record keeps it and counts as
+    host bytes. The copy paths are exercised on the simulated device (actoff._simdevice)."""
+
+    name = "cpu"
+
+
+KEEP = KeepTier()
+HOST = HostTier()
+HOST_IN_PLACE = InPlaceHostTier()

@@ -1,0 +1,72 @@
+"""Testing aids: run code on the simulated asynchronous device.
+
+The simulated device is a debugging aid like ``CUDA_LAUNCH_BLOCKING``, the other way round:
+it makes a CPU run as asynchronous as a GPU. Copies run late on worker threads, their
+destinations hold NaN until they land, events complete late, and a race checker raises
+`RaceError` where a real GPU could read or reuse memory too early (see actoff._simdevice).
+``ACTOFF_SIM_DEVICE=1`` turns it on for every scope on a CPU device; `simulated_device`
+does it for a block of code and hands back the device to inspect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+from ._device import backend_for, forget_backend
+from ._simdevice import RaceError, SimSettings, SimStreams, _override
+
+__all__ = ["RaceError", "SimSettings", "SimStreams", "simulated_device"]
+
+_generations = itertools.count(1)
+
+
+@contextlib.contextmanager
+def simulated_device(
+    seed: int = 0,
+    *,
+    max_delay_s: float = 0.001,
+    max_lag_s: float = 0.001,
+    capacity: int | str | None = None,
+    track_memory: bool = True,
+) -> Iterator[SimStreams]:
+    """Run the scopes on a CPU device inside the block on a fresh simulated device.
+
+    ``seed`` fixes the random delays of its streams; ``max_delay_s`` is the longest delay of
+    one queued copy and ``max_lag_s`` how far the compute stream's events trail the host.
+    With ``track_memory`` the device's live and peak bytes are counted while the block runs
+    (``device.memory.live`` / ``.peak``), and ``capacity`` (bytes or ``"2GiB"``) makes an
+    allocation past it raise ``torch.OutOfMemoryError``. On leaving, the device is drained,
+    and a race not yet raised in the block raises `RaceError`.
+
+    Example:
+        >>> import torch, actoff
+        >>> from actoff.testing import simulated_device
+        >>> from actoff.reference import Block, ModelConfig, Transformer
+        >>> model = Transformer(ModelConfig.preset("tiny"))
+        >>> _ = actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+        >>> with simulated_device(seed=1) as device:
+        ...     model.loss(torch.randint(0, 256, (2, 32))).backward()
+        >>> device.races, device.memory.peak > 0
+        ([], True)
+    """
+    from ._config import parse_size
+
+    limit = capacity if capacity is None or isinstance(capacity, int) else parse_size(capacity)
+    settings = SimSettings(seed, max_delay_s, max_lag_s, limit, next(_generations))
+    cpu = torch.device("cpu")
+    device = backend_for(cpu, settings).streams
+    _override.append(settings)
+    memory = device.memory if track_memory else contextlib.nullcontext()
+    try:
+        with memory:
+            yield device
+        device.drain()
+        device.surface()
+    finally:
+        _override.remove(settings)
+        device.close()
+        forget_backend(cpu, settings)

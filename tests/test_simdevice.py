@@ -1,0 +1,272 @@
+"""The simulated asynchronous device: CUDA's event and copy semantics, the race checker, its
+memory count, and the ordering bugs of the CUDA paths that it makes visible on a CPU."""
+
+import threading
+
+import pytest
+import torch
+from _helpers import assert_same_history, make_model, train
+
+import actoff
+from actoff._device import StreamBackend, StreamTicket
+from actoff._simdevice import RaceError, SimSettings, SimStreams
+from actoff._tiers import HostTier
+from actoff.reference import Block
+from actoff.testing import simulated_device
+
+pytestmark = pytest.mark.no_sim_device  # each test builds the simulated device it needs
+
+
+@pytest.fixture
+def streams():
+    device = SimStreams(SimSettings(seed=3))
+    yield device
+    device.close()
+
+
+# ---------------------------------------------------------------------- events and copies
+def test_event_completes_late_and_elapsed_time_raises_until_then(streams):
+    side = streams.new_stream()
+    start, end = streams.event(), streams.event()
+    with streams.hold(copies=True):
+        start.record(side)
+        end.record(side)
+        assert not end.query()
+        with pytest.raises(RuntimeError, match="Both events must be completed"):
+            start.elapsed_time(end)
+        end.synchronize()  # the host forces the stream
+        assert end.query() and start.query()
+    assert start.elapsed_time(end) >= 0.0
+    assert streams.forced == 1 and streams.blocking_syncs == 1
+
+
+def test_compute_events_complete_late(streams):
+    event = streams.event()
+    with streams.hold(copies=False, compute=True):
+        event.record(streams.current())
+        assert not event.query()
+        event.synchronize()
+    assert event.query()
+
+
+def test_copy_destination_holds_poison_until_the_copy_runs(streams):
+    backend = StreamBackend(torch.device("cpu"), streams)
+    source = torch.arange(8, dtype=torch.float32)
+    host = streams.host_empty(32).view(torch.float32)
+    with streams.hold(copies=True):
+        ticket = backend.copy_to_host(host, source, "a test copy")
+        assert torch.isnan(host).all()  # read without a wait: garbage, as on a GPU
+        ticket.synchronize()
+    assert torch.equal(host, source)
+    back, ticket = backend.copy_to_device(host)
+    backend.wait(ticket)  # the compute stream waits: the copy has landed when compute reads
+    assert torch.equal(back, source)
+
+
+def test_integer_copies_are_poisoned_with_ones(streams):
+    backend = StreamBackend(torch.device("cpu"), streams)
+    host = streams.host_empty(64).view(torch.int64)
+    with streams.hold(copies=True):
+        ticket = backend.copy_to_host(host, torch.arange(8), "ints")
+        assert (host == -1).all()
+        ticket.synchronize()
+    assert torch.equal(host, torch.arange(8))
+
+
+def test_device_source_freed_before_the_copy_is_waited_for_is_a_race(streams):
+    backend = StreamBackend(torch.device("cpu"), streams)
+    host = streams.host_empty(4096).view(torch.float32)
+    source = torch.randn(1024)
+    ticket = backend.copy_to_host(host, source, "block 'x' record 0")
+    del source  # the caching allocator could hand this memory out now
+    backend.wait(ticket)
+    with pytest.raises(RaceError, match="block 'x' record 0.*freed before the copy was waited for"):
+        streams.surface()
+
+
+def test_source_held_until_the_wait_is_no_race(streams):
+    backend = StreamBackend(torch.device("cpu"), streams)
+    host = streams.host_empty(4096).view(torch.float32)
+    source = torch.randn(1024)
+    ticket = backend.copy_to_host(host, source, "held")
+    backend.wait(ticket)
+    del source
+    ticket.synchronize()
+    streams.surface()
+    assert streams.races == []
+
+
+def test_host_buffer_reused_while_a_copy_touches_it_is_a_race(streams):
+    backend = StreamBackend(torch.device("cpu"), streams)
+    host = streams.host_empty(4096).view(torch.float32)
+    source = torch.randn(1024)
+    with streams.hold(copies=True):
+        backend.wait(backend.copy_to_host(host, source, "slot copy"))
+        backend.check_host_reuse(host, "freed")  # the compute wait does not tell the host
+    with pytest.raises(RaceError, match="slot copy: host memory was freed"):
+        streams.surface()
+
+
+def test_device_memory_counts_storages_and_enforces_capacity():
+    with simulated_device(seed=0, capacity=4096) as device:
+        a = torch.empty(512, dtype=torch.float32)  # 2 KiB
+        view = a[:256]
+        assert device.memory.live == 2048 and device.memory.peak == 2048
+        with pytest.raises(torch.OutOfMemoryError, match="simulated device out of memory"):
+            torch.empty(1024, dtype=torch.float32)
+        del a, view
+        assert device.memory.live == 0
+        assert device.memory.peak == 2048
+
+
+def test_setting_and_context_select_the_simulated_device(monkeypatch):
+    monkeypatch.setenv("ACTOFF_SIM_DEVICE", "1")
+    assert actoff.Config.from_env().sim_device is True
+    monkeypatch.setenv("ACTOFF_SIM_DEVICE", "maybe")
+    with pytest.raises(ValueError, match="ACTOFF_SIM_DEVICE"):
+        actoff.Config.from_env()
+
+
+# ---------------------------------------------------------------------- the CUDA paths' bugs
+def _policy_model(policy, **kwargs):
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, **kwargs)
+    return model
+
+
+def test_stall_waits_for_its_marker_as_well_as_the_copy(streams):
+    """Problem 1: the stall ticket paired a compute-stream marker with the copy's end and
+    reported done on the copy alone: elapsed time then raised on a marker not yet run (the
+    first prefetched record of the first backward on CUDA)."""
+    backend = StreamBackend(torch.device("cpu"), streams)
+    host = streams.host_empty(4096).view(torch.float32)
+    ticket = backend.copy_to_host(host, torch.randn(1024), "stall")
+    ticket.synchronize()
+    with streams.hold(copies=False, compute=True):
+        stall = backend.stall(ticket)
+        assert not stall.query()  # the marker on the compute stream has not run
+        stall.synchronize()
+    assert stall.query() and stall.elapsed_ms() >= 0.0
+
+
+def test_training_on_a_lagging_device_is_exact():
+    """Problem 1 end to end: compute events lag; the cpu tier's timings must not raise."""
+    expected = train(make_model(), 2)
+    model = _policy_model("cpu")
+    with simulated_device(seed=5, max_lag_s=0.005) as device, device.hold(copies=True, compute=True):
+        actual = train(model, 2)
+    assert_same_history(expected, actual)
+    assert device.races == []
+
+
+def test_graph_dropped_without_backward_frees_its_slots_only_after_the_copies():
+    """Problem 2: release waited stream-side only; a freed slot could be refilled (an NVMe
+    read) while the copy into it still ran."""
+    model = _policy_model("cpu")
+    with simulated_device(seed=1) as device:
+        with device.hold(copies=True):
+            loss = model.loss(torch.randint(0, 256, (2, 33)))
+            del loss  # no backward: every record is released with its copy still queued
+            arena = next(iter(actoff._runtime.get_runtime().arenas.values()))
+            assert arena.deferred > 0
+        train(model, 1)  # the next step reuses the slots once their copies are done
+    assert device.races == []
+
+
+def test_staged_nvme_frees_the_device_before_the_disk_and_never_waits_for_it(nvme_dir, monkeypatch):
+    """Problem 3: staged writes kept the device tensor until the disk was done, and the
+    forced path waited for the disk in forward (here: for a disk that never finishes)."""
+    from actoff._nvme import NvmeStore
+
+    gate = threading.Event()
+    real_write = NvmeStore.write
+
+    def held_write(self, buffer, nbytes):
+        extent, future = real_write(self, buffer, nbytes)
+        return extent, _HeldFuture(future, gate)
+
+    monkeypatch.setattr(NvmeStore, "write", held_write)
+    expected = train(make_model(), 1)
+    model = _policy_model("nvme", nvme_dir=nvme_dir)
+    with simulated_device(seed=2):
+        generator = torch.Generator().manual_seed(1)
+        loss = model.loss(torch.randint(0, 256, (2, 33), generator=generator))  # disk held
+        step = actoff._runtime.get_runtime().step
+        forced = [
+            r for run in step.runs[:-1] for r in run.records if r.tier is not None and r.tier.name == "nvme"
+        ]
+        assert forced and all(r.device_tensor is None for r in forced)  # memory back at once
+        assert all(r.state.value == "offloading" for r in forced)  # the disk is not done
+        gate.set()
+        loss.backward()
+        assert_same_history(expected, [(loss.detach(), {n: p.grad for n, p in model.named_parameters()})])
+
+
+class _HeldFuture:
+    """A write future that is not done until ``gate`` opens."""
+
+    def __init__(self, future, gate):
+        self.future, self.gate = future, gate
+
+    def done(self):
+        return self.gate.is_set() and self.future.done()
+
+    def wait(self, timeout=None):
+        if not self.gate.wait(30):
+            raise TimeoutError("the forward waited for the disk")
+        return self.future.wait(timeout)
+
+    def elapsed(self):
+        return self.future.elapsed()
+
+
+def test_backward_never_blocks_the_host_on_a_copy():
+    """Problem 4: release() synchronized the host on each fetched record's copy, so the
+    autograd thread could not run ahead of the copy stream."""
+    model = _policy_model("cpu")
+    train(model, 1)
+    with simulated_device(seed=4) as device:
+        loss = model.loss(torch.randint(0, 256, (2, 33)))
+        before = device.host_syncs
+        loss.backward()
+        assert device.host_syncs == before
+    assert device.races == []
+
+
+# ---------------------------------------------------------------------- the model has teeth
+def _broken_run_is_caught(**patches):
+    """Train under a broken backend: a race is raised, or the gradients differ."""
+    expected = train(make_model(), 2)
+    model = _policy_model("cpu")
+    try:
+        with simulated_device(seed=6) as device, device.hold(copies=True):
+            actual = train(model, 2)
+    except RaceError:
+        return
+    except RuntimeError as error:  # CUDA's own check: timing an event that has not run
+        assert "Both events must be completed" in str(error)
+        return
+    with pytest.raises(AssertionError):
+        assert_same_history(expected, actual)
+
+
+def test_mutation_wait_that_does_nothing_is_caught(monkeypatch):
+    monkeypatch.setattr(StreamBackend, "wait", lambda self, ticket: None)
+    _broken_run_is_caught()
+
+
+def test_mutation_ticket_done_early_is_caught(monkeypatch):
+    monkeypatch.setattr(StreamTicket, "query", lambda self: True)
+    _broken_run_is_caught()
+
+
+def test_mutation_copy_source_dropped_early_is_caught(monkeypatch):
+    real_place = HostTier.place
+
+    def place(self, record):
+        real_place(self, record)
+        record.copy_source = None
+        record.device_tensor = None
+
+    monkeypatch.setattr(HostTier, "place", place)
+    _broken_run_is_caught()
