@@ -62,6 +62,7 @@ class NvmeTier(HostTier):
                     return
                 ticket.synchronize()
             store, slot = run.store(), record.host_slot
+            run.backend.check_host_reuse(slot.raw(), "written to disk")  # no copy may touch it now
             if run.config.verify:
                 record.checksum = checksum(slot.view(record.layout.dtype, record.layout.span))
             # The whole aligned slot: aligned address, size and offset take O_DIRECT.
@@ -139,6 +140,8 @@ class NvmeTier(HostTier):
             # Note [staged writes free the device early]: the device tensor is gone and the
             # staging slot has the bytes; the write, if started, goes on.
             self.advance(record, force=False)
+            if record.tier is not self:  # the write failed just now: the record fell back
+                return record.tier.materialize(record)
             if record.state is State.OFFLOADING:
                 if record.write_future is None:
                     record.tier = HOST  # never written: the slot is its home now
