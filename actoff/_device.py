@@ -119,6 +119,13 @@ class DeviceBackend:
         a prefetched copy has already happened)."""
         return Ticket(0.0)
 
+    def mark(self) -> Ticket:
+        """A ticket that completes once the current (compute) stream has run everything queued
+        on it so far: what a host thread waits for before it lets a DMA engine outside the
+        streams (GPUDirect Storage) touch device memory (Note [direct device I/O] in
+        actoff._tier_nvme). Complete at once on the CPU, where work runs as it is queued."""
+        return Ticket(0.0)
+
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
         """Raise if a copy still in flight touches ``buffer`` (host memory about to be freed
         or handed out): the simulated device checks; real devices trust the caller."""
@@ -294,6 +301,11 @@ class StreamBackend(DeviceBackend):
         marker = self.streams.event()
         marker.record(self.streams.current())
         return _Stall(marker, ticket.end)
+
+    def mark(self) -> Ticket:
+        marker = self.streams.event()
+        marker.record(self.streams.current())  # Note [capture the compute stream]
+        return StreamTicket(marker, marker)
 
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
         self.streams.check_host_reuse(buffer, action)

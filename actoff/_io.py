@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -58,11 +59,26 @@ class IoEngine:
     gds = False  # GPUDirect Storage active (kvikio only)
     direct = False  # O_DIRECT (or GDS) in use
 
+    @property
+    def takes_device_buffers(self) -> bool:
+        """Whether device buffers go to the disk directly (GDS), not staged through the host."""
+        return self.gds
+
     def pwrite(self, buffer: torch.Tensor, nbytes: int, offset: int):
         raise NotImplementedError
 
     def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
         raise NotImplementedError
+
+    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        """Write device ``buffer`` once ``after`` (a ticket: the compute stream has produced
+        it) completes; only engines that `takes_device_buffers`."""
+        raise NotImplementedError(f"{self.name} takes host buffers only")
+
+    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        """Read into device ``buffer`` once ``after`` (a ticket: the compute stream is done
+        with the memory) completes; only engines that `takes_device_buffers`."""
+        raise NotImplementedError(f"{self.name} takes host buffers only")
 
     def reserve(self, nbytes: int) -> None:
         raise NotImplementedError
@@ -279,6 +295,34 @@ class _KvikioFuture:
         return self._finished_s - self._started_s
 
 
+class _DeviceFuture:
+    """A device-buffer request of `KvikioEngine`: queued on the engine's device thread until
+    its ticket completes (Note [direct device I/O]), then kvikio's own future."""
+
+    __slots__ = ("_describe", "_submitted")
+
+    def __init__(self, submitted: concurrent.futures.Future, describe: str) -> None:
+        self._submitted = submitted  # -> a _KvikioFuture or a FailedFuture, never raises
+        self._describe = describe
+
+    def done(self) -> bool:
+        return self._submitted.done() and self._submitted.result().done()
+
+    def wait(self, timeout: float = -1.0) -> int:
+        try:
+            inner = self._submitted.result(None if timeout < 0 else timeout)
+        except concurrent.futures.TimeoutError:
+            raise OSError(
+                errno_codes.ETIMEDOUT,
+                f"{self._describe} not started after {timeout} s: the compute stream never reached "
+                "the point the request waits for, or the device I/O thread hangs",
+            ) from None
+        return inner.wait(timeout)
+
+    def elapsed(self) -> float:
+        return self._submitted.result().elapsed() if self._submitted.done() else 0.0
+
+
 class KvikioEngine(IoEngine):
     """kvikio's ``CuFile``: GPUDirect Storage where the system has it, else kvikio's POSIX mode.
 
@@ -311,6 +355,8 @@ class KvikioEngine(IoEngine):
         self.direct = self.gds
         self.name = "kvikio (GDS)" if self.gds else "kvikio (compat)"
         self._closed = False
+        self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     @staticmethod
     def _buffer(buffer: torch.Tensor):
@@ -340,6 +386,43 @@ class KvikioEngine(IoEngine):
     def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
         return self._submit("pread", buffer, nbytes, offset)
 
+    # Note [direct device I/O]: with GDS active, kvikio's pread/pwrite of a device buffer first
+    # synchronises the legacy default stream in the *calling* thread, and a request under its
+    # gds_threshold (16 KiB by default) runs synchronously through a bounce buffer. cuFile's
+    # DMA itself is ordered against no CUDA stream: not the compute stream, not actoff's copy
+    # streams. So the training thread never calls kvikio with a device buffer: the engine's
+    # device thread does, once the request's ticket (`DeviceBackend.mark`, recorded on the
+    # compute stream) has completed, i.e. once the compute stream has produced the bytes
+    # (a write) or is done with the memory a read lands in (a fresh allocation may reuse a
+    # block that kernels queued earlier still use). The caller holds the buffer until the
+    # future is done.
+    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        return self._submit_device("pwrite", buffer, nbytes, offset, after)
+
+    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        return self._submit_device("pread", buffer, nbytes, offset, after)
+
+    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        if not self.gds:  # compat mode: kvikio would bounce through host memory, synchronously
+            raise NotImplementedError(f"{self.name} takes host buffers only: stage through host memory")
+        describe = _describe(op, self.path, nbytes, offset)
+        with self._lock:
+            if self._closed:
+                return FailedFuture(OSError(0, describe + " failed: the I/O engine is closed"))
+            if self._device_pool is None:
+                self._device_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="actoff-gds")
+            pool = self._device_pool
+
+        def submit():
+            try:
+                if after is not None:
+                    after.synchronize()  # the compute stream has reached the request's point
+            except Exception as error:
+                return FailedFuture(OSError(errno_codes.EIO, f"{describe} failed: {error}"))
+            return self._submit(op, buffer, nbytes, offset)
+
+        return _DeviceFuture(pool.submit(submit), describe)
+
     def reserve(self, nbytes: int) -> None:
         if nbytes <= self.file_size():
             return
@@ -359,9 +442,13 @@ class KvikioEngine(IoEngine):
     def close(self) -> None:
         # Callers wait for their futures before closing (the store drains them); a second
         # close is a no-op, as for the other engines.
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._device_pool = self._device_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # requests queued there end (and fail: the engine is closed)
         self._file.close()
 
 

@@ -12,6 +12,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +20,9 @@ from ._config import Config
 from ._io import ALIGNMENT, FailedFuture, IoEngine, open_engine
 
 __all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry"]
+
+
+_HOST: Any = object()  # no ticket: a host buffer
 
 
 def _align(value: int) -> int:
@@ -113,8 +117,17 @@ class NvmeStore:
         self._finalizer = weakref.finalize(self, _remove, self.engine, self.path)
         _exit_on_sigterm()
 
-    def write(self, buffer: torch.Tensor, nbytes: int) -> tuple[Extent, object]:
-        """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future."""
+    @property
+    def takes_device_buffers(self) -> bool:
+        """Whether the engine writes and reads device buffers itself (kvikio with GDS active)."""
+        return self.engine.takes_device_buffers
+
+    def write(self, buffer: torch.Tensor, nbytes: int, *, after: Any = _HOST) -> tuple[Extent, object]:
+        """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future.
+
+        ``after``: ``buffer`` is device memory, written once that ticket completes (only when
+        `takes_device_buffers`; Note [direct device I/O] in actoff._io).
+        """
         with self._lock:
             extent = self.extents.alloc(nbytes)
             if extent.offset + extent.size > self.reserved:
@@ -130,13 +143,20 @@ class NvmeStore:
                         return extent, FailedFuture(_io_error(error))
                 self.reserved = want
                 self.growths += 1
-        future = self.engine.pwrite(buffer, nbytes, extent.offset)
+        if after is _HOST:
+            future = self.engine.pwrite(buffer, nbytes, extent.offset)
+        else:
+            future = self.engine.pwrite_device(buffer, nbytes, extent.offset, after)
         self._io[extent.offset] = future
         return extent, future
 
-    def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int) -> object:
-        """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer``."""
-        future = self.engine.pread(buffer, nbytes, extent.offset)
+    def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int, *, after: Any = _HOST) -> object:
+        """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer`` (device memory,
+        once ticket ``after`` completes, when given: see `write`)."""
+        if after is _HOST:
+            future = self.engine.pread(buffer, nbytes, extent.offset)
+        else:
+            future = self.engine.pread_device(buffer, nbytes, extent.offset, after)
         self._io[extent.offset] = future
         return future
 

@@ -17,7 +17,11 @@ It follows the documented surface of kvikio 26.x (``kvikio.CuFile``, ``kvikio.de
 - Device buffers (``__cuda_array_interface__``) are refused: no GPU here.
 
 Install it with `install(monkeypatch)`; ``KVIKIO_COMPAT_MODE`` and ``KVIKIO_NTHREADS`` are
-read at install time, as kvikio reads them at import.
+read at install time, as kvikio reads them at import. Test aids beyond kvikio's API: ``calls``
+lists every ``pread``/``pwrite`` as ``(op, calling thread's name, buffer address, size)``, and
+``io_delay_s`` delays every task (a slow disk). With ``compat_mode`` OFF the stand-in says GDS
+is active (``is_compat_mode_preferred()`` is false) and still does POSIX I/O: on a CPU the
+simulated device's "device" tensors are host memory, so the direct device path can run.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class CompatMode(enum.IntEnum):
 
 # ------------------------------------------------------------------------------ defaults
 _settings: dict[str, object] = {}
+calls: list[tuple[str, str, int | None, int]] = []  # test aid: (op, thread, address, size)
+io_delay_s = 0.0  # test aid: seconds every task sleeps first
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _NAMES = ("compat_mode", "num_threads", "task_size", "gds_threshold", "bounce_buffer_size",
@@ -48,9 +54,11 @@ _NAMES = ("compat_mode", "num_threads", "task_size", "gds_threshold", "bounce_bu
 
 
 def _reset() -> None:
-    global _pool
+    global _pool, io_delay_s
     mode = os.environ.get("KVIKIO_COMPAT_MODE", "AUTO").upper()
     mode = {"TRUE": "ON", "YES": "ON", "1": "ON", "FALSE": "OFF", "NO": "OFF", "0": "OFF"}.get(mode, mode)
+    calls.clear()
+    io_delay_s = 0.0
     _settings.clear()
     _settings.update(
         compat_mode=CompatMode[mode], num_threads=int(os.environ.get("KVIKIO_NTHREADS", "1")),
@@ -210,6 +218,10 @@ class CuFile:
         self.close()
 
     def _task(self, op: str, view: memoryview, file_offset: int) -> int:
+        if io_delay_s:
+            import time
+
+            time.sleep(io_delay_s)
         done = 0
         while done < view.nbytes:
             try:
@@ -230,6 +242,9 @@ class CuFile:
         if self._closed:
             raise RuntimeError("the file is closed")
         view = _host_view(buf, size)
+        interface = getattr(buf, "__array_interface__", None)
+        address = interface["data"][0] if interface else None
+        calls.append((op, threading.current_thread().name, address, view.nbytes))
         task_size = task_size or _settings["task_size"]
         pool = _thread_pool()
         parts = [

@@ -8,6 +8,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from types import SimpleNamespace
 
 import _fake_kvikio
 import pytest
@@ -16,6 +19,7 @@ from _helpers import assert_same_history, baseline_and_offloaded
 
 import actoff
 from actoff._io import KvikioEngine, open_engine, probe_kvikio
+from actoff.testing import simulated_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,6 +164,92 @@ def test_nvme_tier_on_kvikio_is_bit_exact(kvikio, nvme_dir, monkeypatch):
     assert stats.io_backend == "kvikio (compat)"
     assert stats.blocks["layers.0"].bytes_per_tier["nvme"] == stats.blocks["layers.0"].bytes_saved > 0
     assert stats.nvme_file_bytes > 0
+
+
+class _Gate:
+    """A ticket that completes when the test says so (the compute stream reaching a point)."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+
+    def query(self) -> bool:
+        return self.reached.is_set()
+
+    def synchronize(self) -> None:
+        self.reached.wait()
+
+
+def test_device_requests_wait_for_their_ticket_and_never_run_on_the_callers_thread(kvikio, tmp_path):
+    # Note [direct device I/O]: kvikio would synchronise the default stream in the calling
+    # thread, and its DMA follows no stream: the request starts only once its ticket is done.
+    with kvikio.defaults.set("compat_mode", kvikio.CompatMode.OFF):  # the stand-in's "GDS active"
+        engine = KvikioEngine(str(tmp_path / "gds.bin"))
+    assert engine.takes_device_buffers
+    data = torch.randn(3000)
+    gate = _Gate()
+    write = engine.pwrite_device(data, data.numel() * 4, 8192, after=gate)
+    time.sleep(0.05)  # the device thread had every chance to start the request early
+    assert kvikio.calls == [] and not write.done()
+    gate.reached.set()
+    assert write.wait() == data.numel() * 4
+    back, gate = torch.empty_like(data), _Gate()
+    read = engine.pread_device(back, data.numel() * 4, 8192, after=gate)
+    time.sleep(0.05)
+    assert len(kvikio.calls) == 1 and not read.done()
+    gate.reached.set()
+    read.wait()
+    assert torch.equal(back, data)
+    assert [(op, thread.startswith("actoff-gds")) for op, thread, _, _ in kvikio.calls] == [
+        ("pwrite", True),
+        ("pread", True),
+    ]
+    engine.close()
+    late = engine.pwrite_device(data, 16, 0, after=None)
+    with pytest.raises(OSError, match="the I/O engine is closed"):
+        late.wait()
+
+
+def test_engines_without_gds_refuse_device_requests(kvikio, tmp_path):
+    for engine in (KvikioEngine(str(tmp_path / "compat.bin")), open_engine(str(tmp_path / "p.bin"), "posix")):
+        assert not engine.takes_device_buffers
+        with pytest.raises(NotImplementedError, match="host buffers only"):
+            engine.pwrite_device(torch.ones(4), 16, 0, after=None)
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["gds", "compat"])
+@pytest.mark.parametrize("policy", ["nvme", "tokenwise"])
+def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(kvikio, nvme_dir, monkeypatch, mode,
+                                                                         policy):  # fmt: skip
+    """On the simulated device (a device with DMA, on the CPU): with GDS active the engine is
+    handed the device tensors, off the training thread, and a slow read is waited for; in
+    compat mode every request goes through host staging slots. Both bit-exact."""
+    monkeypatch.setenv("KVIKIO_COMPAT_MODE", "OFF" if mode == "gds" else "ON")
+    kvikio._reset()
+    kvikio.io_delay_s = 0.002  # a slow disk: a read not waited for would leave garbage
+    fractions = {"cpu_fraction": 0.25, "nvme_fraction": 0.5} if policy == "tokenwise" else {}
+    staged = []  # per request: is its buffer host memory (a staging slot), asked when it is made
+    submit = kvikio.CuFile._submit
+
+    def spy(self, op, buf, *args):
+        address = buf.__array_interface__["data"][0]
+        staged.append(device.is_host(SimpleNamespace(data_ptr=lambda: address)))
+        return submit(self, op, buf, *args)
+
+    monkeypatch.setattr(kvikio.CuFile, "_submit", spy)
+    with simulated_device(seed=3) as device:
+        expected, actual = baseline_and_offloaded(2, policy=policy, nvme_dir=nvme_dir, min_bytes=0,
+                                                  io_backend="kvikio", **fractions)  # fmt: skip
+    assert_same_history(expected, actual)
+    stats = actoff.stats()
+    assert stats.io_backend == ("kvikio (GDS)" if mode == "gds" else "kvikio (compat)")
+    assert sum(block.bytes_per_tier["nvme"] for block in stats.blocks.values()) > 0
+    assert {op for op, _, _, _ in kvikio.calls} == {"pwrite", "pread"} and len(staged) == len(kvikio.calls)
+    threads = {thread.split("_")[0] for _, thread, _, _ in kvikio.calls}
+    if mode == "gds":
+        assert not any(staged) and threads == {"actoff-gds"}
+    else:
+        assert all(staged) and "actoff-gds" not in threads
 
 
 # A libcuda.so.1 whose every entry point answers CUDA_ERROR_NOT_INITIALIZED (3): kvikio then
