@@ -7,11 +7,23 @@ over three outer dimensions ``(n0, n1, n2)`` with element strides ``t0, t1, t2``
 common case). The contiguous side is row-major: element ``col`` of row ``row`` sits at
 ``row * row_len + col``.
 
-Note [index arithmetic]: a program copies a tile of ``BLOCK_R`` rows by ``BLOCK_C`` columns.
-Splitting a row index into its three outer coordinates takes two divisions and two modulos,
-done once per row of the tile (``BLOCK_R`` of them), never per element; the program id's
-split into (row block, column block) is one division and one modulo per program. Per element
-only a multiply-add remains (``col * t3``; Triton specialises ``t3 == 1`` away).
+Note [index arithmetic]: a program copies a tile of ``BLOCK_R`` rows by ``BLOCK_C`` columns
+(``BLOCK_R * BLOCK_C`` is about 1024 elements). What each level costs:
+- per element: one multiply-add, ``col * t3`` (Triton specialises ``t3 == 1`` away, the common
+  case), and the adds that broadcast a row's offset over its columns;
+- per row of the tile: splitting the row index into its three outer coordinates, two int64
+  divisions and two modulos (the modulo reuses the quotient). A GPU has no integer divider:
+  an int64 division is a software sequence of some tens of instructions. With rows of a
+  hidden size (thousands of elements) that is well under one instruction per element; with
+  short rows (8 elements, a head dimension split) it is several per element, about what a
+  2-byte copy at full memory bandwidth leaves to spare: measure it there before tuning;
+- per program: splitting the program id into (row block, column block), one division.
+A 2-D launch (row blocks on grid axis 0, column blocks on axis 1) would remove only that last
+division, one per ~1024 elements, and CUDA caps grid axes 1 and 2 at 65535 blocks, which a
+long merged row (a contiguous slice is one row of up to ``S * H`` elements) exceeds: the
+launch stays 1-D. Removing the per-row divisions needs the outer coordinates on the grid
+(a 3-D launch, same 65535 cap) or int32 index arithmetic where sizes fit (cheaper divisions);
+neither is done until a GPU measurement shows the kernel is not bound by memory bandwidth.
 """
 
 import triton

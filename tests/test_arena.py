@@ -176,6 +176,8 @@ def test_a_plan_that_would_break_the_budget_is_not_installed():
 def test_pinned_memory_held_stays_within_the_arenas_capacity():
     """What torch's host allocator holds (its rounded blocks, cached ones included) stays
     within 1.1x of the capacity the arena reports, through growth, consolidation and a plan."""
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        pytest.skip("this torch has no torch.cuda.host_memory_stats")
     backend = backend_for(torch.device("cuda", 0))
     assert backend.pinned
     backend.release_host_cache()
