@@ -189,8 +189,10 @@ class NvmeTier(HostTier):
             run.account_io("fetch_ms", future)
         except Exception as error:  # an OSError, a timeout, or a worker that died
             if _timed_out(error):  # Note [hung I/O]: the read may still land in this buffer
-                run.runtime.quarantine.append((record.host_slot, record.copy_source))
-                record.host_slot = None
+                # ... and still reads its extent: neither is handed out again (a free of the
+                # extent with the read running would raise when the record is released).
+                run.runtime.quarantine.append((record.host_slot, record.extent, record.copy_source))
+                record.host_slot = record.extent = None
             raise RuntimeError(
                 f"actoff: reading a saved activation of block {run.name!r} back from NVMe "
                 f"failed: {error}. The step cannot continue with this activation."
