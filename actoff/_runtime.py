@@ -65,7 +65,7 @@ class Runtime:
         self.step: Step | None = None
         self.steps_started = 0
         self.steps_completed = 0
-        self.arenas = Arenas()  # host arenas by device
+        self.arenas = Arenas()  # host arenas by device backend
         self.last_stats: dict[str, BlockStats] = {}
         # (block, seq_len) -> {record index: (size, stride, Canon)} from a verified probe replay
         self.token_plans: dict[tuple[str, int], dict[int, tuple]] = {}
