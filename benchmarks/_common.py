@@ -35,7 +35,8 @@ def git_revision() -> str:
 
 def device_name() -> str:
     if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+        memory = torch.cuda.get_device_properties(0).total_memory
+        return f"{torch.cuda.get_device_name()} ({memory / 2**30:.0f} GiB)"
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
@@ -54,6 +55,15 @@ def io_backend_name(directory: str | None) -> str:
         if os.path.exists(path):
             os.unlink(path)
     return name
+
+
+def _version_of(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def file_system(directory: str) -> str:
@@ -125,6 +135,7 @@ def system_header(nvme_dir: str | None = None) -> dict:
         "actoff": actoff.__version__,
         "git": git_revision(),
         "extension": "built" if actoff.HAS_EXTENSION else "not built (pure Python)",
+        "triton": _version_of("triton"),
         "host": host_memory(),
     }
     if nvme_dir is not None:
@@ -170,16 +181,18 @@ def median(values: list[float]) -> float:
 
 
 def progress(items: Iterable[T], total: int, describe: Callable[[T], str]) -> Iterator[T]:
-    """A progress bar on stderr (redrawn in place on a terminal, a line per item otherwise)."""
-    tty = sys.stderr.isatty()
-    start = time.perf_counter()
-    for done, item in enumerate(items):
-        filled = int(24 * done / max(total, 1))
-        line = f"[{'#' * filled}{'.' * (24 - filled)}] {done}/{total} {describe(item)}  ({time.perf_counter() - start:.0f}s)"
-        print(("\r" + line.ljust(100)) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-        yield item
-    line = f"[{'#' * 24}] {total}/{total} done in {time.perf_counter() - start:.0f}s"
-    print(("\r" + line.ljust(100)) if tty else line, file=sys.stderr, flush=True)
+    """``items`` with a tqdm progress bar on stderr, naming the item in progress; without tqdm
+    (``pip install tqdm``, in the ``bench`` extra) the items pass through with no bar."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield from items
+        return
+    with tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True) as bar:
+        for item in items:
+            bar.set_postfix_str(describe(item))
+            yield item
+            bar.update(1)
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
@@ -206,10 +219,10 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def write_json(path: str, header: dict, records: list[dict]) -> None:
-    """``{"system": header, "records": records}`` to ``path``, and say so."""
+def write_json(path: str, header: dict, records: list[dict], **extra: object) -> None:
+    """``{"system": header, "records": records, **extra}`` to ``path``, and say so."""
     with open(path, "w") as handle:
-        json.dump({"system": header, "records": records}, handle, indent=2)
+        json.dump({"system": header, "records": records, **extra}, handle, indent=2)
     print(f"records written to {path}")
 
 
@@ -232,3 +245,14 @@ class JsonLines:
     def close(self) -> None:
         if self._handle is not None:
             self._handle.close()
+
+
+if __name__ == "__main__":  # python3 benchmarks/_common.py --header DIR: the system header alone
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Print the benchmarks' system header.")
+    parser.add_argument("--header", metavar="NVME_DIR", help="the NVMe directory to describe")
+    args = parser.parse_args()
+    if args.header:
+        os.makedirs(args.header, exist_ok=True)
+    print_header("system", system_header(args.header))

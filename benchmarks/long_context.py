@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,10 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import JsonLines, format_table, print_header, progress, system_header, write_json
 
-BASELINES = ("keep", "checkpoint", "save_on_cpu")
-ACTOFF_POLICIES = ("cpu", "nvme", "tokenwise", "recompute", "auto")
+# none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
+BASELINES = ("none", "checkpoint", "save_on_cpu")
+ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "auto")
 # tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
-DEFAULT_POLICIES = (*BASELINES, "cpu", "nvme", "tokenwise:0.5:0", "tokenwise:0.25:0.25", "recompute", "auto")
+DEFAULT_POLICIES = ("none", "keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
+                    "tokenwise:0.25:0.25", "recompute", "auto")  # fmt: skip
 
 PRESETS = {
     # name: model preset, layers, default lengths, batch, dtype
@@ -78,7 +81,7 @@ def _apply_policy(model, policy: str, nvme_dir: str | None):
     import actoff
     from actoff.reference import Block
 
-    if policy == "keep":
+    if policy == "none":
         return contextlib.nullcontext
     if policy == "checkpoint":
 
@@ -185,6 +188,7 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
 
     timeline: list[tuple[float, int, int, int]] = []
     sampling = {"on": False, "t0": 0.0}
+    simulated = {"memory": None, "static": 0}  # on a CPU, during the memory step
 
     def sample() -> None:
         if not sampling["on"]:
@@ -192,6 +196,8 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
         if cuda:
             torch.cuda.synchronize()
             device_bytes = torch.cuda.memory_allocated()
+        elif simulated["memory"] is not None:
+            device_bytes = simulated["static"] + simulated["memory"].live
         else:
             device_bytes = _rss_bytes()
         host = sum(a.used for a in runtime.arenas.values())
@@ -214,13 +220,16 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
         loss.backward()
         sample()
 
+    cpu_times: list[float] = []  # process CPU seconds per timed step
+
     def timed_step() -> float:
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step()
         if cuda:
             torch.cuda.synchronize()
+        cpu_times.append(time.process_time() - cpu_start)
         return time.perf_counter() - start
 
     record: dict = {}
@@ -234,11 +243,18 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
             torch.cuda.synchronize()
             static_bytes = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        times = [timed_step() for _ in range(max(spec["steps"] - 1, 0))]
-        sampling["on"], sampling["t0"] = True, time.perf_counter()
-        sample()
-        times.append(timed_step())
-        sampling["on"] = False
+            times = [timed_step() for _ in range(max(spec["steps"] - 1, 0))]
+            sampling["on"], sampling["t0"] = True, time.perf_counter()
+            sample()
+            times.append(timed_step())
+            sampling["on"] = False
+        else:
+            times = [timed_step() for _ in range(spec["steps"])]
+        stats = actoff.stats()  # of the timed steps
+        if not cuda and spec.get("ddp") is None:
+            # Note [device memory on a CPU]: one more step on the simulated device, which
+            # counts the storages a step allocates (host buffers excluded) as a GPU would.
+            memory_fields = _simulated_memory_step(step, model, tokens, simulated, sampling, sample)
     except torch.cuda.OutOfMemoryError as error:
         return {"status": "oom", "error": str(error).splitlines()[0]}
     except Exception as error:  # reported per policy; the other policies still run
@@ -250,10 +266,12 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
     times.sort()
     step_s = times[len(times) // 2]
     tokens_per_step = spec["batch"] * seq
-    stats = actoff.stats()
     record.update(
         status="ok",
         step_ms=step_s * 1e3,
+        # Note [timing on a shared CPU]: the least CPU time of the timed steps; what other
+        # processes on the machine do inflates wall time far more than it does this.
+        step_cpu_ms=min(cpu_times) * 1e3 if cpu_times else None,
         tokens_per_s=tokens_per_step / step_s,
         act_keep_bytes=sum(b.bytes_per_tier["keep"] for b in stats.blocks.values()),
         act_cpu_bytes=sum(b.bytes_per_tier["cpu"] for b in stats.blocks.values()),
@@ -280,6 +298,8 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
             peak_reserved_bytes=peak_reserved,
             fragmentation_bytes=peak_reserved - peak_alloc,
             activation_peak_bytes=peak_alloc - static_bytes,
+            static_bytes=static_bytes,
+            memory_source="cuda",
         )
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
@@ -287,8 +307,107 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
         record["mfu"] = flops / step_s / peak if peak and spec["dtype"] == "bfloat16" else None
     else:
         record.update(peak_allocated_bytes=None, peak_reserved_bytes=None, fragmentation_bytes=None,
-                      activation_peak_bytes=None, mfu=None)  # fmt: skip
+                      activation_peak_bytes=None, mfu=None, memory_source=None)  # fmt: skip
+        if spec.get("ddp") is None:
+            record.update(memory_fields)
     return record
+
+
+def _simulated_memory_step(step, model, tokens, simulated: dict, sampling: dict, sample) -> dict:
+    """Note [device memory on a CPU]: a plain CPU device has no allocator to ask, so one more
+    step runs inside `actoff.testing.simulated_device`, whose memory mode counts every CPU
+    storage allocated while it is active; actoff's host arena and staging buffers are host
+    memory and are not counted, as on a GPU. Parameters, gradients (allocated by the earlier
+    steps, reused in place) and the tokens are the static bytes; the activation peak is the
+    step's peak over what was live when it began. The step is sampled for the memory plot.
+    Copies on the simulated device run on its worker threads with no added delay."""
+    from actoff.testing import simulated_device
+
+    storages = {}
+    for tensor in (*model.parameters(), *model.buffers(), tokens):
+        for part in (tensor, tensor.grad):
+            if part is not None:
+                storage = part.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    static_bytes = sum(storages.values())
+    with simulated_device(seed=0, max_delay_s=0.0, max_lag_s=0.0) as device:
+        memory = device.memory
+        simulated.update(memory=memory, static=static_bytes)
+        live_before = memory.live
+        memory.reset_peak()
+        sampling["on"], sampling["t0"] = True, time.perf_counter()
+        sample()
+        step()
+        sampling["on"] = False
+        peak = memory.peak
+    simulated["memory"] = None
+    return {
+        "peak_allocated_bytes": static_bytes + peak,
+        "activation_peak_bytes": peak - live_before,
+        "static_bytes": static_bytes,
+        "memory_source": "simulated device",
+    }
+
+
+#: Policies the interleaved timing compares, in pairs (top, bottom) of the ratio lines.
+PAIRS = (("keep", "none"), ("cpu", "save_on_cpu"))
+PAIR_ROUNDS = 6
+
+
+def paired_worker(spec: dict):
+    """Yield, per sequence length, the least step time (wall and process CPU) of each policy of
+    `PAIRS`, measured interleaved in this one process (Note [timing on a shared CPU]).
+
+    The policies share one set of weights: ``none`` and ``save_on_cpu`` run the plain model,
+    ``keep`` and ``cpu`` a copy under actoff each. Every round steps each policy once, in a
+    rotated order, so that a burst of load from elsewhere falls on all of them alike.
+    """
+    import copy
+
+    import torch
+
+    import actoff
+    from actoff.reference import Block, ModelConfig
+
+    config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
+    torch.manual_seed(0)
+    plain = build_model(config, torch.device("cpu"), getattr(torch, spec["dtype"]))
+    models = {
+        "none": (plain, contextlib.nullcontext),
+        "save_on_cpu": (plain, torch.autograd.graph.save_on_cpu),
+    }
+    for policy in ("keep", "cpu"):
+        model = copy.deepcopy(plain)
+        actoff.offload_(model, block_cls=Block, config=actoff.Config.from_env(policy=policy))
+        models[policy] = (model, contextlib.nullcontext)
+    names = [name for pair in PAIRS for name in pair]
+    for seq in spec["seqs"]:
+        generator = torch.Generator().manual_seed(seq)
+        tokens = torch.randint(0, config.vocab_size, (spec["batch"], seq + 1), generator=generator)
+
+        def step(name: str, tokens: torch.Tensor = tokens) -> tuple[float, float]:
+            model, context = models[name]
+            wall, cpu = time.perf_counter(), time.process_time()
+            with context():
+                logits = model(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                         tokens[:, 1:].reshape(-1))  # fmt: skip
+            loss.backward()
+            return time.perf_counter() - wall, time.process_time() - cpu
+
+        for name in names:  # warm-up, and gradients allocated once
+            step(name)
+        walls: dict[str, list[float]] = {name: [] for name in names}
+        cpus: dict[str, list[float]] = {name: [] for name in names}
+        for round_index in range(PAIR_ROUNDS):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                wall, cpu = step(name)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+        yield {"policy": "interleaved", "seq": seq, "status": "ok", "rounds": PAIR_ROUNDS,
+               "step_ms": {name: min(walls[name]) * 1e3 for name in names},
+               "step_cpu_ms": {name: min(cpus[name]) * 1e3 for name in names}}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- parent
@@ -335,24 +454,77 @@ def run_one(spec: dict, timeout_s: float, on_record=None) -> list[dict]:
 
 
 def add_derived(records: list[dict]) -> None:
-    """Share of transfer time hidden under compute, against ``keep`` at the same length."""
-    keep = {
-        (r["seq"], r.get("rank")): r for r in records if r["policy"] == "keep" and r.get("status") == "ok"
+    """Share of transfer time hidden under compute, against ``none`` (no actoff) at the same length."""
+    plain = {
+        (r["seq"], r.get("rank")): r for r in records if r["policy"] == "none" and r.get("status") == "ok"
     }
     for record in records:
-        base = keep.get((record["seq"], record.get("rank")))
+        base = plain.get((record["seq"], record.get("rank")))
         transfer_s = (record.get("copy_ms") or 0) / 1e3 + (record.get("fetch_ms") or 0) / 1e3
         if record.get("status") != "ok" or base is None or transfer_s <= 0:
             record["hidden_share"] = None
             continue
         overhead_s = max(0.0, (record["step_ms"] - base["step_ms"]) / 1e3)
         record["hidden_share"] = max(0.0, 1.0 - overhead_s / transfer_s)
-        record["step_vs_keep"] = record["step_ms"] / base["step_ms"]
+        record["step_vs_none"] = record["step_ms"] / base["step_ms"]
     plain = {(r["policy"], r["seq"], r.get("rank")): r for r in records if r.get("status") == "ok"}
     for record in records:
         base = plain.get((record["policy"].removesuffix("+verify"), record["seq"], record.get("rank")))
         if record["policy"].endswith("+verify") and base is not None and record.get("status") == "ok":
             record["verify_cost"] = record["step_ms"] / base["step_ms"] - 1.0
+
+
+#: Targets for the CPU run (ratios within one run; issue 13): actoff's hooks alone cost at most
+#: 3% of a step, the host tier at most 5% more than save_on_cpu, and under ``cpu`` the device
+#: holds the activations of about two blocks (MEMO's double buffering) out of ``L``.
+KEEP_OVERHEAD_TARGET = 1.03
+CPU_VS_SAVE_ON_CPU_TARGET = 1.05
+ACTIVATION_SLACK = 0.05
+
+
+def summarize(records: list[dict], layers: int, *, cuda: bool) -> list[dict]:
+    """The ratio lines, per sequence length where their records are all ``ok``: actoff ``keep``
+    over ``none`` (hook overhead), ``cpu`` over ``save_on_cpu`` (step time), and ``cpu``'s
+    activation peak over ``keep``'s (``none``'s without a keep row) against ``2/L + 5%``.
+
+    Note [timing on a shared CPU]: each policy runs in its own process, minutes apart from the
+    others; on a machine shared with other work its step times then vary by several times from
+    run to run, wall time and CPU time alike. So on a CPU the step-time ratios come from the
+    ``interleaved`` record (`paired_worker`: the four policies stepped in turn in one process,
+    least process CPU time of each), or, without one, from the least CPU time of each
+    policy's own steps. On CUDA they compare the median wall time (the GPU is not shared)."""
+    ok = {(r["policy"], r["seq"]): r for r in records if r.get("status") == "ok" and "rank" not in r}
+    step_key = "step_ms" if cuda else "step_cpu_ms"
+    what_time = "step time" if cuda else "step CPU time"
+
+    def ratio(top: str, bottom: str, key: str, seq: int) -> float | None:
+        interleaved = ok.get(("interleaved", seq))
+        if interleaved is not None and key in ("step_ms", "step_cpu_ms"):
+            times = interleaved[key]
+            return times[top] / times[bottom] if times.get(top) and times.get(bottom) else None
+        a, b = ok.get((top, seq)), ok.get((bottom, seq))
+        if a is None or b is None or not a.get(key) or not b.get(key):
+            return None
+        return a[key] / b[key]
+
+    if any(policy == "interleaved" for policy, _ in ok):
+        what_time = f"least step CPU time, interleaved in one process over {PAIR_ROUNDS} rounds"
+    lines = []
+    for seq in sorted({seq for _, seq in ok}):
+        keep = "keep" if ("keep", seq) in ok else "none"
+        target = 2 / layers + ACTIVATION_SLACK
+        candidates = [
+            (f"keep overhead (actoff keep / none, {what_time})", ratio("keep", "none", step_key, seq),
+             KEEP_OVERHEAD_TARGET),
+            (f"cpu / save_on_cpu ({what_time})", ratio("cpu", "save_on_cpu", step_key, seq), CPU_VS_SAVE_ON_CPU_TARGET),
+            (f"cpu activation peak / {keep}'s", ratio("cpu", keep, "activation_peak_bytes", seq), target),
+        ]  # fmt: skip
+        for what, value, bound in candidates:
+            if value is not None:
+                lines.append(
+                    {"seq": seq, "what": what, "ratio": value, "target": bound, "met": value <= bound}
+                )
+    return lines
 
 
 def _probe(policy: str, base: dict, seq: int, timeout_s, on_record) -> bool:
@@ -413,7 +585,13 @@ def plot(records: list[dict], path: str) -> None:
     policies = list(dict.fromkeys(r["policy"] for r in ok))
     longest = max((r["seq"] for r in ok), default=0)
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    memory_label = "GPU allocated" if any(r.get("peak_allocated_bytes") for r in ok) else "process RSS"
+    sources = {r.get("memory_source") for r in ok}
+    if "cuda" in sources:
+        memory_label = "GPU allocated"
+    elif "simulated device" in sources:
+        memory_label = "device allocated (simulated)"
+    else:
+        memory_label = "process RSS"
     for policy in policies:
         record = next((r for r in ok if r["policy"] == policy and r["seq"] == longest), None)
         if record and record.get("timeline"):
@@ -436,7 +614,7 @@ def plot(records: list[dict], path: str) -> None:
         peak = [gib(r.get("peak_allocated_bytes") or r.get("rss_peak_bytes")) for r in rows]
         axes[2].plot(seqs, peak, marker="o", label=policy)
     axes[1].set(title="throughput", xlabel="sequence length", ylabel="tokens/s", xscale="log")
-    ylabel = "peak GPU allocated (GiB)" if memory_label == "GPU allocated" else "peak process RSS (GiB)"
+    ylabel = f"peak {memory_label} (GiB)"
     axes[2].set(title="peak memory", xlabel="sequence length", ylabel=ylabel, xscale="log")
     for axis in axes[1:]:
         axis.legend(fontsize=8)
@@ -444,7 +622,8 @@ def plot(records: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also what benchmarks/gpu_session.sh's commands are checked against)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -479,11 +658,37 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds for the whole run: no process outlives it, none starts late",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def check_policies(text: str) -> list[str]:
+    """The policies of ``--policies``, or SystemExit naming the one that is not known."""
+    policies = [p.strip().lower() for p in text.split(",") if p.strip()]
+    for policy in policies:
+        name, *fractions = policy.removesuffix("+verify").split(":")
+        if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
+            raise SystemExit(
+                f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
+            )
+        try:
+            [float(f) for f in fractions]
+        except ValueError:
+            raise SystemExit(
+                f"policy {policy!r}: write tokenwise:CPU_FRACTION:NVME_FRACTION, e.g. tokenwise:0.5:0"
+            ) from None
+    return policies
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    if not args.worker and threading.current_thread() is threading.main_thread():
+        # Stopped from outside (timeout, a launcher): unwind, so that run_one's finally kills
+        # the worker process and the JSON lines file is closed, rather than leave a worker on.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.worker:
         spec = json.loads(args.worker)
-        for record in worker(spec):
+        for record in paired_worker(spec) if spec.get("policy") == "interleaved" else worker(spec):
             print(json.dumps(record), flush=True)
         if spec.get("ddp") is not None:
             # A gloo work freed by its thread during interpreter finalisation aborts the process
@@ -499,19 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[preset_name]
     if preset_name != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
-    policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
-    for policy in policies:
-        name, *fractions = policy.removesuffix("+verify").split(":")
-        if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
-            raise SystemExit(
-                f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
-            )
-        try:
-            [float(f) for f in fractions]
-        except ValueError:
-            raise SystemExit(
-                f"policy {policy!r}: write tokenwise:CPU_FRACTION:NVME_FRACTION, e.g. tokenwise:0.5:0"
-            ) from None
+    policies = check_policies(args.policies)
     lengths = parse_lengths(args.seq or preset["seq"])
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
     os.makedirs(nvme_dir, exist_ok=True)
@@ -546,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
             return _find_max(policies, base, lengths[0], parse_lengths(args.max_seq)[0], time_left, header,
                              args, out)  # fmt: skip
         lengths.sort()  # shortest first: a failure skips the longer ones
+        interleaved: list[dict] = []
         shown = progress(policies, len(policies), lambda policy: policy) if lead else policies
         records = []
         for index, policy in enumerate(shown):
@@ -561,6 +755,11 @@ def main(argv: list[str] | None = None) -> int:
                     out.write(records[-1])
                 continue
             records.extend(run_one(spec, time_left(), out.write))
+        wanted = {name for pair in PAIRS for name in pair}
+        if not torch.cuda.is_available() and launch is None and wanted <= set(policies) and time_left() > 0:
+            # Note [timing on a shared CPU]: the ratio lines' step times, interleaved.
+            spec = {**base, "policy": "interleaved", "seqs": lengths}
+            interleaved = run_one(spec, time_left(), out.write)
         if launch is not None:
             records = _gather_to_rank0(records, launch)
             if records is None:
@@ -578,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
             record[key.replace("_bytes", "_gib")] = gib(record.get(key))
     columns = [
         *([("rank", "rank")] if any("rank" in r for r in records) else []),
-        ("policy", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"),
+        ("policy", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"), ("step_cpu_ms", "CPU ms"),
         ("tokens_per_s", "tok/s"), ("mfu", "MFU"), ("peak_allocated_gib", "peak GiB"),
         ("peak_reserved_gib", "reserved GiB"), ("fragmentation_gib", "frag GiB"),
         ("activation_peak_gib", "act peak GiB"), ("act_keep_gib", "keep GiB"), ("act_cpu_gib", "cpu GiB"),
@@ -594,11 +793,32 @@ def main(argv: list[str] | None = None) -> int:
     for record in records:
         if record.get("status") != "ok":
             print(f"   {record['policy']} seq {record['seq']}: {record['status']}: {record.get('error', '')}")
-    print("\nkeep/cpu/nvme/recomp GiB: activation bytes actoff placed per tier; hidden: share of copy time not "
-          "added to the step compared with keep; wait ms: backward waiting for copies back; recomp share: "
-          "token-wise re-forward time / step time; peak GiB are GPU figures (RSS on CPU).")  # fmt: skip
+    summary = summarize(records + interleaved, base["layers"], cuda=torch.cuda.is_available())
+    if summary:
+        print()
+    for record in interleaved:
+        if record.get("status") == "ok":
+            times = ", ".join(f"{name} {record['step_cpu_ms'][name]:.0f} ms ({record['step_ms'][name]:.0f} wall)"
+                              for name in record["step_cpu_ms"])  # fmt: skip
+            print(f"   seq {record['seq']}: interleaved, least step CPU time of {record['rounds']}: {times}")
+    for line in summary:
+        print(f"   seq {line['seq']}: {line['what']}: {line['ratio']:.3f}x "
+              f"(target <= {line['target']:.3f}x: {'met' if line['met'] else 'NOT met'})")  # fmt: skip
+    where = (
+        "the simulated device (one extra step)"
+        if any(r.get("memory_source") == "simulated device" for r in records)
+        else "the GPU"
+    )
+    print("\nnone: no actoff; keep: actoff's hooks, nothing moved. keep/cpu/nvme/recomp GiB: activation bytes "
+          "actoff placed per tier; hidden: share of copy time not added to the step compared with none; wait ms: "
+          "backward waiting for copies back; recomp share: token-wise re-forward time / step time; peak and act "
+          f"peak GiB: device memory, measured on {where}; step times on the device itself.")  # fmt: skip
+    out_summary = {"summary": summary}
+    if args.jsonl and lead:
+        with open(args.jsonl, "a") as handle:
+            handle.write(json.dumps(out_summary) + "\n")
     if args.json:
-        write_json(args.json, header, records)
+        write_json(args.json, header, records, summary=summary, interleaved=interleaved)
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")

@@ -28,18 +28,54 @@ def test_long_context_smoke(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["system"]["actoff"] == actoff.__version__
     policies = {r["policy"] for r in data["records"]}
-    assert policies == {"keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
+    assert policies == {"none", "keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
                         "tokenwise:0.25:0.25", "recompute", "auto"}  # fmt: skip
     for record in data["records"]:
         assert record["status"] == "ok"
         for key in ("seq", "step_ms", "tokens_per_s", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
                     "fragmentation_bytes", "copy_gbps", "hidden_share", "rss_peak_bytes", "timeline"):  # fmt: skip
             assert key in record, key
+        # Device memory on a CPU: measured on the simulated device (Note [device memory on a CPU]).
+        assert record["memory_source"] == "simulated device"
+        assert record["peak_allocated_bytes"] > record["activation_peak_bytes"] > 0
+        assert record["timeline"] and record["timeline"][0][1] >= record["static_bytes"] > 0
     by_policy = {r["policy"]: r for r in data["records"]}
     assert by_policy["cpu"]["act_cpu_bytes"] > 0 and by_policy["nvme"]["act_nvme_bytes"] > 0
     assert by_policy["recompute"]["act_recompute_bytes"] > 0 and by_policy["recompute"]["recompute_share"] > 0
     assert by_policy["tokenwise:0.25:0.25"]["act_nvme_bytes"] > 0
+    # The host tier leaves the device: under cpu the activation peak is below keep's.
+    assert by_policy["cpu"]["activation_peak_bytes"] < by_policy["keep"]["activation_peak_bytes"]
+    whats = sorted(line["what"] for line in data["summary"])
+    assert [what.split(" (")[0] for what in whats] == ["cpu / save_on_cpu", "cpu activation peak / keep's",
+                                                       "keep overhead"], whats  # fmt: skip
+    assert all(line["ratio"] > 0 and line["target"] > 0 for line in data["summary"])
+    # Step-time ratios on a CPU: the four policies interleaved in one process.
+    (interleaved,) = data["interleaved"]
+    assert set(interleaved["step_cpu_ms"]) == {"none", "keep", "cpu", "save_on_cpu"}
+    assert "interleaved in one process" in whats[0] and "keep overhead (actoff keep / none" in done.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_long_context_writes_records_as_made_and_keeps_to_its_time_budget(tmp_path):
+    """A worker that hangs after its first length: that record is already in the JSON lines,
+    the hung length is reported as a timeout, and the budget spent leaves the next policy
+    'not run' rather than over time."""
+    out = tmp_path / "lc.jsonl"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64,96", "--layers", "1",
+               "--steps", "1", "--warmup", "0", "--policies", "none,keep", "--timeout", "40", "--time-budget", "40",
+               "--jsonl", str(out)]  # fmt: skip
+    env = {**os.environ, "_ACTOFF_BENCH_HANG_AFTER": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr  # not every record is ok
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "system" in lines[0] and "summary" in lines[-1]
+    records = [(r["policy"], r["seq"], r["status"]) for r in lines[1:-1]]
+    assert records == [
+        ("none", 64, "ok"),
+        ("none", 96, "timeout"),
+        ("keep", 64, "not run"),
+        ("keep", 96, "not run"),
+    ]
 
 
 def test_long_context_rejects_unknown_policies():
@@ -96,7 +132,7 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
     """
     out_json = tmp_path / "ddp.json"
     args = [os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64", "--layers", "1", "--steps", "1",
-            "--warmup", "0", "--policies", "keep,cpu", "--timeout", "120", "--json", str(out_json)]  # fmt: skip
+            "--warmup", "0", "--policies", "none,cpu", "--timeout", "120", "--json", str(out_json)]  # fmt: skip
     if launcher == "torchrun":
         torchrun = shutil.which("torchrun")
         if torchrun is None:
@@ -118,7 +154,7 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
             assert rank.returncode == 0, out + err[-3000:]
     records = json.loads(out_json.read_text())["records"]
     assert {(r["rank"], r["policy"]) for r in records} == {
-        (rank, policy) for rank in (0, 1, "total") for policy in ("keep", "cpu")
+        (rank, policy) for rank in (0, 1, "total") for policy in ("none", "cpu")
     }
     totals = {r["policy"]: r for r in records if r["rank"] == "total"}
     per_rank = [r for r in records if r["rank"] != "total" and r["policy"] == "cpu"]
