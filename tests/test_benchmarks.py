@@ -3,8 +3,11 @@
 The figures are never asserted as timings (these machines are noisy).
 """
 
+import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -159,3 +162,102 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
     totals = {r["policy"]: r for r in records if r["rank"] == "total"}
     per_rank = [r for r in records if r["rank"] != "total" and r["policy"] == "cpu"]
     assert abs(totals["cpu"]["tokens_per_s"] - sum(r["tokens_per_s"] for r in per_rank)) < 1e-6
+
+
+# ------------------------------------------------------------------ benchmarks/gpu_session.sh
+GPU_SESSION = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+
+
+def _session_stages() -> list[str]:
+    done = subprocess.run(["bash", GPU_SESSION, "--list"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def _load_benchmark(name: str):
+    """A benchmark script as a module (its imports: torch, actoff), for its ``build_parser``."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            f"_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+
+def _check_command(words: list[str], markers: set[str]) -> None:
+    """One command of a stage: environment assignments, then a benchmark script whose parser
+    takes its arguments, or pytest with declared markers and existing paths."""
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        assert name.startswith("ACTOFF_") or name == "TORCH_CUDA_SANITIZER", name
+        if name == "ACTOFF_HOST_BUDGET":
+            actoff.parse_size(value, what=name)  # a real size, not an empty or shell-quoted one
+    assert words[0] == "python3", words
+    if words[1:3] == ["-m", "pytest"]:
+        arguments = words[3:]
+        for index, word in enumerate(arguments):
+            if word == "-m":
+                expression = arguments[index + 1]
+                assert set(re.findall(r"\w+", expression)) - {"and", "or", "not"} <= markers, expression
+            elif word.startswith("tests"):
+                assert os.path.exists(os.path.join(ROOT, word)), word
+        return
+    script = words[1]
+    assert script.startswith("benchmarks/") and os.path.exists(os.path.join(ROOT, script)), script
+    name = os.path.basename(script).removesuffix(".py")
+    if name == "_common":
+        assert words[2:3] == ["--header"] and len(words) == 4, words
+        return
+    module = _load_benchmark(name)
+    args = module.build_parser().parse_args(words[2:])  # SystemExit on an argument it does not take
+    if name == "long_context":
+        module.check_policies(args.policies)
+        module.parse_lengths(args.seq)
+        module.parse_lengths(args.max_seq)
+        assert args.time_budget and args.time_budget < 600 and args.jsonl, (
+            "a stage must end inside 10 minutes"
+        )
+
+
+def test_gpu_session_script_parses_and_every_stage_dry_runs():
+    """Every stage of benchmarks/gpu_session.sh prints its commands without running them, and
+    each command is one the benchmarks and pytest accept: the script cannot rot unnoticed
+    between the rare sessions that have a GPU."""
+    assert subprocess.run(["bash", "-n", GPU_SESSION], capture_output=True, timeout=60).returncode == 0
+    with open(os.path.join(ROOT, "pyproject.toml")) as handle:  # no tomllib before Python 3.11
+        section = handle.read().split("markers = [", 1)[1].split("]", 1)[0]
+    markers = set(re.findall(r'^\s*"(\w+):', section, flags=re.MULTILINE))
+    assert {"gpu", "nvme", "slow"} <= markers
+    stages = _session_stages()
+    assert {"env", "tests", "sanitizer", "io", "long", "maxseq-base", "maxseq-actoff"} <= set(stages)
+    for stage in stages:
+        done = subprocess.run(["bash", GPU_SESSION, "--dry-run", stage], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "OUT": "/nonexistent/out"})  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
+        assert commands, f"stage {stage} runs nothing"
+        for command in commands:
+            _check_command(shlex.split(command), markers)
+    assert not os.path.exists("/nonexistent/out")  # a dry run writes nothing
+    sanitizer = subprocess.run(["bash", GPU_SESSION, "--dry-run", "sanitizer"], capture_output=True, text=True,
+                               timeout=60).stdout  # fmt: skip
+    assert "TORCH_CUDA_SANITIZER=1" in sanitizer and "-m gpu" in sanitizer
+
+
+def test_gpu_session_refuses_unknown_stages():
+    done = subprocess.run(
+        ["bash", GPU_SESSION, "--dry-run", "turbo"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "unknown stage turbo" in done.stderr
+
+
+def test_benchmark_header_says_file_system_o_direct_and_io_engine(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "_common.py"), "--header", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for key in ("file_system", "o_direct", "io_backend", "kvikio", "triton", "host"):
+        assert f"   {key}" in done.stdout, key
