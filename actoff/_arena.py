@@ -131,10 +131,9 @@ class HostArena:
         # Note [host slot reuse]: slots returned while copies the host has not seen finish
         # may still touch them, with those copies' tickets; freed once every ticket is done.
         self._deferred: list[tuple[Slot, tuple]] = []
-        # Note [frees from the collector]: `free` runs from autograd's release of a handle,
-        # which the garbage collector can start inside any allocation, this arena's own
-        # included. It only queues the slot (an atomic append, no lock), and whoever holds the
-        # lock next returns the queued slots first.
+        # Note [frees from the collector]: `free` runs from autograd's release of a handle, which
+        # the garbage collector can start inside any allocation, this arena's own included. It
+        # only queues the slot (atomic append, no lock); the next lock holder returns it first.
         self._returned: collections.deque[tuple[Slot, tuple]] = collections.deque()
 
     @contextlib.contextmanager
@@ -175,32 +174,26 @@ class HostArena:
         """
         with self._locked():
             self._reap(wait=True)  # a step boundary, once per plan: the old chunks can go
-            # Bump chunks with nothing live are no longer needed: give their memory back first,
-            # so the planned chunk can reuse it rather than add to it.
-            kept = [chunk for chunk in self._chunks if chunk.live]
-            dropped = len(kept) < len(self._chunks)
-            self._chunks = kept
+            # Bump chunks with nothing live are no longer needed, nor an unused planned chunk
+            # too small for this plan: give their memory back before a new chunk adds to it.
+            dropped = not all(chunk.live for chunk in self._chunks)
+            self._chunks = [chunk for chunk in self._chunks if chunk.live]
             need = align_up(max(peak, 1))
-            reuse = self.planned is not None and self.planned.usable >= need and not self._live_planned
-            if not reuse:
-                if self.planned is not None and not self._live_planned:
-                    self.planned, dropped = None, True
-                # Slots of an older plan that are still live keep their chunk alive by
-                # themselves; the arena stops counting it.
+            replace = self.planned is None or self.planned.usable < need or self._live_planned
+            if replace and self.planned is not None and not self._live_planned:
+                self.planned, dropped = None, True
+            if dropped:
+                self.backend.release_host_cache()
+            if replace:
+                # Live slots of an older plan keep its chunk alive; the arena stops counting it.
                 held = sum(chunk.capacity for chunk in self._chunks)
                 room = None if self.budget is None else self.budget - held
-                request = self._request(need, need, room)
-                if dropped:
-                    self.backend.release_host_cache()
-                    dropped = False
+                request = chunk_request(self.backend.pinned, need, need, room)
                 if request is None:
                     self.planned, self._live_planned, self.plan = None, {}, None
                     self.plan_method = "none (the plan does not fit the host budget)"
                     return
-                self.planned = self._new_chunk(request)
-                self._live_planned = {}
-            if dropped:
-                self.backend.release_host_cache()
+                self.planned, self._live_planned = self._new_chunk(request), {}
             self.plan = (tuple(sizes), tuple(offsets))
 
     def drop_plan(self) -> None:
@@ -340,7 +333,7 @@ class HostArena:
             if len(self._chunks) <= 1 or any(chunk.live for chunk in self._chunks):
                 return
             need = align_up(max(self.high_water, 1))
-            request = self._request(need, align_up(need, _MIN_CHUNK), self.budget)
+            request = chunk_request(self.backend.pinned, need, align_up(need, _MIN_CHUNK), self.budget)
             if request is None:  # one chunk of that size would break the budget: keep these
                 return
             self._chunks = []
@@ -351,32 +344,40 @@ class HostArena:
         # Grow geometrically so a first step needs few chunks; never past the budget.
         want = max(size, _MIN_CHUNK, self.capacity)
         room = None if self.budget is None else self.budget - self.capacity
-        request = self._request(size, want, room)
-        if request is None:
-            return None
-        chunk = self._new_chunk(request)
-        self._chunks.append(chunk)
-        return chunk if chunk.usable >= size else None
-
-    def _request(self, need: int, want: int, room: int | None) -> int | None:
-        """Bytes to ask the backend for: a chunk with at least ``need`` usable bytes, ``want``
-        if it fits, whose real footprint is at most ``room``; ``None`` if none fits."""
-        if self.backend.pinned:  # Note [pinned footprint]: powers of two, used whole
-            request = _next_pow2(max(want, need))
-            if room is not None and request > room:
-                request = _prev_pow2(room)
-            return request if request >= need else None
-        request = max(want, need) + ALIGNMENT  # slack to align the start
-        if room is not None and request > room:
-            request = room // ALIGNMENT * ALIGNMENT
-        return request if request - ALIGNMENT >= need else None
+        request = chunk_request(self.backend.pinned, size, want, room)
+        if request is not None:
+            self._chunks.append(self._new_chunk(request))
+            return self._chunks[-1] if self._chunks[-1].usable >= size else None
+        return None
 
     def _new_chunk(self, request: int) -> _Chunk:
-        raw = self.backend.host_empty(request)
         self.num_allocations += 1
-        pad = (-raw.data_ptr()) % ALIGNMENT
-        usable = request if self.backend.pinned else request - ALIGNMENT
-        if pad + usable > request:  # a pinned block that is not page-aligned: lose a page
-            usable = (request - pad) // ALIGNMENT * ALIGNMENT
-        footprint = _next_pow2(request) if self.backend.pinned else request
-        return _Chunk(raw[pad : pad + usable], usable, footprint)
+        return _chunk_of(self.backend.host_empty(request), request, self.backend.pinned)
+
+
+def chunk_request(pinned: bool, need: int, want: int, room: int | None) -> int | None:
+    """Bytes to ask the host allocator for: a chunk with at least ``need`` usable bytes, ``want``
+    if it fits, whose real footprint is at most ``room``; ``None`` if none fits.
+
+    >>> chunk_request(True, 5000, 5000, None), chunk_request(False, 5000, 5000, None)
+    (8192, 9096)
+    """
+    if pinned:  # Note [pinned footprint]: powers of two, used whole
+        request = _next_pow2(max(want, need))
+        if room is not None and request > room:
+            request = _prev_pow2(room)
+        return request if request >= need else None
+    request = max(want, need) + ALIGNMENT  # slack to align the start
+    if room is not None and request > room:
+        request = room // ALIGNMENT * ALIGNMENT
+    return request if request - ALIGNMENT >= need else None
+
+
+def _chunk_of(raw: torch.Tensor, request: int, pinned: bool) -> _Chunk:
+    """The aligned chunk in a fresh host buffer of ``request`` bytes."""
+    pad = (-raw.data_ptr()) % ALIGNMENT
+    usable = request if pinned else request - ALIGNMENT
+    if pad + usable > request:  # a pinned block that is not page-aligned: lose a page
+        usable = (request - pad) // ALIGNMENT * ALIGNMENT
+    footprint = _next_pow2(request) if pinned else request
+    return _Chunk(raw[pad : pad + usable], usable, footprint)
