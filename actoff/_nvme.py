@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
+from . import _io
 from ._config import Config
-from ._io import ALIGNMENT, FailedFuture, IoEngine, open_engine
+from ._io import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine
+from ._io_kvikio import KvikioEngine, probe_kvikio
 
-__all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry"]
+__all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry", "open_engine"]
 
 
 _HOST: Any = object()  # no ticket: a host buffer
@@ -88,6 +90,23 @@ class ExtentAllocator:
         self._free.insert(i, (offset, size))
 
 
+def open_engine(path: str, backend: str = "auto", num_threads: int = 4) -> IoEngine:
+    """Open the I/O engine for ``path``: ``auto`` picks kvikio when it really works.
+
+    >>> import tempfile, os
+    >>> directory = tempfile.mkdtemp()
+    >>> engine = open_engine(os.path.join(directory, "f.bin"), "posix")
+    >>> engine.name.startswith("posix")
+    True
+    >>> engine.close()
+    """
+    if backend == "kvikio" or (backend == "auto" and probe_kvikio(os.path.dirname(path) or ".")[0]):
+        return KvikioEngine(path, num_threads)
+    if _io._C is not None:  # looked up here: tests switch the extension off
+        return CppEngine(path, num_threads)
+    return PythonEngine(path, num_threads)
+
+
 class NvmeStore:
     """The process's file under ``directory`` (rank and pid in its name) and its extents.
 
@@ -126,7 +145,7 @@ class NvmeStore:
         """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future.
 
         ``after``: ``buffer`` is device memory, written once that ticket completes (only when
-        `takes_device_buffers`; Note [direct device I/O] in actoff._io).
+        `takes_device_buffers`; Note [direct device I/O] in actoff._io_kvikio).
         """
         with self._lock:
             extent = self.extents.alloc(nbytes)

@@ -241,10 +241,8 @@ class SimStreams:
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
         self.lock = threading.Lock()
-        # Host buffers alive now (pinned memory's stand-in), start -> bytes. Note [host ranges
-        # die with their buffer]: a freed host chunk's addresses go back to the CPU allocator,
-        # which can hand them to a "device" tensor; a stale range would then call a copy into
-        # that tensor device-to-host, and compute would not wait for it.
+        # Live host buffers, start -> bytes (Note [host ranges die with their buffer]: a freed
+        # chunk's addresses come back as "device" tensors, whose copies compute must await).
         self._host_ranges: dict[int, int] = {}
         self._side: list[_SideStream] = []
         self.compute = _ComputeStream(self, settings.seed)
@@ -280,9 +278,7 @@ class SimStreams:
     def host_empty(self, nbytes: int) -> torch.Tensor:
         with no_dispatch():  # host memory: not the device's
             buffer = torch.empty(nbytes, dtype=torch.uint8)
-        start = buffer.data_ptr()
-        # Plain dict operations, no lock: the finalizer can run inside any allocation, and the
-        # GIL makes each of them atomic (Note [host ranges die with their buffer]).
+        start = buffer.data_ptr()  # no lock: the finalizer may run inside any allocation
         self._host_ranges[start] = nbytes
         weakref.finalize(buffer.untyped_storage(), self._host_ranges.pop, start, None)
         return buffer

@@ -6,7 +6,7 @@ Three paths, by what the device and the I/O engine can do:
   written from there (4 KiB-aligned slot: O_DIRECT-ready);
 - direct from the device (kvikio with GPUDirect Storage active): the engine writes the
   device tensor and reads into a fresh device buffer itself, ordered against the compute
-  stream by a ticket (Note [direct device I/O] in actoff._io); no host memory is involved,
+  stream by a ticket (Note [direct device I/O] in actoff._io_kvikio); no host memory is involved,
   and the device tensor is held until the disk has the bytes;
 - host-resident (a plain CPU device): written straight from the tensor.
 Reads come back the same way. A failed write loses nothing: the bytes are still in the

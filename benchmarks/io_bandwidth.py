@@ -28,7 +28,8 @@ from _common import JsonLines, format_table, median, print_header, system_header
 
 import actoff
 from actoff._arena import ALIGNMENT
-from actoff._io import CppEngine, KvikioEngine, PythonEngine, probe_kvikio
+from actoff._io import CppEngine, PythonEngine
+from actoff._io_kvikio import KvikioEngine, probe_kvikio
 
 CHUNK = 4 * 2**20
 

@@ -248,7 +248,7 @@ def test_nvme_on_cuda_is_exact(nvme_dir, io_backend):
     """On CUDA: staged through pinned memory (POSIX engine, kvikio in compat mode), or with
     GPUDirect Storage active, kvikio reading and writing the device tensors themselves."""
     if io_backend == "kvikio":
-        from actoff._io import probe_kvikio
+        from actoff._io_kvikio import probe_kvikio
 
         ok, why = probe_kvikio(nvme_dir)
         if not ok:
