@@ -30,8 +30,10 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl kvikio-cu13 libkvikio-cu13 rapids-logger cuda-pathfinder
-#   (optional, for the planner tests: add pulp highspy)
+#     --platform manylinux2014_x86_64 -d .whl kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 \
+#     rapids-logger==0.3.0 cuda-pathfinder==1.9.0
+#   (about 4 MB, checked 2026-11; kvikio's other needs, cupy-cuda13x, numpy and cuda-toolkit[cufile],
+#   are in the GPU image. Optional, for the planner tests: add pulp highspy.)
 # Then with the device tool: run(command="bash benchmarks/gpu_session.sh env tests", carry=[".whl"]).
 # Results land in $OUT (the device tool brings them back, 8 files at most: logs and JSON lines);
 # commit the ones worth keeping under benchmarks/results/<device>-<date>/.
