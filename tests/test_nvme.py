@@ -66,7 +66,11 @@ def test_nvme_policy_bit_exact(nvme_dir, keep_last, fused_qkv):
     )
     assert_same_history(expected, actual)
     stats = actoff.stats()
-    assert stats.blocks["layers.0"].bytes_per_tier["nvme"] == stats.blocks["layers.0"].bytes_saved
+    tiers = stats.blocks["layers.0"].bytes_per_tier
+    # On an asynchronous device (the simulated one), a record whose copy out had not ended
+    # when backward reached it is served from its staging slot and counts as host bytes
+    # (Note [staged writes free the device early]); on a plain CPU device every byte is on disk.
+    assert tiers["nvme"] > 0 and tiers["nvme"] + tiers["cpu"] == stats.blocks["layers.0"].bytes_saved
     assert stats.nvme_file_bytes > 0 and stats.io_backend.startswith("posix")
 
 
