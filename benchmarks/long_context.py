@@ -360,7 +360,8 @@ def paired_worker(spec: dict):
 
     The policies share one set of weights: ``none`` and ``save_on_cpu`` run the plain model,
     ``keep`` and ``cpu`` a copy under actoff each. Every round steps each policy once, in a
-    rotated order, so that a burst of load from elsewhere falls on all of them alike.
+    rotated order, so that a burst of load from elsewhere falls on all of them alike. Its step
+    times are on one thread: they are not the policies' own rows.
     """
     import copy
 
@@ -369,6 +370,9 @@ def paired_worker(spec: dict):
     import actoff
     from actoff.reference import Block, ModelConfig
 
+    # One intra-op thread: process CPU time is then the work done, whereas idle OpenMP workers
+    # spin, and spin longer the busier the machine is. The work is what the ratios compare.
+    torch.set_num_threads(1)
     config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
     torch.manual_seed(0)
     plain = build_model(config, torch.device("cpu"), getattr(torch, spec["dtype"]))
