@@ -54,9 +54,9 @@ class BuildExt(build_ext):
                   "ACTOFF_ALLOCATOR=replay will be refused")  # fmt: skip
             return False
         inputs = [*REPLAY_SOURCES, REPLAY_EXPORTS]
-        if os.path.exists(output) and not self.force:
-            if os.path.getmtime(output) >= max(os.path.getmtime(path) for path in inputs):
-                return True
+        newest = max(os.path.getmtime(path) for path in inputs)
+        if os.path.exists(output) and not self.force and os.path.getmtime(output) >= newest:
+            return True
         os.makedirs(os.path.dirname(output), exist_ok=True)
         command = [
             nvcc, "-O2", "-std=c++17", "-shared", "-cudart", "static",

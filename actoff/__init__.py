@@ -21,7 +21,7 @@ from ._allocator import AllocatorStats
 from ._allocator import install as install_replay_allocator
 from ._allocator import stats as replay_allocator_stats
 from ._config import Config, get_config, parse_size, set_config
-from ._io import kvikio_available
+from ._io_kvikio import kvikio_available
 from ._loss import chunked_cross_entropy, chunked_loss_
 from ._mixers import register_token_mixer
 from ._runtime import get_runtime

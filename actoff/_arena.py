@@ -9,6 +9,14 @@ allocator over a few chunks fits: a chunk rewinds when its last slot is freed. T
 step may need several chunks; when a step ends with every chunk empty, they are replaced by
 one chunk as large as the step's high-water mark, so later steps of the same shape allocate
 nothing (`num_allocations` stays put: the tests count it).
+
+Note [pinned footprint]: torch's caching host allocator rounds every pinned allocation up to
+a power of two and keeps freed blocks cached until told to empty its cache. So on a pinned
+backend chunks are requested as powers of two and used whole (pinned blocks are page-aligned:
+no alignment slack), `capacity` counts what the allocator really holds, and whenever chunks
+are dropped the backend's `release_host_cache()` gives their blocks back. Otherwise a budget
+of B could hold 2 B (rounding) plus every chunk ever dropped (caching). Other backends get
+exactly what they ask for, with one page of slack to align the chunk's start.
 """
 
 from __future__ import annotations
@@ -40,12 +48,21 @@ def align_up(value: int, alignment: int = ALIGNMENT) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-class _Chunk:
-    __slots__ = ("buffer", "capacity", "live", "top")
+def _next_pow2(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
 
-    def __init__(self, buffer: torch.Tensor, capacity: int) -> None:
-        self.buffer = buffer  # (capacity,) uint8, ALIGNMENT-aligned start
-        self.capacity = capacity
+
+def _prev_pow2(value: int) -> int:
+    return 1 << (value.bit_length() - 1) if value > 0 else 0
+
+
+class _Chunk:
+    __slots__ = ("buffer", "capacity", "live", "top", "usable")
+
+    def __init__(self, buffer: torch.Tensor, usable: int, capacity: int) -> None:
+        self.buffer = buffer  # (usable,) uint8, ALIGNMENT-aligned start
+        self.usable = usable  # bytes slots can use
+        self.capacity = capacity  # bytes the host allocator really holds for it
         self.top = 0
         self.live = 0
 
@@ -97,8 +114,7 @@ class HostArena:
         self.high_water = 0  # most bytes in use at once since the last consolidation
         self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
-        # Buffer trace for the planner, only while ``tracing``: [size, alloc time, free time
-        # or None, tag] on a logical clock that ticks at every alloc and free.
+        # Planner trace while ``tracing``: [size, alloc, free or None, tag] on a logical clock.
         self.tracing = False
         self.clock = 0
         self.trace: list[list] = []
@@ -108,16 +124,14 @@ class HostArena:
         self.plan_method = "none"  # where the plan came from (Layout.method): shown in stats
         self.planned: _Chunk | None = None
         self.request = 0  # request index within the step
-        self.divergences = 0  # since the last begin_step
-        self.total_divergences = 0
+        self.divergences = self.total_divergences = 0  # since the last begin_step; ever
         self._live_planned: dict[int, int] = {}  # offset -> end, in the planned chunk
         # Note [host slot reuse]: slots returned while copies the host has not seen finish
         # may still touch them, with those copies' tickets; freed once every ticket is done.
         self._deferred: list[tuple[Slot, tuple]] = []
-        # Note [frees from the collector]: `free` runs from autograd's release of a handle,
-        # which the garbage collector can start inside any allocation, this arena's own
-        # included. It only queues the slot (an atomic append, no lock), and whoever holds the
-        # lock next returns the queued slots first.
+        # Note [frees from the collector]: `free` runs from autograd's release of a handle, which
+        # the garbage collector can start inside any allocation, this arena's own included. It
+        # only queues the slot (atomic append, no lock); the next lock holder returns it first.
         self._returned: collections.deque[tuple[Slot, tuple]] = collections.deque()
 
     @contextlib.contextmanager
@@ -129,7 +143,7 @@ class HostArena:
 
     @property
     def capacity(self) -> int:
-        """Bytes of host memory held by the arena."""
+        """Bytes of host memory the allocator really holds for the arena (Note [pinned footprint])."""
         planned = self.planned.capacity if self.planned is not None else 0
         return planned + sum(chunk.capacity for chunk in self._chunks)
 
@@ -152,18 +166,33 @@ class HostArena:
             self.divergences = 0
 
     def install_plan(self, sizes: tuple[int, ...], offsets: tuple[int, ...], peak: int) -> None:
-        """Serve later steps at these offsets, in one chunk of ``peak`` bytes."""
+        """Serve later steps at these offsets, in one chunk of ``peak`` bytes.
+
+        Not installed (``plan`` stays ``None``) when that chunk would not fit in the budget.
+        """
         with self._locked():
             self._reap(wait=True)  # a step boundary, once per plan: the old chunks can go
-            if self.planned is None or self.planned.capacity < peak or self._live_planned:
-                if not self._live_planned:
-                    self.planned = self._new_chunk(max(peak, ALIGNMENT))
-                else:  # slots of an older plan are still live: keep them, plan in a new chunk
-                    self.planned = self._new_chunk(max(peak, ALIGNMENT))
-                    self._live_planned = {}
-            self.plan = (tuple(sizes), tuple(offsets))
-            # Bump chunks with nothing live are no longer needed: give their memory back.
+            # Bump chunks with nothing live are no longer needed, nor an unused planned chunk
+            # too small for this plan: give their memory back before a new chunk adds to it.
+            dropped = not all(chunk.live for chunk in self._chunks)
             self._chunks = [chunk for chunk in self._chunks if chunk.live]
+            need = align_up(max(peak, 1))
+            replace = self.planned is None or self.planned.usable < need or self._live_planned
+            if replace and self.planned is not None and not self._live_planned:
+                self.planned, dropped = None, True
+            if dropped:
+                self.backend.release_host_cache()
+            if replace:
+                # Live slots of an older plan keep its chunk alive; the arena stops counting it.
+                held = sum(chunk.capacity for chunk in self._chunks)
+                room = None if self.budget is None else self.budget - held
+                request = chunk_request(self.backend.pinned, need, need, room)
+                if request is None:
+                    self.planned, self._live_planned, self.plan = None, {}, None
+                    self.plan_method = "none (the plan does not fit the host budget)"
+                    return
+                self.planned, self._live_planned = self._new_chunk(request), {}
+            self.plan = (tuple(sizes), tuple(offsets))
 
     def drop_plan(self) -> None:
         with self._locked():
@@ -215,7 +244,7 @@ class HostArena:
             return slot
 
     def _bump(self, size: int, *, grow: bool) -> tuple[_Chunk, int] | None:
-        chunk = next((c for c in self._chunks if c.capacity - c.top >= size), None)
+        chunk = next((c for c in self._chunks if c.usable - c.top >= size), None)
         if chunk is None:
             chunk = self._grow(size) if grow else None
             if chunk is None:
@@ -303,26 +332,52 @@ class HostArena:
             self._reap(wait=False)
             if len(self._chunks) <= 1 or any(chunk.live for chunk in self._chunks):
                 return
-            size = align_up(self.high_water, _MIN_CHUNK)
-            if self.budget is not None:
-                size = min(size, self.budget)
+            need = align_up(max(self.high_water, 1))
+            request = chunk_request(self.backend.pinned, need, align_up(need, _MIN_CHUNK), self.budget)
+            if request is None:  # one chunk of that size would break the budget: keep these
+                return
             self._chunks = []
-            self._chunks.append(self._new_chunk(size))
+            self.backend.release_host_cache()  # before the new chunk: never both held at once
+            self._chunks.append(self._new_chunk(request))
 
     def _grow(self, size: int) -> _Chunk | None:
         # Grow geometrically so a first step needs few chunks; never past the budget.
         want = max(size, _MIN_CHUNK, self.capacity)
-        if self.budget is not None:
-            room = self.budget - self.capacity
-            if room < size:
-                return None
-            want = min(want, room)
-        chunk = self._new_chunk(want)
-        self._chunks.append(chunk)
-        return chunk
+        room = None if self.budget is None else self.budget - self.capacity
+        request = chunk_request(self.backend.pinned, size, want, room)
+        if request is not None:
+            self._chunks.append(self._new_chunk(request))
+            return self._chunks[-1] if self._chunks[-1].usable >= size else None
+        return None
 
-    def _new_chunk(self, capacity: int) -> _Chunk:
-        raw = self.backend.host_empty(capacity + ALIGNMENT)
+    def _new_chunk(self, request: int) -> _Chunk:
         self.num_allocations += 1
-        pad = (-raw.data_ptr()) % ALIGNMENT
-        return _Chunk(raw[pad : pad + capacity], capacity)
+        return _chunk_of(self.backend.host_empty(request), request, self.backend.pinned)
+
+
+def chunk_request(pinned: bool, need: int, want: int, room: int | None) -> int | None:
+    """Bytes to ask the host allocator for: a chunk with at least ``need`` usable bytes, ``want``
+    if it fits, whose real footprint is at most ``room``; ``None`` if none fits.
+
+    >>> chunk_request(True, 5000, 5000, None), chunk_request(False, 5000, 5000, None)
+    (8192, 9096)
+    """
+    if pinned:  # Note [pinned footprint]: powers of two, used whole
+        request = _next_pow2(max(want, need))
+        if room is not None and request > room:
+            request = _prev_pow2(room)
+        return request if request >= need else None
+    request = max(want, need) + ALIGNMENT  # slack to align the start
+    if room is not None and request > room:
+        request = room // ALIGNMENT * ALIGNMENT
+    return request if request - ALIGNMENT >= need else None
+
+
+def _chunk_of(raw: torch.Tensor, request: int, pinned: bool) -> _Chunk:
+    """The aligned chunk in a fresh host buffer of ``request`` bytes."""
+    pad = (-raw.data_ptr()) % ALIGNMENT
+    usable = request if pinned else request - ALIGNMENT
+    if pad + usable > request:  # a pinned block that is not page-aligned: lose a page
+        usable = (request - pad) // ALIGNMENT * ALIGNMENT
+    footprint = _next_pow2(request) if pinned else request
+    return _Chunk(raw[pad : pad + usable], usable, footprint)

@@ -10,6 +10,9 @@ __all__ = ["CudaStreams"]
 class CudaStreams:
     """Streams and events of one CUDA device, in the shape StreamBackend expects."""
 
+    #: Host buffers come from torch's caching pinned allocator (Note [pinned footprint]).
+    pinned = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -31,6 +34,14 @@ class CudaStreams:
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def release_host_cache(self) -> None:
+        # torch's caching host allocator keeps freed pinned blocks until asked to let go.
+        empty = getattr(torch._C, "_host_emptyCache", None) or getattr(
+            torch.accelerator, "empty_host_cache", None
+        )
+        if empty is not None:
+            empty()
 
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
         pass  # the runtime orders host reuse itself (Note [host slot reuse])

@@ -85,6 +85,9 @@ class DeviceBackend:
     #: The device's memory is host memory (a plain CPU device): the host tier has nothing
     #: to copy (Note [nothing to copy on the host]).
     host_resident: bool = False
+    #: Host buffers come from torch's caching pinned allocator, which rounds every request up
+    #: to a power of two and caches freed blocks (Note [pinned footprint] in actoff._arena).
+    pinned: bool = False
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 host buffer of ``nbytes`` (pinned where the device has DMA)."""
@@ -93,6 +96,9 @@ class DeviceBackend:
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Ticket:
         """Start copying device ``src`` into host ``dst`` after the work queued so far."""
         raise NotImplementedError
+
+    def release_host_cache(self) -> None:
+        """Give host buffers freed so far back to the system (no cache to empty on the CPU)."""
 
     def copy_to_device(
         self, src: torch.Tensor, *, pad: int = 0, what: str = ""
@@ -111,6 +117,13 @@ class DeviceBackend:
     def stall(self, ticket: Ticket | None) -> Ticket:
         """How long the current stream will wait for ``ticket`` from now (0 on the CPU, where
         a prefetched copy has already happened)."""
+        return Ticket(0.0)
+
+    def mark(self) -> Ticket:
+        """A ticket that completes once the current (compute) stream has run everything queued
+        on it so far: what a host thread waits for before it lets a DMA engine outside the
+        streams (GPUDirect Storage) touch device memory (Note [direct device I/O] in
+        actoff._tier_nvme). Complete at once on the CPU, where work runs as it is queued."""
         return Ticket(0.0)
 
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
@@ -236,7 +249,8 @@ class StreamBackend(DeviceBackend):
     ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes)``
     and ``check_host_reuse(buffer, action)``; its streams have ``wait_stream`` and
     ``wait_event``, its events ``record``, ``query``, ``synchronize`` and ``elapsed_time``,
-    as ``torch.cuda``'s do.
+    as ``torch.cuda``'s do. Optional: ``pinned`` (host buffers from torch's caching pinned
+    allocator) and ``release_host_cache()``.
     """
 
     staged = True
@@ -246,9 +260,15 @@ class StreamBackend(DeviceBackend):
         self.streams = streams
         self.d2h_stream = streams.new_stream()
         self.h2d_stream = streams.new_stream()
+        self.pinned = bool(getattr(streams, "pinned", False))
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         return self.streams.host_empty(nbytes)
+
+    def release_host_cache(self) -> None:
+        release = getattr(self.streams, "release_host_cache", None)
+        if release is not None:
+            release()
 
     def _copy_on(self, side: Any, dst: torch.Tensor, src: torch.Tensor, what: str) -> StreamTicket:
         compute = self.streams.current()  # Note [capture the compute stream]
@@ -281,6 +301,11 @@ class StreamBackend(DeviceBackend):
         marker = self.streams.event()
         marker.record(self.streams.current())
         return _Stall(marker, ticket.end)
+
+    def mark(self) -> Ticket:
+        marker = self.streams.event()
+        marker.record(self.streams.current())  # Note [capture the compute stream]
+        return StreamTicket(marker, marker)
 
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
         self.streams.check_host_reuse(buffer, action)

@@ -1,4 +1,4 @@
-"""Host arenas of the process (one per device), and their layouts: from the buffers a step
+"""Host arenas of the process (one per device backend), and their layouts: from the buffers a step
 traced to a plan installed in the arena.
 
 A traced step becomes a plan (from memory, the on-disk cache, or a solve by actoff.planner);
@@ -21,14 +21,19 @@ __all__ = ["Arenas", "plan_arena"]
 
 
 class Arenas(dict):
-    """The host arenas of the process, by device (a dict ``device -> HostArena``)."""
+    """The host arenas of the process, one per device backend (a dict ``backend -> HostArena``).
+
+    By backend, not device: a CPU device inside `actoff.testing.simulated_device` and outside
+    it are two backends, each with its own host buffers (the simulated device must know its
+    host buffers, or it would count them as device memory).
+    """
 
     def for_device(self, backend: DeviceBackend, config: Config, budget: int | None) -> HostArena:
         """The arena of ``backend``'s device under ``budget`` (the config in force decides it);
         a new plan's trace starts here when the planner is on and the arena has no plan."""
-        arena = self.get(backend.device)
+        arena = self.get(backend)
         if arena is None:
-            arena = self[backend.device] = HostArena(backend, budget)
+            arena = self[backend] = HostArena(backend, budget)
         arena.budget = budget
         if arena.plan is None and config.planner != "off" and not arena.tracing:
             arena.take_trace()
@@ -41,8 +46,8 @@ class Arenas(dict):
 
     def consolidate(self, device: torch.device | None = None) -> None:
         """Merge empty chunks, of ``device``'s arena or of every arena."""
-        for key, arena in self.items():
-            if device is None or key == device:
+        for arena in self.values():
+            if device is None or arena.backend.device == device:
                 arena.consolidate()
 
     def plan(self, config: Config, plans: dict[str, Layout]) -> None:

@@ -12,13 +12,19 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from . import _io
 from ._config import Config
-from ._io import ALIGNMENT, FailedFuture, IoEngine, open_engine
+from ._io import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine
+from ._io_kvikio import KvikioEngine, probe_kvikio
 
-__all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry"]
+__all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry", "open_engine"]
+
+
+_HOST: Any = object()  # no ticket: a host buffer
 
 
 def _align(value: int) -> int:
@@ -84,6 +90,23 @@ class ExtentAllocator:
         self._free.insert(i, (offset, size))
 
 
+def open_engine(path: str, backend: str = "auto", num_threads: int = 4) -> IoEngine:
+    """Open the I/O engine for ``path``: ``auto`` picks kvikio when it really works.
+
+    >>> import tempfile, os
+    >>> directory = tempfile.mkdtemp()
+    >>> engine = open_engine(os.path.join(directory, "f.bin"), "posix")
+    >>> engine.name.startswith("posix")
+    True
+    >>> engine.close()
+    """
+    if backend == "kvikio" or (backend == "auto" and probe_kvikio(os.path.dirname(path) or ".")[0]):
+        return KvikioEngine(path, num_threads)
+    if _io._C is not None:  # looked up here: tests switch the extension off
+        return CppEngine(path, num_threads)
+    return PythonEngine(path, num_threads)
+
+
 class NvmeStore:
     """The process's file under ``directory`` (rank and pid in its name) and its extents.
 
@@ -113,8 +136,17 @@ class NvmeStore:
         self._finalizer = weakref.finalize(self, _remove, self.engine, self.path)
         _exit_on_sigterm()
 
-    def write(self, buffer: torch.Tensor, nbytes: int) -> tuple[Extent, object]:
-        """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future."""
+    @property
+    def takes_device_buffers(self) -> bool:
+        """Whether the engine writes and reads device buffers itself (kvikio with GDS active)."""
+        return self.engine.takes_device_buffers
+
+    def write(self, buffer: torch.Tensor, nbytes: int, *, after: Any = _HOST) -> tuple[Extent, object]:
+        """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future.
+
+        ``after``: ``buffer`` is device memory, written once that ticket completes (only when
+        `takes_device_buffers`; Note [direct device I/O] in actoff._io_kvikio).
+        """
         with self._lock:
             extent = self.extents.alloc(nbytes)
             if extent.offset + extent.size > self.reserved:
@@ -130,13 +162,20 @@ class NvmeStore:
                         return extent, FailedFuture(_io_error(error))
                 self.reserved = want
                 self.growths += 1
-        future = self.engine.pwrite(buffer, nbytes, extent.offset)
+        if after is _HOST:
+            future = self.engine.pwrite(buffer, nbytes, extent.offset)
+        else:
+            future = self.engine.pwrite_device(buffer, nbytes, extent.offset, after)
         self._io[extent.offset] = future
         return extent, future
 
-    def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int) -> object:
-        """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer``."""
-        future = self.engine.pread(buffer, nbytes, extent.offset)
+    def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int, *, after: Any = _HOST) -> object:
+        """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer`` (device memory,
+        once ticket ``after`` completes, when given: see `write`)."""
+        if after is _HOST:
+            future = self.engine.pread(buffer, nbytes, extent.offset)
+        else:
+            future = self.engine.pread_device(buffer, nbytes, extent.offset, after)
         self._io[extent.offset] = future
         return future
 

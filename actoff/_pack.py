@@ -48,40 +48,91 @@ def triton_available() -> bool:
 
 
 @functools.cache
-def _kernels():
-    from ._pack_triton import gather, scatter  # imports triton: only when a kernel runs
+def _kernel():
+    from ._pack_triton import copy_rows  # imports triton: only when a kernel runs
 
-    return gather, scatter
+    return copy_rows
 
 
-def _shape4(view: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    shape, stride = list(view.shape), list(view.stride())
-    if len(shape) > _MAX_DIMS:
+# Triton has no complex, bool or (in every version) float8 types, and the copy needs none:
+# every element is moved as the integer of its width.
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(view: torch.Tensor) -> torch.Tensor | None:
+    """``view``'s bytes as a same-width integer view with the same layout, or ``None``.
+
+    Complex tensors become (..., 2) real views first (``view_as_real``: any strides), so a
+    complex128 element is two int64s. Conjugate or negative views carry lazy bits that a raw
+    copy would drop: they take the torch path.
+    """
+    if view.is_conj() or view.is_neg():
         return None
-    pad = _MAX_DIMS - len(shape)
-    return [1] * pad + shape, [0] * pad + stride
+    if view.is_complex():
+        view = torch.view_as_real(view)
+    dtype = _INT_OF_WIDTH.get(view.element_size())
+    return None if dtype is None else view.view(dtype)
+
+
+def _rows(view: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``view`` as rows: sizes ``[n0, n1, n2, row_len]`` and element strides ``[t0, t1, t2, t3]``.
+
+    Size-1 dimensions are dropped and neighbours contiguous with each other merged, so a
+    (B, S, H) slice of a contiguous tensor is rows of ``H`` (or one long row); ``None`` when
+    more than four dimensions remain.
+
+    >>> _rows(torch.empty(2, 40, 24)[:, 10:27])
+    ([1, 1, 2, 408], [0, 0, 960, 1])
+    """
+    merged: list[list[int]] = []
+    for size, stride in zip(view.shape, view.stride(), strict=True):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    if len(merged) > _MAX_DIMS:
+        return None
+    merged = [[1, 0]] * (_MAX_DIMS - len(merged)) + (merged or [])
+    if merged[-1][0] == 1:  # a single element: one row of one
+        merged[-1] = [1, 1]
+    return [size for size, _ in merged], [stride for _, stride in merged]
 
 
 def _use_triton(view: torch.Tensor, use_triton: bool | None) -> bool:
     if use_triton is None:
         use_triton = view.is_cuda
-    return use_triton and triton_available() and view.numel() > 0 and _shape4(view) is not None
+    return use_triton and triton_available() and view.numel() > 0
 
 
-def _launch(kernel, src: torch.Tensor, dst: torch.Tensor, strided: torch.Tensor) -> None:
+def _launch(strided: torch.Tensor, slot: torch.Tensor, *, strided_src: bool) -> bool:
+    """Copy between ``strided`` and its contiguous ``slot``; False when the kernel cannot."""
     import triton
 
-    shape, stride = _shape4(strided)
-    numel = strided.numel()
-    kernel[(triton.cdiv(numel, _BLOCK),)](
-        src, dst, numel, shape[1], shape[2], shape[3], *stride, BLOCK=_BLOCK
-    )
+    strided, packed = _as_int(strided), _as_int(slot)
+    shape = _rows(strided) if strided is not None else None
+    if shape is None:
+        return False
+    (n0, n1, n2, row_len), strides = shape
+    num_rows = n0 * n1 * n2
+    # Note [index arithmetic] in _pack_triton: a tile of about _BLOCK elements, as many rows
+    # as fit when rows are short, so the row index split is paid once per row.
+    block_c = min(_BLOCK, triton.next_power_of_2(row_len))
+    block_r = min(_BLOCK // block_c, triton.next_power_of_2(num_rows))
+    grid = (triton.cdiv(num_rows, block_r) * triton.cdiv(row_len, block_c),)
+    src, dst = (strided, packed) if strided_src else (packed, strided)
+    _kernel()[grid](src, dst, num_rows, row_len, n1, n2, *strides,
+                    STRIDED_SRC=strided_src, BLOCK_R=block_r, BLOCK_C=block_c)  # fmt: skip
+    return True
 
 
 def pack_rows(views: list[torch.Tensor], *, use_triton: bool | None = None) -> tuple[torch.Tensor, list[int]]:
     """Copy each (strided) view into one new contiguous uint8 buffer; return it and the offsets.
 
-    ``use_triton=None`` uses the Triton kernel for CUDA tensors when Triton is available.
+    ``use_triton=None`` uses the Triton kernel for CUDA tensors when Triton is available. Every
+    dtype takes it (moved as integers of its width); views with more than four dimensions that
+    do not merge, and conjugate views, take torch's copy.
 
     >>> base = torch.arange(24.0).view(2, 3, 4)
     >>> buffer, offsets = pack_rows([base[:, 1:], base[:, :1]])
@@ -93,9 +144,7 @@ def pack_rows(views: list[torch.Tensor], *, use_triton: bool | None = None) -> t
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     for view, offset in zip(views, offsets, strict=True):
         slot = _slot(buffer, offset, view)
-        if _use_triton(view, use_triton):
-            _launch(_kernels()[0], view, slot, view)
-        else:
+        if not (_use_triton(view, use_triton) and _launch(view, slot, strided_src=True)):
             slot.view(view.shape).copy_(view)
     return buffer, offsets
 
@@ -105,7 +154,5 @@ def scatter_rows(buffer: torch.Tensor, offsets: list[int], views: list[torch.Ten
     """Copy the packed rows back into each (strided) destination view, in place."""
     for view, offset in zip(views, offsets, strict=True):
         slot = _slot(buffer, offset, view)
-        if _use_triton(view, use_triton):
-            _launch(_kernels()[1], slot, view, view)
-        else:
+        if not (_use_triton(view, use_triton) and _launch(view, slot, strided_src=False)):
             view.copy_(slot.view(view.shape))

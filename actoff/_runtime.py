@@ -69,7 +69,7 @@ class Runtime:
         self.step: Step | None = None
         self.steps_started = 0
         self.steps_completed = 0
-        self.arenas = Arenas()  # host arenas by device
+        self.arenas = Arenas()  # host arenas by device backend
         self.last_stats: dict[str, BlockStats] = {}
         # What probes learned, per module by identity (Note [plans per module and conditions])
         self.token_plans: ByOwner[ModulePlans] = ByOwner()

@@ -25,6 +25,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,7 +241,9 @@ class SimStreams:
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
         self.lock = threading.Lock()
-        self._host_ranges: list[tuple[int, int]] = []  # host buffers (pinned memory's stand-in)
+        # Live host buffers, start -> bytes (Note [host ranges die with their buffer]: a freed
+        # chunk's addresses come back as "device" tensors, whose copies compute must await).
+        self._host_ranges: dict[int, int] = {}
         self._side: list[_SideStream] = []
         self.compute = _ComputeStream(self, settings.seed)
         self._streams = 0
@@ -275,13 +278,14 @@ class SimStreams:
     def host_empty(self, nbytes: int) -> torch.Tensor:
         with no_dispatch():  # host memory: not the device's
             buffer = torch.empty(nbytes, dtype=torch.uint8)
-        with self.lock:
-            self._host_ranges.append((buffer.data_ptr(), nbytes))
+        start = buffer.data_ptr()  # no lock: the finalizer may run inside any allocation
+        self._host_ranges[start] = nbytes
+        weakref.finalize(buffer.untyped_storage(), self._host_ranges.pop, start, None)
         return buffer
 
     def is_host(self, tensor: torch.Tensor) -> bool:
         address = tensor.data_ptr()
-        return any(start <= address < start + size for start, size in self._host_ranges)
+        return any(start <= address < start + size for start, size in list(self._host_ranges.items()))
 
     # ------------------------------------------------------------------ ordering and races
     def ordered(self, event: SimEvent, *, by_host: bool) -> None:

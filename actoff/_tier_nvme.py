@@ -1,10 +1,17 @@
 """The NVMe tier: a record's bytes in the process's file, staged through host memory on CUDA.
 
-Where the device has DMA (``backend.staged``), a record is copied into a host arena slot
-first and written from there (4 KiB-aligned slot: O_DIRECT-ready); on a host-resident device
-it is written straight from the tensor. Reads come back the same way. A failed write loses
-nothing: the bytes are still in the staging slot (the record becomes a host-tier record) or
-on the device (it stays resident). A failed, short or hung read raises in the training thread.
+Three paths, by what the device and the I/O engine can do:
+- staged (a device with DMA, ``backend.staged``, and an engine that takes host buffers: the
+  POSIX engine, kvikio in compat mode): a record is copied into a host arena slot first and
+  written from there (4 KiB-aligned slot: O_DIRECT-ready);
+- direct from the device (kvikio with GPUDirect Storage active): the engine writes the
+  device tensor and reads into a fresh device buffer itself, ordered against the compute
+  stream by a ticket (Note [direct device I/O] in actoff._io_kvikio); no host memory is involved,
+  and the device tensor is held until the disk has the bytes;
+- host-resident (a plain CPU device): written straight from the tensor.
+Reads come back the same way. A failed write loses nothing: the bytes are still in the
+staging slot (the record becomes a host-tier record) or on the device (it stays resident). A
+failed, short or hung read raises in the training thread.
 """
 
 from __future__ import annotations
@@ -30,15 +37,20 @@ class NvmeTier(HostTier):
 
     def place(self, record: Record) -> None:
         run, layout = record.run, record.layout
-        if run.backend.staged:
+        store = run.store()
+        direct = run.backend.staged and store.takes_device_buffers
+        if run.backend.staged and not direct:
             super().place(record)  # the host copy first; the write starts in advance()
             return
-        # Host-resident tensors go straight to the file; no staging copy.
-        store = run.store()
+        # Host-resident tensors, or device tensors the engine writes itself (GDS), go straight
+        # to the file; no staging copy.
         source = layout.flat(record.device_tensor)
         if run.config.verify:
             record.checksum = checksum(source)
-        record.extent, record.write_future = store.write(source, layout.nbytes)
+        if direct:  # Note [direct device I/O]: written once the compute stream has produced it
+            record.extent, record.write_future = store.write(source, layout.nbytes, after=run.backend.mark())
+        else:
+            record.extent, record.write_future = store.write(source, layout.nbytes)
         record.store = store
         record.copy_source = source
         record.tier = self
@@ -62,6 +74,7 @@ class NvmeTier(HostTier):
                     return
                 ticket.synchronize()
             store, slot = run.store(), record.host_slot
+            run.backend.check_host_reuse(slot.raw(), "written to disk")  # no copy may touch it now
             if run.config.verify:
                 record.checksum = checksum(slot.view(record.layout.dtype, record.layout.span))
             # The whole aligned slot: aligned address, size and offset take O_DIRECT.
@@ -123,7 +136,7 @@ class NvmeTier(HostTier):
 
     def fetch(self, record: Record) -> None:
         run, layout, store = record.run, record.layout, record.store
-        if run.backend.staged:
+        if run.backend.staged and not store.takes_device_buffers:
             slot = run.arena().alloc(layout.nbytes, tag=run.index)
             if slot is None:
                 raise RuntimeError(
@@ -137,7 +150,14 @@ class NvmeTier(HostTier):
             flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
             record.device_tensor = layout.rebuild(flat)
             record.copy_source = flat[layout.pad :]
-            record.write_future = store.read(record.copy_source, record.extent, layout.nbytes)
+            if run.backend.staged:
+                # Note [direct device I/O]: the fresh allocation may reuse memory that kernels
+                # queued on the compute stream still use: the read lands after they ran.
+                record.write_future = store.read(
+                    record.copy_source, record.extent, layout.nbytes, after=run.backend.mark()
+                )
+            else:
+                record.write_future = store.read(record.copy_source, record.extent, layout.nbytes)
         record.to(State.FETCHING)
 
     def materialize(self, record: Record) -> torch.Tensor:
@@ -145,7 +165,7 @@ class NvmeTier(HostTier):
             # Note [staged writes free the device early]: the device tensor is gone and the
             # staging slot has the bytes; the write, if started, goes on.
             self.advance(record, force=False)
-            if record.tier is not self:  # the write failed: the record lives elsewhere now
+            if record.tier is not self:  # the write failed just now: the record fell back
                 return record.tier.materialize(record)
             if record.state is State.OFFLOADING:
                 if record.write_future is None:
@@ -175,8 +195,10 @@ class NvmeTier(HostTier):
             run.account_io("fetch_ms", future)
         except Exception as error:  # an OSError, a timeout, or a worker that died
             if _timed_out(error):  # Note [hung I/O]: the read may still land in this buffer
-                run.runtime.quarantine.append((record.host_slot, record.copy_source))
-                record.host_slot = None
+                # ... and still reads its extent: neither is handed out again (a free of the
+                # extent with the read running would raise when the record is released).
+                run.runtime.quarantine.append((record.host_slot, record.extent, record.copy_source))
+                record.host_slot = record.extent = None
             raise RuntimeError(
                 f"actoff: reading a saved activation of block {run.name!r} back from NVMe "
                 f"failed: {error}. The step cannot continue with this activation."
@@ -184,10 +206,10 @@ class NvmeTier(HostTier):
         buffer, record.copy_source = record.copy_source, None
         if run.config.verify:
             verify(record, buffer)
-        if run.backend.staged:
+        if record.host_slot is not None:  # staged: the slot's bytes go to the device now
             flat, record.fetch_ticket = run.backend.copy_to_device(buffer, pad=layout.pad, what=record.what())
             record.device_tensor = layout.rebuild(flat)
-        else:
+        else:  # read straight into the device tensor; the host saw it land
             record.fetch_ticket = None
 
     def evict(self, record: Record) -> None:

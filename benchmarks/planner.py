@@ -14,6 +14,9 @@ import os
 import random
 import sys
 
+# This checkout's actoff (and _common) before any installed copy: a benchmark measures the
+# code it sits next to, also when the package is installed elsewhere or not at all.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import format_table, print_header, system_header, write_json
@@ -58,7 +61,8 @@ def random_instance(seed: int, count: int = 60, horizon: int = 120) -> tuple[lis
     return buffers, [i // 6 for i in range(count)]  # arbitrary groups of six for bi-level
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also what benchmarks/gpu_session.sh's commands are checked against)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -67,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random", type=int, default=2, help="random instances")
     parser.add_argument("--time-limit", type=float, default=20.0, help="MIP time limit per solve (s)")
     parser.add_argument("--json", help="write records to this path")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     header = system_header()
     header["time_limit"] = f"{args.time_limit:.0f} s per MIP"

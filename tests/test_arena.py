@@ -1,11 +1,65 @@
-"""Host arena: aligned slots, rewinding chunks, budget, consolidation into one allocation."""
+"""Host arena: aligned slots, rewinding chunks, budget, consolidation into one allocation, and
+a footprint that is what the host allocator really holds (powers of two when pinned)."""
 
+import gc
 import itertools
+import mmap
+import weakref
 
+import pytest
 import torch
 
 from actoff._arena import ALIGNMENT, HostArena
-from actoff._device import CpuBackend
+from actoff._device import CpuBackend, backend_for
+
+
+class CountingCpuBackend(CpuBackend):
+    """The CPU backend, counting bytes requested and cache releases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[int] = []
+        self.releases = 0
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        self.requests.append(nbytes)
+        return super().host_empty(nbytes)
+
+    def release_host_cache(self) -> None:
+        self.releases += 1
+
+
+class CachingPinnedBackend(CountingCpuBackend):
+    """Models torch's caching host allocator on the CPU: every request is rounded up to a power
+    of two, blocks are page-aligned (mmap), and a freed block stays held (cached) until
+    `release_host_cache()`. ``held_bytes`` is what such an allocator would hold."""
+
+    pinned = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.cached_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self.live_bytes + self.cached_bytes
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        self.requests.append(nbytes)
+        block = 1 << (nbytes - 1).bit_length()
+        memory = mmap.mmap(-1, block)
+        self.live_bytes += block
+        weakref.finalize(memory, self._freed, block)  # the tensor and its views keep it alive
+        return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)
+
+    def _freed(self, block: int) -> None:
+        self.live_bytes -= block
+        self.cached_bytes += block
+
+    def release_host_cache(self) -> None:
+        super().release_host_cache()
+        self.cached_bytes = 0
 
 
 def test_slots_are_aligned_and_disjoint():
@@ -37,11 +91,109 @@ def test_chunk_rewinds_when_empty():
 
 
 def test_budget_refuses_past_it():
-    arena = HostArena(CpuBackend(), budget=3 * ALIGNMENT)
+    # Pinned: a 4-page budget is one 4-page block, all of it usable.
+    arena = HostArena(CachingPinnedBackend(), budget=4 * ALIGNMENT)
     assert arena.alloc(ALIGNMENT) is not None
     assert arena.alloc(2 * ALIGNMENT) is not None
+    assert arena.alloc(2 * ALIGNMENT) is None
+    assert arena.alloc(1) is not None
+    assert arena.capacity == 4 * ALIGNMENT
+    # Elsewhere one page of the budget pays for aligning the chunk's start.
+    arena = HostArena(CpuBackend(), budget=4 * ALIGNMENT)
+    assert arena.alloc(ALIGNMENT) is not None and arena.alloc(2 * ALIGNMENT) is not None
     assert arena.alloc(1) is None
-    assert arena.capacity <= 3 * ALIGNMENT
+    assert arena.capacity == 4 * ALIGNMENT
+
+
+def _a_step(arena: HostArena, sizes) -> None:
+    slots = [arena.alloc(size) for size in sizes]
+    for slot in reversed(slots):
+        if slot is not None:
+            arena.free(slot)
+
+
+@pytest.mark.parametrize("backend_cls", [CountingCpuBackend, CachingPinnedBackend], ids=["cpu", "pinned"])
+def test_capacity_is_what_was_allocated_and_never_exceeds_the_budget(backend_cls):
+    backend = backend_cls()
+    budget = 100 * 2**20 + 12345  # not a power of two
+    arena = HostArena(backend, budget=budget)
+    sizes = [7 * 2**20, 20 * 2**20, 3 * 2**20 + 5, 30 * 2**20, 1000]
+    for _ in range(3):
+        _a_step(arena, sizes)
+        footprint = sum(1 << (n - 1).bit_length() for n in backend.requests[-len(arena._chunks) :])
+        assert arena.capacity <= budget
+        if backend.pinned:
+            # Every request is a power of two, used whole; what the allocator holds (live and
+            # cached) is exactly the arena's capacity once dropped chunks were released.
+            assert all(n & (n - 1) == 0 for n in backend.requests)
+            assert all(chunk.usable == chunk.capacity for chunk in arena._chunks)
+            gc.collect()
+            assert backend.live_bytes == arena.capacity == footprint
+            assert backend.held_bytes == arena.capacity
+        else:
+            assert arena.capacity == sum(backend.requests[-len(arena._chunks) :])
+        arena.consolidate()
+    assert len(arena._chunks) == 1 and arena._chunks[0].usable >= sum(
+        (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT for n in sizes
+    )
+
+
+def test_dropped_chunks_trigger_the_release_hook():
+    backend = CachingPinnedBackend()
+    arena = HostArena(backend)
+    _a_step(arena, [20 * 2**20, 20 * 2**20])  # two chunks
+    assert len(arena._chunks) == 2 and backend.releases == 0
+    arena.consolidate()  # two dropped, one made
+    assert backend.releases == 1 and len(arena._chunks) == 1
+    gc.collect()
+    assert backend.cached_bytes == 0 and backend.held_bytes == arena.capacity
+    arena.consolidate()  # one chunk: nothing to do, nothing released
+    assert backend.releases == 1
+    arena.install_plan((4096, 8192), (0, 4096), 12288)  # the bump chunk is dropped
+    assert backend.releases == 2 and arena._chunks == [] and arena.planned.capacity == 16384
+    gc.collect()
+    assert backend.held_bytes == arena.capacity == 16384
+    arena.install_plan((4096,), (0,), 4096)  # the planned chunk is reused: nothing dropped
+    assert backend.releases == 2 and arena.capacity == 16384
+    arena.install_plan((2**20,), (0,), 2**20)  # a bigger plan replaces the planned chunk
+    assert backend.releases == 3 and arena.capacity == 2**20
+    gc.collect()
+    assert backend.held_bytes == 2**20
+
+
+def test_a_plan_that_would_break_the_budget_is_not_installed():
+    backend = CachingPinnedBackend()
+    arena = HostArena(backend, budget=96 * 1024)  # the plan's block would be 128 KiB
+    arena.install_plan((70 * 1024,), (0,), 70 * 1024)
+    assert arena.plan is None and arena.planned is None and arena.capacity == 0
+    assert "budget" in arena.plan_method
+    # Bump chunks still serve, within the budget: 64 KiB is the largest block that fits.
+    assert arena.alloc(70 * 1024) is None
+    assert arena.alloc(60 * 1024) is not None and arena.capacity == 64 * 1024
+
+
+@pytest.mark.gpu
+def test_pinned_memory_held_stays_within_the_arenas_capacity():
+    """What torch's host allocator holds (its rounded blocks, cached ones included) stays
+    within 1.1x of the capacity the arena reports, through growth, consolidation and a plan."""
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        pytest.skip("this torch has no torch.cuda.host_memory_stats")
+    backend = backend_for(torch.device("cuda", 0))
+    assert backend.pinned
+    backend.release_host_cache()
+    held = lambda: torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)  # noqa: E731
+    baseline = held()
+    arena = HostArena(backend, budget=3 * 2**30)
+    sizes = [100 * 2**20 + 3, 300 * 2**20, 50 * 2**20, 700 * 2**20 + 4096]
+    for step in range(3):
+        _a_step(arena, sizes)
+        gc.collect()
+        assert arena.capacity <= 3 * 2**30
+        assert held() - baseline <= 1.1 * arena.capacity, (step, held() - baseline, arena.capacity)
+        arena.consolidate()
+    arena.install_plan((256 * 2**20,), (0,), 256 * 2**20)
+    gc.collect()
+    assert held() - baseline <= 1.1 * arena.capacity
 
 
 def test_consolidation_makes_one_chunk_of_the_high_water_size():

@@ -3,8 +3,11 @@
 The figures are never asserted as timings (these machines are noisy).
 """
 
+import importlib.util
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,18 +31,54 @@ def test_long_context_smoke(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["system"]["actoff"] == actoff.__version__
     policies = {r["policy"] for r in data["records"]}
-    assert policies == {"keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
+    assert policies == {"none", "keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
                         "tokenwise:0.25:0.25", "recompute", "auto"}  # fmt: skip
     for record in data["records"]:
         assert record["status"] == "ok"
         for key in ("seq", "step_ms", "tokens_per_s", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
                     "fragmentation_bytes", "copy_gbps", "hidden_share", "rss_peak_bytes", "timeline"):  # fmt: skip
             assert key in record, key
+        # Device memory on a CPU: measured on the simulated device (Note [device memory on a CPU]).
+        assert record["memory_source"] == "simulated device"
+        assert record["peak_allocated_bytes"] > record["activation_peak_bytes"] > 0
+        assert record["timeline"] and record["timeline"][0][1] >= record["static_bytes"] > 0
     by_policy = {r["policy"]: r for r in data["records"]}
     assert by_policy["cpu"]["act_cpu_bytes"] > 0 and by_policy["nvme"]["act_nvme_bytes"] > 0
     assert by_policy["recompute"]["act_recompute_bytes"] > 0 and by_policy["recompute"]["recompute_share"] > 0
     assert by_policy["tokenwise:0.25:0.25"]["act_nvme_bytes"] > 0
+    # The host tier leaves the device: under cpu the activation peak is below keep's.
+    assert by_policy["cpu"]["activation_peak_bytes"] < by_policy["keep"]["activation_peak_bytes"]
+    whats = sorted(line["what"] for line in data["summary"])
+    assert [what.split(" (")[0] for what in whats] == ["cpu / save_on_cpu", "cpu activation peak / keep's",
+                                                       "keep overhead"], whats  # fmt: skip
+    assert all(line["ratio"] > 0 and line["target"] > 0 for line in data["summary"])
+    # Step-time ratios on a CPU: the four policies interleaved in one process.
+    (interleaved,) = data["interleaved"]
+    assert set(interleaved["step_cpu_ms"]) == {"none", "keep", "cpu", "save_on_cpu"}
+    assert "interleaved in one process" in whats[0] and "keep overhead (actoff keep / none" in done.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_long_context_writes_records_as_made_and_keeps_to_its_time_budget(tmp_path):
+    """A worker that hangs after its first length: that record is already in the JSON lines,
+    the hung length is reported as a timeout, and the budget spent leaves the next policy
+    'not run' rather than over time."""
+    out = tmp_path / "lc.jsonl"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64,96", "--layers", "1",
+               "--steps", "1", "--warmup", "0", "--policies", "none,keep", "--timeout", "40", "--time-budget", "40",
+               "--jsonl", str(out)]  # fmt: skip
+    env = {**os.environ, "_ACTOFF_BENCH_HANG_AFTER": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr  # not every record is ok
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "system" in lines[0] and "summary" in lines[-1]
+    records = [(r["policy"], r["seq"], r["status"]) for r in lines[1:-1]]
+    assert records == [
+        ("none", 64, "ok"),
+        ("none", 96, "timeout"),
+        ("keep", 64, "not run"),
+        ("keep", 96, "not run"),
+    ]
 
 
 def test_long_context_rejects_unknown_policies():
@@ -96,7 +135,7 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
     """
     out_json = tmp_path / "ddp.json"
     args = [os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64", "--layers", "1", "--steps", "1",
-            "--warmup", "0", "--policies", "keep,cpu", "--timeout", "120", "--json", str(out_json)]  # fmt: skip
+            "--warmup", "0", "--policies", "none,cpu", "--timeout", "120", "--json", str(out_json)]  # fmt: skip
     if launcher == "torchrun":
         torchrun = shutil.which("torchrun")
         if torchrun is None:
@@ -118,8 +157,107 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
             assert rank.returncode == 0, out + err[-3000:]
     records = json.loads(out_json.read_text())["records"]
     assert {(r["rank"], r["policy"]) for r in records} == {
-        (rank, policy) for rank in (0, 1, "total") for policy in ("keep", "cpu")
+        (rank, policy) for rank in (0, 1, "total") for policy in ("none", "cpu")
     }
     totals = {r["policy"]: r for r in records if r["rank"] == "total"}
     per_rank = [r for r in records if r["rank"] != "total" and r["policy"] == "cpu"]
     assert abs(totals["cpu"]["tokens_per_s"] - sum(r["tokens_per_s"] for r in per_rank)) < 1e-6
+
+
+# ------------------------------------------------------------------ benchmarks/gpu_session.sh
+GPU_SESSION = os.path.join(ROOT, "benchmarks", "gpu_session.sh")
+
+
+def _session_stages() -> list[str]:
+    done = subprocess.run(["bash", GPU_SESSION, "--list"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def _load_benchmark(name: str):
+    """A benchmark script as a module (its imports: torch, actoff), for its ``build_parser``."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            f"_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+
+def _check_command(words: list[str], markers: set[str]) -> None:
+    """One command of a stage: environment assignments, then a benchmark script whose parser
+    takes its arguments, or pytest with declared markers and existing paths."""
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        assert name.startswith("ACTOFF_") or name == "TORCH_CUDA_SANITIZER", name
+        if name == "ACTOFF_HOST_BUDGET":
+            actoff.parse_size(value, what=name)  # a real size, not an empty or shell-quoted one
+    assert words[0] == "python3", words
+    if words[1:3] == ["-m", "pytest"]:
+        arguments = words[3:]
+        for index, word in enumerate(arguments):
+            if word == "-m":
+                expression = arguments[index + 1]
+                assert set(re.findall(r"\w+", expression)) - {"and", "or", "not"} <= markers, expression
+            elif word.startswith("tests"):
+                assert os.path.exists(os.path.join(ROOT, word)), word
+        return
+    script = words[1]
+    assert script.startswith("benchmarks/") and os.path.exists(os.path.join(ROOT, script)), script
+    name = os.path.basename(script).removesuffix(".py")
+    if name == "_common":
+        assert words[2:3] == ["--header"] and len(words) == 4, words
+        return
+    module = _load_benchmark(name)
+    args = module.build_parser().parse_args(words[2:])  # SystemExit on an argument it does not take
+    if name == "long_context":
+        module.check_policies(args.policies)
+        module.parse_lengths(args.seq)
+        module.parse_lengths(args.max_seq)
+        assert args.time_budget and args.time_budget < 600 and args.jsonl, (
+            "a stage must end inside 10 minutes"
+        )
+
+
+def test_gpu_session_script_parses_and_every_stage_dry_runs():
+    """Every stage of benchmarks/gpu_session.sh prints its commands without running them, and
+    each command is one the benchmarks and pytest accept: the script cannot rot unnoticed
+    between the rare sessions that have a GPU."""
+    assert subprocess.run(["bash", "-n", GPU_SESSION], capture_output=True, timeout=60).returncode == 0
+    with open(os.path.join(ROOT, "pyproject.toml")) as handle:  # no tomllib before Python 3.11
+        section = handle.read().split("markers = [", 1)[1].split("]", 1)[0]
+    markers = set(re.findall(r'^\s*"(\w+):', section, flags=re.MULTILINE))
+    assert {"gpu", "nvme", "slow"} <= markers
+    stages = _session_stages()
+    assert {"env", "tests", "sanitizer", "io", "long", "maxseq-base", "maxseq-actoff"} <= set(stages)
+    for stage in stages:
+        done = subprocess.run(["bash", GPU_SESSION, "--dry-run", stage], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "OUT": "/nonexistent/out"})  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
+        assert commands, f"stage {stage} runs nothing"
+        for command in commands:
+            _check_command(shlex.split(command), markers)
+    assert not os.path.exists("/nonexistent/out")  # a dry run writes nothing
+    sanitizer = subprocess.run(["bash", GPU_SESSION, "--dry-run", "sanitizer"], capture_output=True, text=True,
+                               timeout=60).stdout  # fmt: skip
+    assert "TORCH_CUDA_SANITIZER=1" in sanitizer and "-m gpu" in sanitizer
+
+
+def test_gpu_session_refuses_unknown_stages():
+    done = subprocess.run(
+        ["bash", GPU_SESSION, "--dry-run", "turbo"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "unknown stage turbo" in done.stderr
+
+
+def test_benchmark_header_says_file_system_o_direct_and_io_engine(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "_common.py"), "--header", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for key in ("file_system", "o_direct", "io_backend", "kvikio", "triton", "host"):
+        assert f"   {key}" in done.stdout, key

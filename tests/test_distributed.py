@@ -124,23 +124,35 @@ FSDP_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
 
     def worker(rank, world, port):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
+        # The mesh fits the machine: one GPU per rank on NCCL, else the CPU on gloo. fully_shard's
+        # default mesh is on the accelerator whenever there is one, which a gloo group with a
+        # CPU model cannot serve (and two ranks cannot share one GPU under NCCL).
+        on_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+        if on_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{{port}}",
+                                rank=rank, world_size=world)
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         import actoff
         from actoff.reference import Block
         from _helpers import make_model
 
+        mesh = init_device_mesh(device.type, (world,))
+
         def run(model, use_actoff):
+            model = model.to(device)
             if use_actoff:  # actoff first, then FSDP2 around the same blocks
                 actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
             for layer in model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             generator = torch.Generator().manual_seed(100 + rank)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
             history = []
             for _ in range(3):
-                loss = model.loss(torch.randint(0, 256, (2, 33), generator=generator))
+                loss = model.loss(torch.randint(0, 256, (2, 33), generator=generator).to(device))
                 loss.backward()
                 history.append((loss.detach().clone(), [p.grad.full_tensor() for p in model.parameters()]))
                 optimizer.step()

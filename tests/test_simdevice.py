@@ -1,7 +1,9 @@
 """The simulated asynchronous device: CUDA's event and copy semantics, the race checker, its
 memory count, and the ordering bugs of the CUDA paths that it makes visible on a CPU."""
 
+import gc
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,6 +107,17 @@ def test_host_buffer_reused_while_a_copy_touches_it_is_a_race(streams):
         backend.check_host_reuse(host, "freed")  # the compute wait does not tell the host
     with pytest.raises(RaceError, match="slot copy: host memory was freed"):
         streams.surface()
+
+
+def test_a_freed_host_buffers_addresses_become_device_memory_again(streams):
+    # Note [host ranges die with their buffer]: the CPU allocator hands a freed host chunk's
+    # addresses to the next tensor; a copy into it is host-to-device, and compute waits for it.
+    host = streams.host_empty(1 << 20)
+    address = host.data_ptr()
+    assert streams.is_host(host)
+    del host
+    gc.collect()
+    assert not streams.is_host(SimpleNamespace(data_ptr=lambda: address))
 
 
 def test_device_memory_counts_storages_and_enforces_capacity():

@@ -1,0 +1,318 @@
+"""The kvikio adapter: kvikio 26's ``CuFile`` behind actoff's I/O engine interface (actoff._io).
+
+GPUDirect Storage where the system really has it, else kvikio's compat (POSIX) mode; `name`
+says which (``kvikio (GDS)`` or ``kvikio (compat)``), and `probe_kvikio` whether kvikio can do
+I/O here at all (without a CUDA driver every request fails, host buffers included). With GDS
+active the engine also takes device buffers (Note [direct device I/O]).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno as errno_codes
+import importlib.util
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ._io import ALIGNMENT, FailedFuture, IoEngine, describe_request
+
+__all__ = ["KvikioEngine", "kvikio_available", "kvikio_compat_mode", "probe_kvikio"]
+
+
+class _KvikioFuture:
+    """A kvikio ``IOFuture`` behind the engines' future interface.
+
+    kvikio's future wraps a C++ ``std::future``: ``get()`` may be called once only, and the
+    future (and the buffer it reads or writes) must stay referenced until then, so this object
+    holds both and remembers the result. kvikio reports no timing: ``elapsed()`` is the time
+    from submission until completion was first seen (``done()`` or ``wait()``), queueing in
+    kvikio's thread pool included.
+    """
+
+    __slots__ = ("_buffer", "_error", "_finished_s", "_future", "_moved", "_request", "_started_s")
+
+    def __init__(self, future, buffer, request: tuple[str, str, int, int], started_s: float) -> None:
+        self._future, self._buffer = future, buffer
+        self._request = request  # (op, path, nbytes, offset)
+        self._started_s = started_s
+        self._finished_s: float | None = None
+        self._moved: int | None = None
+        self._error: OSError | None = None
+
+    def done(self) -> bool:
+        if self._finished_s is not None:
+            return True
+        if self._future.done():
+            self._finished_s = time.perf_counter()
+            return True
+        return False
+
+    def wait(self, timeout: float = -1.0) -> int:
+        del timeout  # kvikio futures have no timeout
+        if self._moved is None and self._error is None:
+            try:
+                self._moved = int(self._future.get())
+            except Exception as error:  # kvikio raises RuntimeError for I/O failures
+                self._error = self._failure(error)
+            else:
+                if self._moved != self._request[2]:
+                    self._error = self._failure(None)
+            if self._finished_s is None:
+                self._finished_s = time.perf_counter()
+            self._future = self._buffer = None  # the C++ future is spent: let both go
+        if self._error is not None:
+            raise self._error
+        return self._moved
+
+    def _failure(self, error: Exception | None) -> OSError:
+        op, path, nbytes, offset = self._request
+        describe = describe_request(op, path, nbytes, offset)
+        try:
+            file_size = os.stat(path).st_size
+        except OSError:
+            file_size = -1
+        if op == "pread" and 0 <= file_size < offset + nbytes:
+            # kvikio fails a read past the end of the file ("POSIX error on pread: EOF") without
+            # saying how far it got: the file size does.
+            moved = max(0, min(nbytes, file_size - offset))
+            return OSError(
+                errno_codes.EIO,
+                f"{describe} is a short read: {moved} of {nbytes} bytes moved (file size {file_size})",
+            )
+        if error is None:
+            return OSError(errno_codes.EIO, f"{describe} moved {self._moved} of {nbytes} bytes")
+        return OSError(getattr(error, "errno", None) or errno_codes.EIO, f"{describe} failed: {error}")
+
+    def elapsed(self) -> float:
+        """Seconds from submission to completion (0 until completion was seen, or on failure)."""
+        if self._finished_s is None or self._error is not None:
+            return 0.0
+        return self._finished_s - self._started_s
+
+
+class _DeviceFuture:
+    """A device-buffer request of `KvikioEngine`: queued on the engine's device thread until
+    its ticket completes (Note [direct device I/O]), then kvikio's own future."""
+
+    __slots__ = ("_describe", "_submitted")
+
+    def __init__(self, submitted: concurrent.futures.Future, describe: str) -> None:
+        self._submitted = submitted  # -> a _KvikioFuture or a FailedFuture, never raises
+        self._describe = describe
+
+    def done(self) -> bool:
+        return self._submitted.done() and self._submitted.result().done()
+
+    def wait(self, timeout: float = -1.0) -> int:
+        try:
+            inner = self._submitted.result(None if timeout < 0 else timeout)
+        except concurrent.futures.TimeoutError:
+            raise OSError(
+                errno_codes.ETIMEDOUT,
+                f"{self._describe} not started after {timeout} s: the compute stream never reached "
+                "the point the request waits for, or the device I/O thread hangs",
+            ) from None
+        return inner.wait(timeout)
+
+    def elapsed(self) -> float:
+        return self._submitted.result().elapsed() if self._submitted.done() else 0.0
+
+
+class KvikioEngine(IoEngine):
+    """kvikio's ``CuFile``: GPUDirect Storage where the system has it, else kvikio's POSIX mode.
+
+    ``gds`` says whether kvikio runs with cuFile (compat mode off, or ``AUTO`` resolved to
+    off); ``name`` says the same (``kvikio (GDS)`` or ``kvikio (compat)``). Host buffers go
+    through POSIX I/O inside kvikio in both modes; only device buffers can use GDS.
+    ``num_threads`` raises kvikio's global thread pool to at least that many threads
+    (``KVIKIO_NTHREADS`` defaults to 1).
+
+    >>> engine = KvikioEngine("/mnt/nvme/a.bin")  # doctest: +SKIP
+    >>> engine.name                               # doctest: +SKIP
+    'kvikio (compat)'
+    """
+
+    def __init__(self, path: str, num_threads: int = 4) -> None:
+        try:
+            import kvikio  # optional extra: pip install actoff[nvme]
+        except ImportError as error:
+            raise ModuleNotFoundError(
+                f"io_backend='kvikio' needs the kvikio package (pip install actoff[nvme]): {error}",
+                name="kvikio",
+            ) from error
+
+        self.path = path
+        _raise_kvikio_threads(kvikio, num_threads)
+        # Create the file first: CuFile's "r+" needs it to exist.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        self._file = kvikio.CuFile(path, "r+")
+        self.gds = not kvikio_compat_mode(kvikio)
+        self.direct = self.gds
+        self.name = "kvikio (GDS)" if self.gds else "kvikio (compat)"
+        self._closed = False
+        self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _buffer(buffer: torch.Tensor):
+        # kvikio takes host buffers through the buffer protocol (numpy) and device buffers
+        # through __cuda_array_interface__; bytes keep any dtype (bf16 has no numpy twin).
+        raw = buffer.view(torch.uint8)
+        return raw.numpy() if raw.device.type == "cpu" else raw
+
+    def _submit(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int):
+        describe = describe_request(op, self.path, nbytes, offset)
+        if self._closed:
+            return FailedFuture(OSError(0, describe + " failed: the I/O engine is closed"))
+        view = self._buffer(buffer)
+        started_s = time.perf_counter()
+        try:
+            call = self._file.pwrite if op == "pwrite" else self._file.pread
+            future = call(view, nbytes, offset)
+        except Exception as error:  # refused before queueing (bad buffer, closed file, ...)
+            return FailedFuture(
+                OSError(getattr(error, "errno", None) or errno_codes.EIO, f"{describe} failed: {error}")
+            )
+        return _KvikioFuture(future, view, (op, self.path, nbytes, offset), started_s)
+
+    def pwrite(self, buffer: torch.Tensor, nbytes: int, offset: int):
+        return self._submit("pwrite", buffer, nbytes, offset)
+
+    def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
+        return self._submit("pread", buffer, nbytes, offset)
+
+    # Note [direct device I/O]: with GDS active, kvikio's pread/pwrite of a device buffer first
+    # synchronises the legacy default stream in the *calling* thread, and a request under its
+    # gds_threshold (16 KiB by default) runs synchronously through a bounce buffer. cuFile's
+    # DMA itself is ordered against no CUDA stream: not the compute stream, not actoff's copy
+    # streams. So the training thread never calls kvikio with a device buffer: the engine's
+    # device thread does, once the request's ticket (`DeviceBackend.mark`, recorded on the
+    # compute stream) has completed, i.e. once the compute stream has produced the bytes
+    # (a write) or is done with the memory a read lands in (a fresh allocation may reuse a
+    # block that kernels queued earlier still use). The caller holds the buffer until the
+    # future is done.
+    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        return self._submit_device("pwrite", buffer, nbytes, offset, after)
+
+    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        return self._submit_device("pread", buffer, nbytes, offset, after)
+
+    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+        if not self.gds:  # compat mode: kvikio would bounce through host memory, synchronously
+            raise NotImplementedError(f"{self.name} takes host buffers only: stage through host memory")
+        describe = describe_request(op, self.path, nbytes, offset)
+        with self._lock:
+            if self._closed:
+                return FailedFuture(OSError(0, describe + " failed: the I/O engine is closed"))
+            if self._device_pool is None:
+                self._device_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="actoff-gds")
+            pool = self._device_pool
+
+        def submit():
+            try:
+                if after is not None:
+                    after.synchronize()  # the compute stream has reached the request's point
+            except Exception as error:
+                return FailedFuture(OSError(errno_codes.EIO, f"{describe} failed: {error}"))
+            return self._submit(op, buffer, nbytes, offset)
+
+        return _DeviceFuture(pool.submit(submit), describe)
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes <= self.file_size():
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as error:
+            if error.errno not in (errno_codes.EOPNOTSUPP, errno_codes.EINVAL):
+                raise OSError(
+                    error.errno,
+                    f"cannot reserve {nbytes} bytes for {self.path}: {os.strerror(error.errno)}",
+                ) from None
+            os.truncate(self.path, nbytes)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        # Callers wait for their futures before closing (the store drains them); a second
+        # close is a no-op, as for the other engines.
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._device_pool = self._device_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # requests queued there end (and fail: the engine is closed)
+        self._file.close()
+
+
+def kvikio_compat_mode(kvikio) -> bool:
+    """Whether kvikio runs POSIX I/O (compat mode) rather than cuFile, as far as it can tell.
+
+    kvikio 26: ``kvikio.defaults.is_compat_mode_preferred()`` resolves ``AUTO`` (no cuFile
+    library, no nvidia-fs, ...) to on or off; Python's ``CuFile`` has no per-file query. An
+    older kvikio without it: ``kvikio.defaults.get("compat_mode")`` (a ``CompatMode`` enum),
+    where ``AUTO`` counts as compat since nothing says cuFile really works.
+    """
+    preferred = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
+    if callable(preferred):
+        return bool(preferred())
+    mode = kvikio.defaults.get("compat_mode")
+    return getattr(mode, "name", str(mode)).upper().rsplit(".", 1)[-1] != "OFF"
+
+
+def _raise_kvikio_threads(kvikio, num_threads: int) -> None:
+    """Grow kvikio's global thread pool to ``num_threads`` (never shrink what a user set)."""
+    try:
+        if int(kvikio.defaults.get("num_threads")) < num_threads:
+            kvikio.defaults.set("num_threads", num_threads)
+    except (KeyError, ValueError, TypeError):  # a kvikio without the setting: keep its default
+        pass
+
+
+def kvikio_available() -> bool:
+    """True when the kvikio package is importable (not that it can do I/O here)."""
+    if sys.modules.get("kvikio") is not None:
+        return True
+    try:
+        return importlib.util.find_spec("kvikio") is not None
+    except ValueError:  # a module in sys.modules without a spec
+        return False
+
+
+def probe_kvikio(directory: str, num_threads: int = 1) -> tuple[bool, str]:
+    """Whether kvikio really does I/O in ``directory``: a 4 KiB write and read-back, compared.
+
+    Returns ``(True, engine name)`` or ``(False, why not)``.
+
+    >>> import tempfile
+    >>> ok, why = probe_kvikio(tempfile.mkdtemp())
+    >>> ok or why.startswith(("kvikio is not installed", "kvikio cannot do I/O"))
+    True
+    """
+    if not kvikio_available():
+        return False, "kvikio is not installed"
+    path = os.path.join(directory, f".actoff-probe-{os.getpid()}-{threading.get_ident()}")
+    engine = None
+    try:
+        engine = KvikioEngine(path, num_threads)
+        data = torch.arange(ALIGNMENT, dtype=torch.int32).to(torch.uint8)
+        back = torch.empty_like(data)
+        engine.pwrite(data, ALIGNMENT, 0).wait()
+        engine.pread(back, ALIGNMENT, 0).wait()
+        if not torch.equal(data, back):
+            return False, "kvikio cannot do I/O here: data read back differs from data written"
+        return True, engine.name
+    except Exception as error:  # no driver, no libcufile, ...: kvikio cannot do I/O here
+        return False, f"kvikio cannot do I/O here: {type(error).__name__}: {error}"
+    finally:
+        if engine is not None:
+            engine.close()
+        if os.path.exists(path):
+            os.unlink(path)
