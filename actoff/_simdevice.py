@@ -25,6 +25,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,13 +276,16 @@ class SimStreams:
     def host_empty(self, nbytes: int) -> torch.Tensor:
         with no_dispatch():  # host memory: not the device's
             buffer = torch.empty(nbytes, dtype=torch.uint8)
+        entry = (buffer.data_ptr(), nbytes)
         with self.lock:
-            self._host_ranges.append((buffer.data_ptr(), nbytes))
+            self._host_ranges.append(entry)
+        # Freed host memory can come back as a device tensor: its copies are then not host ones.
+        weakref.finalize(buffer.untyped_storage(), self._host_ranges.remove, entry)
         return buffer
 
     def is_host(self, tensor: torch.Tensor) -> bool:
         address = tensor.data_ptr()
-        return any(start <= address < start + size for start, size in self._host_ranges)
+        return any(start <= address < start + size for start, size in tuple(self._host_ranges))
 
     # ------------------------------------------------------------------ ordering and races
     def ordered(self, event: SimEvent, *, by_host: bool) -> None:

@@ -107,6 +107,18 @@ def test_host_buffer_reused_while_a_copy_touches_it_is_a_race(streams):
         streams.surface()
 
 
+def test_freed_host_memory_is_forgotten(streams):
+    """A host buffer's range is forgotten when its storage dies: the allocator can hand that
+    memory out again as a device tensor, and a copy into it taken for a copy to the host would
+    not be waited for (compute would read poison)."""
+    buffer = streams.host_empty(1 << 20)
+    start, view = buffer.data_ptr(), buffer[4096:]
+    del buffer
+    assert streams.is_host(view)  # a view keeps the storage
+    del view
+    assert all(begin != start for begin, _ in streams._host_ranges)
+
+
 def test_device_memory_counts_storages_and_enforces_capacity():
     with simulated_device(seed=0, capacity=4096) as device:
         a = torch.empty(512, dtype=torch.float32)  # 2 KiB
