@@ -194,11 +194,17 @@ class ScopeRun:
         return (*self.records, *self.tokenwise.children)
 
     def prefetch(self) -> None:
-        """Start bringing back every offloaded record not still alive elsewhere (once a step)."""
+        """Start bringing back every offloaded record not still alive elsewhere (once a step).
+
+        Note [forward what is still on the device]: a record whose copy out is still under way
+        when backward starts (the last runs placed) keeps its device tensor and is served from
+        it: finishing the copy now would drop the tensor only to copy it back. It also keeps
+        the device arena's requests the same from step to step, whenever the copies end.
+        """
         self.fetch_issued = True
         for record in self.all_records():
-            if record.state is State.OFFLOADING:  # a write that has ended since: finish it
-                record.tier.advance(record, force=False)
+            if record.state is State.OFFLOADING and record.device_tensor is None:
+                record.tier.advance(record, force=False)  # a write that has ended since: finish it
             if record.state is State.OFFLOADED and record.live_source() is None:
                 record.tier.fetch(record)
 

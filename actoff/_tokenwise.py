@@ -266,6 +266,10 @@ class TokenwiseRun(Tier):
         self.split_pending -= 1
         if self.split_pending == 0:  # every split record rebuilt: drop the packed device copies
             for child in self.children:
+                if child.state is State.OFFLOADING and child.device_tensor is not None:
+                    # Served from the device (Note [forward what is still on the device]): the
+                    # compute stream waits for its copy out, and the packed buffer goes.
+                    child.tier.advance(child, force=True)
                 child.tier.evict(child)
         return record.device_tensor
 
