@@ -207,6 +207,8 @@ class ScopeRun:
                 record.tier.advance(record, force=False)  # a write that has ended since: finish it
             if record.state is State.OFFLOADED and record.live_source() is None:
                 record.tier.fetch(record)
+            elif record.state is State.OFFLOADING and record.device_tensor is not None:
+                self._expect_device_buffer(record)
 
     def poll(self) -> None:
         """Move this run's prefetches on without waiting (see `Tier.poll`)."""
@@ -217,6 +219,21 @@ class ScopeRun:
     def arena(self) -> Any:
         """The host arena of this run's device (actoff._arena.HostArena)."""
         return self.runtime.arena(self)
+
+    def device_buffer(self, numel: int, dtype: torch.dtype, key: tuple) -> torch.Tensor:
+        """A 1-D device tensor for a copy back or a token-wise rebuild of ``key`` (what, record
+        index): from the device arena where there is one (actoff._device_arena), else new."""
+        arena = self.runtime.arenas.device_arena(self.backend, self.config)
+        if arena is not None:
+            return arena.empty(numel, dtype, (self.index, *key), tag=self.index)
+        return self.backend.device_empty(numel, dtype)
+
+    def _expect_device_buffer(self, record: Record) -> None:
+        """A record served from the device this step may be fetched in another: the device
+        arena expects it (`DeviceArena.expect`)."""
+        arena = self.runtime.arenas.device_arena(self.backend, self.config)
+        if arena is not None:
+            arena.expect((self.index, "fetch", record.index))
 
     def store(self) -> Any:
         """The NVMe store of this run's settings (actoff._nvme.NvmeStore)."""

@@ -177,7 +177,10 @@ class NvmeTier(HostTier):
         if run.config.verify:
             verify(record, buffer)
         if run.backend.staged:
-            flat, record.fetch_ticket = run.backend.copy_to_device(buffer, pad=layout.pad, what=record.what())
+            flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("fetch", record.index))
+            flat, record.fetch_ticket = run.backend.copy_to_device(
+                buffer, pad=layout.pad, what=record.what(), out=flat
+            )
             record.device_tensor = layout.rebuild(flat)
         else:
             record.fetch_ticket = None
