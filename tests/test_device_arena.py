@@ -47,6 +47,7 @@ def _steps(model, device, lengths) -> list[tuple[int, int, int, int] | None]:
     figures = []
     for length in lengths:
         tokens = torch.randint(0, 256, (2, length), generator=generator)
+        device.drain()  # the previous step's copies: nothing left to force open the hold
         with device.hold(copies=True):
             loss = model.loss(tokens)
         loss.backward()
