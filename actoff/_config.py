@@ -111,7 +111,8 @@ class Config:
     host_budget: int | None = None
     #: GPU memory budget for the ``auto`` policy (``None``: the device's free memory).
     gpu_budget: int | None = None
-    #: Memory layout planner: ``mip``, ``greedy`` or ``off``.
+    #: Memory layout planner of the host arena and the device arena: ``mip``, ``greedy`` or ``off``
+    #: (``off``: bump allocation on the host, a new device tensor per request).
     planner: str = "greedy"
     #: Directory for cached memory plans (``None``: no cache).
     plan_cache: str | None = None

@@ -14,9 +14,9 @@ turns the wait into a no-op (the torchtitan bug).
 
 Note [no record_stream]: sources of device-to-host copies stay referenced by their record
 until the copy's event has completed or the compute stream has waited on it; destinations of
-host-to-device copies are allocated on the compute stream and the H2D stream waits for the
-compute stream first, so the caching allocator never hands their memory to anyone while a
-copy still touches it.
+host-to-device copies are allocated on the compute stream (by the caching allocator, or by the
+device arena, actoff._device_arena) and the H2D stream waits for the compute stream first, so
+neither hands their memory to anyone while a copy still touches it.
 """
 
 from __future__ import annotations
@@ -88,10 +88,18 @@ class DeviceBackend:
     #: Host buffers come from torch's caching pinned allocator, which rounds every request up
     #: to a power of two and caches freed blocks (Note [pinned footprint] in actoff._arena).
     pinned: bool = False
+    #: The device buffers actoff allocates in backward come from a planned device arena
+    #: (actoff._device_arena): a device whose copies are ordered by streams and events, which
+    #: the arena's reuse relies on (Note [device arena reuse]).
+    device_arena: bool = False
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 host buffer of ``nbytes`` (pinned where the device has DMA)."""
         raise NotImplementedError
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh 1-D device tensor of ``numel`` elements (on the compute stream)."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Ticket:
         """Start copying device ``src`` into host ``dst`` after the work queued so far."""
@@ -101,9 +109,11 @@ class DeviceBackend:
         """Give host buffers freed so far back to the system (no cache to empty on the CPU)."""
 
     def copy_to_device(
-        self, src: torch.Tensor, *, pad: int = 0, what: str = ""
+        self, src: torch.Tensor, *, pad: int = 0, what: str = "", out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Ticket]:
-        """Start copying host ``src`` (1-D) into a new device buffer, ``pad`` elements in."""
+        """Start copying host ``src`` (1-D) into a device buffer, ``pad`` elements in: ``out``
+        (1-D, ``pad + src.numel()`` elements of ``src``'s dtype, from the device arena) or a
+        new one."""
         raise NotImplementedError
 
     def wait(self, ticket: Ticket | None) -> None:
@@ -164,10 +174,11 @@ class CpuBackend(DeviceBackend):
         return Ticket(time.perf_counter() - start)
 
     def copy_to_device(
-        self, src: torch.Tensor, *, pad: int = 0, what: str = ""
+        self, src: torch.Tensor, *, pad: int = 0, what: str = "", out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Ticket]:
         start = time.perf_counter()
-        out = torch.empty(src.numel() + pad, dtype=src.dtype, device=self.device)
+        if out is None:
+            out = torch.empty(src.numel() + pad, dtype=src.dtype, device=self.device)
         out[pad:].copy_(src)
         return out, Ticket(time.perf_counter() - start)
 
@@ -254,6 +265,7 @@ class StreamBackend(DeviceBackend):
     """
 
     staged = True
+    device_arena = True
 
     def __init__(self, device: torch.device, streams: Any) -> None:
         self.device = device
@@ -270,6 +282,9 @@ class StreamBackend(DeviceBackend):
         if release is not None:
             release()
 
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.streams.device_empty(numel, dtype)
+
     def _copy_on(self, side: Any, dst: torch.Tensor, src: torch.Tensor, what: str) -> StreamTicket:
         compute = self.streams.current()  # Note [capture the compute stream]
         side.wait_stream(compute)
@@ -283,9 +298,10 @@ class StreamBackend(DeviceBackend):
         return self._copy_on(self.d2h_stream, dst, src, what)
 
     def copy_to_device(
-        self, src: torch.Tensor, *, pad: int = 0, what: str = ""
+        self, src: torch.Tensor, *, pad: int = 0, what: str = "", out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Ticket]:
-        out = self.streams.device_empty(src.numel() + pad, src.dtype)  # on the compute stream
+        if out is None:
+            out = self.device_empty(src.numel() + pad, src.dtype)  # on the compute stream
         return out, self._copy_on(self.h2d_stream, out[pad:], src, what)
 
     def wait(self, ticket: Ticket | None) -> None:

@@ -1,8 +1,9 @@
-"""Host arenas of the process (one per device backend), and their layouts: from the buffers a step
-traced to a plan installed in the arena.
+"""Arenas of the process (a host arena per device backend, a device arena per device), and their
+layouts: from the buffers a step traced to a plan installed in the arena.
 
-A traced step becomes a plan (from memory, the on-disk cache, or a solve by actoff.planner);
-a step that diverged from its plan drops it, and the next step is traced again.
+A traced step becomes a plan (from memory, the on-disk cache, or a solve by actoff.planner).
+A host arena that diverged from its plan drops it and traces the next step; a device arena
+traces every step, so the step that diverged is planned at once (actoff._device_arena).
 """
 
 from __future__ import annotations
@@ -15,18 +16,35 @@ import torch
 from ._arena import ALIGNMENT, HostArena
 from ._config import Config
 from ._device import DeviceBackend
-from .planner import Buffer, Layout, PlanCache, solve
+from ._device_arena import DeviceArena
+from .planner import Buffer, Layout, PlanCache, solve, solve_bilevel
 
-__all__ = ["Arenas", "plan_arena"]
+__all__ = ["Arenas", "plan_arena", "plan_device_arena"]
 
 
 class Arenas(dict):
-    """The host arenas of the process, one per device backend (a dict ``backend -> HostArena``).
+    """The host arenas of the process, one per device backend (a dict ``backend -> HostArena``),
+    and the device arenas (``on_device``, of backends with streams).
 
     By backend, not device: a CPU device inside `actoff.testing.simulated_device` and outside
     it are two backends, each with its own host buffers (the simulated device must know its
     host buffers, or it would count them as device memory).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_device: dict[torch.device, DeviceArena] = {}
+
+    def device_arena(self, backend: DeviceBackend, config: Config) -> DeviceArena | None:
+        """The device arena of ``backend``'s device; None where actoff allocates on the device
+        as PyTorch does: a backend without streams (`DeviceBackend.device_arena`) or the planner
+        off."""
+        if not backend.device_arena or config.planner == "off":
+            return None
+        arena = self.on_device.get(backend.device)
+        if arena is None or arena.backend is not backend:  # a new simulated device: a new arena
+            arena = self.on_device[backend.device] = DeviceArena(backend)
+        return arena
 
     def for_device(self, backend: DeviceBackend, config: Config, budget: int | None) -> HostArena:
         """The arena of ``backend``'s device under ``budget`` (the config in force decides it);
@@ -41,7 +59,7 @@ class Arenas(dict):
         return arena
 
     def begin_step(self) -> None:
-        for arena in self.values():
+        for arena in (*self.values(), *self.on_device.values()):
             arena.begin_step()
 
     def consolidate(self, device: torch.device | None = None) -> None:
@@ -54,6 +72,8 @@ class Arenas(dict):
         """After a step whose buffers are all back: every arena laid out (`plan_arena`)."""
         for arena in self.values():
             plan_arena(arena, config, plans)
+        for device_arena in self.on_device.values():
+            plan_device_arena(device_arena, config, plans)
 
 
 def plan_arena(arena: HostArena, config: Config, plans: dict[str, Layout]) -> None:
@@ -73,17 +93,55 @@ def plan_arena(arena: HostArena, config: Config, plans: dict[str, Layout]) -> No
         return
     origin = min(start for _, start, _, _ in trace)
     buffers = [Buffer(size, start - origin, end - origin) for size, start, end, _ in trace]
-    signature = hashlib.sha256(repr([dataclasses.astuple(b) for b in buffers]).encode()).hexdigest()
+    layout = _layout("host-arena", buffers, None, config, plans, ALIGNMENT)
+    arena.plan_method = layout.method
+    arena.install_plan(tuple(b.size for b in buffers), layout.offsets, layout.peak)
+
+
+def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layout]) -> None:
+    """After a step whose buffers are all back: a device arena whose step kept to its plan keeps
+    it; otherwise (`DeviceArena.wants_plan`) the step just traced becomes the plan (MEMO's
+    bi-level solve, the blocks as groups), so a new length or batch is planned from its own
+    first step."""
+    trace = arena.take_trace()
+    if not trace or config.planner == "off" or not arena.wants_plan():
+        return
+    origin = min(start for _, start, _, _, _ in trace)
+    buffers = [Buffer(size, start - origin, end - origin) for size, start, end, _, _ in trace]
+    groups = [tag for *_, tag in trace]
+    layout = _layout(arena.kind, buffers, groups, config, plans, arena.alignment)
+    arena.install_plan([key for _, _, _, key, _ in trace], [b.size for b in buffers], layout)
+
+
+def _layout(
+    kind: str,
+    buffers: list[Buffer],
+    groups: list | None,
+    config: Config,
+    plans: dict[str, Layout],
+    alignment: int,
+) -> Layout:
+    """The layout of ``buffers``: solved earlier in this process (or by rank 0), cached on disk,
+    or solved now; bi-level when ``groups`` names each buffer's block."""
+    traced = [dataclasses.astuple(b) for b in buffers]
+    # The host arena's signature predates the device arena's: kept, so cached plans stay valid.
+    text = repr(traced) if groups is None else repr((kind, traced, groups))
+    signature = hashlib.sha256(text.encode()).hexdigest()
+    if groups is not None:
+        signature = f"{kind}:{signature}"  # in ``plans`` beside the host arena's
     layout = plans.get(signature)
     cache = PlanCache(config.plan_cache) if config.plan_cache else None
-    key = {"kind": "host-arena", "trace": signature, "policy": config.policy, "planner": config.planner}
+    key = {"kind": kind, "trace": signature, "policy": config.policy, "planner": config.planner}
     if layout is None and cache is not None:
-        layout = cache.get(key, buffers, ALIGNMENT)
+        layout = cache.get(key, buffers, alignment)
     if layout is None:
-        method = "mip" if config.planner == "mip" else "greedy"
-        layout = solve(buffers, method=method, time_limit_s=30.0, alignment=ALIGNMENT)
+        if groups is None:
+            method = "mip" if config.planner == "mip" else "greedy"
+            layout = solve(buffers, method=method, time_limit_s=30.0, alignment=alignment)
+        else:  # "auto": the MIP wherever greedy misses the lower bound, never worse than greedy
+            method = "auto" if config.planner == "mip" else "greedy"
+            layout = solve_bilevel(buffers, groups, method=method, time_limit_s=30.0, alignment=alignment)
         if cache is not None:
             cache.put(key, buffers, layout)
     plans[signature] = layout
-    arena.plan_method = layout.method
-    arena.install_plan(tuple(b.size for b in buffers), layout.offsets, layout.peak)
+    return layout

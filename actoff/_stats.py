@@ -60,6 +60,18 @@ class Stats:
     io_backend: str = "none"  # I/O engine of the NVMe tier, once used
     auto: dict = field(default_factory=dict)  # block -> actoff._tokenwise.AutoDecision
     host_plan: str = "none"  # the host arena's plan: "greedy:...", "mip", "cache", "rank 0 (...)"
+    #: The device arena (actoff._device_arena; none on a plain CPU device or with the planner
+    #: off): bytes allocated, bytes its plan needs, the plan's lower bound (most bytes live at
+    #: once in the traced step), solve time, method ("bilevel", "greedy:...", "cache", ...),
+    #: buffers ever allocated, and requests not served as planned.
+    device_arena_bytes: int = 0
+    device_plan_bytes: int = 0
+    device_lower_bound: int = 0
+    device_solve_s: float = 0.0
+    device_plan: str = "none"
+    device_allocations: int = 0
+    device_divergences: int = 0
+    device_fallbacks: int = 0  # planned ranges still held: served elsewhere
 
     @property
     def total_bytes_saved(self) -> int:
@@ -136,6 +148,15 @@ class Stats:
             f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}, "
             f"plan {self.host_plan}   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
         )
+        if self.device_plan != "none":
+            gap = self.device_plan_bytes / self.device_lower_bound - 1 if self.device_lower_bound else 0.0
+            lines.append(
+                f"device arena: {format_bytes(self.device_arena_bytes)} in {self.device_allocations} "
+                f"allocation(s), plan {format_bytes(self.device_plan_bytes)} = lower bound "
+                f"{format_bytes(self.device_lower_bound)} + {gap:.1%} ({self.device_plan}, solved in "
+                f"{self.device_solve_s * 1e3:.1f} ms), {self.device_divergences} divergence(s), "
+                f"{self.device_fallbacks} fallback(s)"
+            )
         for name, decision in self.auto.items():
             lines.append(
                 f"auto {name}: cpu {decision.cpu_fraction:.2f}, nvme {decision.nvme_fraction:.2f} "
@@ -190,4 +211,20 @@ def snapshot(blocks: dict[str, BlockStats], steps: int, arenas: Any, stores: Any
         io_backend=stores.backend_name(),
         auto=dict(auto),
         host_plan=next((a.plan_method for a in arenas.values() if a.plan is not None), "none"),
+        **_device_arena_figures(arenas.on_device.values()),
     )
+
+
+def _device_arena_figures(device_arenas: Any) -> dict[str, Any]:
+    """The `Stats` fields of the device arenas, summed (one per device; one in practice)."""
+    figures = [arena.stats() for arena in device_arenas]
+    return {
+        "device_arena_bytes": sum(f["bytes"] for f in figures),
+        "device_plan_bytes": sum(f["plan_bytes"] for f in figures),
+        "device_lower_bound": sum(f["lower_bound"] for f in figures),
+        "device_solve_s": sum(f["solve_s"] for f in figures),
+        "device_plan": next((f["method"] for f in figures if f["method"] != "none"), "none"),
+        "device_allocations": sum(f["allocations"] for f in figures),
+        "device_divergences": sum(f["divergences"] for f in figures),
+        "device_fallbacks": sum(f["fallbacks"] for f in figures),
+    }

@@ -195,16 +195,24 @@ class ScopeRun:
         return (*self.records, *self.tokenwise.children)
 
     def prefetch(self) -> None:
-        """Start bringing back every offloaded record not still alive elsewhere (once a step)."""
+        """Start bringing back every offloaded record not still alive elsewhere (once a step).
+
+        Note [forward what is still on the device]: a record whose copy out is still under way
+        when backward starts (the last runs placed) keeps its device tensor and is served from
+        it: finishing the copy now would drop the tensor only to copy it back. It also keeps
+        the device arena's requests the same from step to step, whenever the copies end.
+        """
         self.fetch_issued = True
         self.fetching = []
         for record in self.all_records():
             if record.state is State.OFFLOADING:
-                record.tier.settle(record)
+                record.tier.settle(record)  # a staged write that has ended since: finish it
             if record.state is State.OFFLOADED and record.live_source() is None:
                 record.tier.fetch(record)
                 if record.state is State.FETCHING:
                     self.fetching.append(record)
+            elif record.state is State.OFFLOADING and record.device_tensor is not None:
+                self._expect_device_buffer(record)
 
     def poll(self) -> None:
         """Move this run's prefetches on without waiting (see `Tier.poll`). Called at every
@@ -219,6 +227,21 @@ class ScopeRun:
     def arena(self) -> Any:
         """The host arena of this run's device (actoff._arena.HostArena)."""
         return self.runtime.arena(self)
+
+    def device_buffer(self, numel: int, dtype: torch.dtype, key: tuple) -> torch.Tensor:
+        """A 1-D device tensor for a copy back or a token-wise rebuild of ``key`` (what, record
+        index): from the device arena where there is one (actoff._device_arena), else new."""
+        arena = self.runtime.arenas.device_arena(self.backend, self.config)
+        if arena is not None:
+            return arena.empty(numel, dtype, (self.index, *key), tag=self.index)
+        return self.backend.device_empty(numel, dtype)
+
+    def _expect_device_buffer(self, record: Record) -> None:
+        """A record served from the device this step may be fetched in another: the device
+        arena expects it (`DeviceArena.expect`)."""
+        arena = self.runtime.arenas.device_arena(self.backend, self.config)
+        if arena is not None:
+            arena.expect((self.index, "fetch", record.index))
 
     def store(self) -> Any:
         """The NVMe store of this run's settings (actoff._nvme.NvmeStore)."""

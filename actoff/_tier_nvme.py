@@ -207,7 +207,10 @@ class NvmeTier(HostTier):
         if run.config.verify:
             verify(record, buffer)
         if record.host_slot is not None:  # staged: the slot's bytes go to the device now
-            flat, record.fetch_ticket = run.backend.copy_to_device(buffer, pad=layout.pad, what=record.what())
+            flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("fetch", record.index))
+            flat, record.fetch_ticket = run.backend.copy_to_device(
+                buffer, pad=layout.pad, what=record.what(), out=flat
+            )
             record.device_tensor = layout.rebuild(flat)
         else:  # read straight into the device tensor; the host saw it land
             record.fetch_ticket = None

@@ -149,7 +149,10 @@ class HostTier(Tier):
         host = record.host_slot.view(layout.dtype, layout.span)
         if run.config.verify:
             verify(record, host)
-        flat, record.fetch_ticket = run.backend.copy_to_device(host, pad=layout.pad, what=record.what())
+        flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("fetch", record.index))
+        flat, record.fetch_ticket = run.backend.copy_to_device(
+            host, pad=layout.pad, what=record.what(), out=flat
+        )
         record.device_tensor = layout.rebuild(flat)
         record.to(State.FETCHING)
 

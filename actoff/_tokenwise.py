@@ -206,7 +206,8 @@ class TokenwiseRun(Tier):
                 for r in self.split_records
             ]
             buffer, offsets = pack_rows(views)
-            child = Record(buffer, run, -1, tiers["keep"])
+            # Negative indices tell the packed records apart (their device arena keys).
+            child = Record(buffer, run, -1 - len(self.children), tiers["keep"])
             run.step.live += 1
             self.children.append(child)
             self.bundles[tier] = (child, offsets, (low, high))
@@ -240,7 +241,7 @@ class TokenwiseRun(Tier):
             self.replay_rows = _replay.replay(self, start, stop) if stop > start else {}
             run.account("recompute_ms", watch.stop())
             self.split_pending = len(self.split_records)
-        flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
+        flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("rebuild", record.index))
         canon = record.canon.view(flat, layout.pad)
         position = self.split_records.index(record)
         for child, offsets, (low, high) in self.bundles.values():
@@ -266,6 +267,10 @@ class TokenwiseRun(Tier):
         self.split_pending -= 1
         if self.split_pending == 0:  # every split record rebuilt: drop the packed device copies
             for child in self.children:
+                if child.state is State.OFFLOADING and child.device_tensor is not None:
+                    # Served from the device (Note [forward what is still on the device]): the
+                    # compute stream waits for its copy out, and the packed buffer goes.
+                    child.tier.advance(child, force=True)
                 child.tier.evict(child)
         return record.device_tensor
 

@@ -143,6 +143,39 @@ def test_host_arena_allocated_once():
     assert actoff.stats().host_allocations == after_first
 
 
+@pytest.mark.no_sim_device  # builds the simulated device it holds and drains
+@pytest.mark.parametrize("policy", ["cpu", "tokenwise"])
+def test_records_still_on_the_device_at_backward_are_served_from_it(policy, monkeypatch):
+    """Note [forward what is still on the device]: the last block's copies out are held back
+    through forward and done by the time backward starts (a drained device), while its device
+    tensors are still held: they are served as they are, not dropped and copied back."""
+    from actoff._tiers import HostTier
+    from actoff.testing import simulated_device
+
+    fetched = []
+    real_fetch = HostTier.fetch
+    monkeypatch.setattr(
+        HostTier, "fetch", lambda self, record: fetched.append(record.run.index) or real_fetch(self, record)
+    )
+    expected = train(make_model(), 2)
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0)
+    with simulated_device(seed=7) as device:
+        real_loss = model.loss
+
+        def held_loss(tokens):
+            device.drain()  # the previous step's copies: nothing left to force open the hold
+            with device.hold(copies=True):
+                return real_loss(tokens)
+
+        model.loss = held_loss
+        actual = train(model, 2, before_backward=device.drain)
+    assert_same_history(expected, actual)  # bit for bit on the CPU, recompute included
+    last = len(model.layers) - 1
+    assert fetched and last not in fetched
+    assert actoff.stats().blocks[f"layers.{last}"].forwarded > 0
+
+
 @pytest.mark.parametrize("policy", ["keep", "cpu"])
 def test_inplace_modification_after_save_is_caught(policy):
     @actoff.offload(policy=policy, min_bytes=0)

@@ -120,6 +120,17 @@ def test_a_freed_host_buffers_addresses_become_device_memory_again(streams):
     assert not streams.is_host(SimpleNamespace(data_ptr=lambda: address))
 
 
+def test_a_host_buffer_lives_as_long_as_a_view_of_it(streams):
+    """The range goes with the storage, not the first tensor: a view still reads host memory."""
+    buffer = streams.host_empty(1 << 20)
+    start, view = buffer.data_ptr(), buffer[4096:]
+    del buffer
+    assert streams.is_host(view)  # a view keeps the storage
+    del view
+    gc.collect()
+    assert start not in streams._host_ranges
+
+
 def test_device_memory_counts_storages_and_enforces_capacity():
     with simulated_device(seed=0, capacity=4096) as device:
         a = torch.empty(512, dtype=torch.float32)  # 2 KiB
