@@ -140,6 +140,9 @@ class KvikioEngine(IoEngine):
     def __init__(self, path: str, num_threads: int = 4) -> None:
         try:
             import kvikio  # optional extra: pip install actoff[nvme]
+
+            # A submodule that `import kvikio` leaves unbound (kvikio 26): import it by name.
+            settings = importlib.import_module("kvikio.defaults")
         except ImportError as error:
             raise ModuleNotFoundError(
                 f"io_backend='kvikio' needs the kvikio package (pip install actoff[nvme]): {error}",
@@ -147,11 +150,11 @@ class KvikioEngine(IoEngine):
             ) from error
 
         self.path = path
-        _raise_kvikio_threads(kvikio, num_threads)
+        _raise_kvikio_threads(settings, num_threads)
         # Create the file first: CuFile's "r+" needs it to exist.
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._file = kvikio.CuFile(path, "r+")
-        self.gds = not kvikio_compat_mode(kvikio)
+        self.gds = not kvikio_compat_mode(settings)
         self.direct = self.gds
         self.name = "kvikio (GDS)" if self.gds else "kvikio (compat)"
         self._closed = False
@@ -252,26 +255,27 @@ class KvikioEngine(IoEngine):
         self._file.close()
 
 
-def kvikio_compat_mode(kvikio) -> bool:
-    """Whether kvikio runs POSIX I/O (compat mode) rather than cuFile, as far as it can tell.
+def kvikio_compat_mode(settings) -> bool:
+    """Whether kvikio runs POSIX I/O (compat mode) rather than cuFile, as far as it can tell;
+    ``settings`` is the ``kvikio.defaults`` module.
 
     kvikio 26: ``kvikio.defaults.is_compat_mode_preferred()`` resolves ``AUTO`` (no cuFile
     library, no nvidia-fs, ...) to on or off; Python's ``CuFile`` has no per-file query. An
     older kvikio without it: ``kvikio.defaults.get("compat_mode")`` (a ``CompatMode`` enum),
     where ``AUTO`` counts as compat since nothing says cuFile really works.
     """
-    preferred = getattr(kvikio.defaults, "is_compat_mode_preferred", None)
+    preferred = getattr(settings, "is_compat_mode_preferred", None)
     if callable(preferred):
         return bool(preferred())
-    mode = kvikio.defaults.get("compat_mode")
+    mode = settings.get("compat_mode")
     return getattr(mode, "name", str(mode)).upper().rsplit(".", 1)[-1] != "OFF"
 
 
-def _raise_kvikio_threads(kvikio, num_threads: int) -> None:
+def _raise_kvikio_threads(settings, num_threads: int) -> None:
     """Grow kvikio's global thread pool to ``num_threads`` (never shrink what a user set)."""
     try:
-        if int(kvikio.defaults.get("num_threads")) < num_threads:
-            kvikio.defaults.set("num_threads", num_threads)
+        if int(settings.get("num_threads")) < num_threads:
+            settings.set("num_threads", num_threads)
     except (KeyError, ValueError, TypeError):  # a kvikio without the setting: keep its default
         pass
 

@@ -140,8 +140,9 @@ for stage in "${stages[@]}"; do
       run tests.log python3 -m pytest -q -p no:cacheprovider -rA tests/test_nvme.py tests/test_io.py tests/test_io_kvikio.py tests/test_arena.py ;;
     sanitizer)
       run sanitizer.log TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests ;;
-    suite)
-      run suite.log python3 -m pytest -q -p no:cacheprovider tests ;;
+    suite)  # in 8 processes where pytest-xdist is there (the GPU image has it): the CPU tests dominate
+      workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+      run suite.log python3 -m pytest -q -p no:cacheprovider -rfE "${workers[@]}" tests ;;
     io)
       run io.log python3 benchmarks/io_bandwidth.py --size 4GiB --repeats 2 --dir "$NVME_DIR/io" --jsonl "$OUT/io.jsonl" ;;
     long)

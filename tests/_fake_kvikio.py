@@ -268,13 +268,25 @@ class CuFile:
         return self.pwrite(buf, size, file_offset, task_size).get()
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """Make ``import kvikio`` give this stand-in (fresh settings) for one test."""
+def package() -> types.ModuleType:
+    """The stand-in as ``import kvikio`` binds it. As in kvikio 26, whose ``__init__`` imports
+    no ``defaults``, the settings are not an attribute of the package: only
+    ``import kvikio.defaults`` (sys.modules) reaches them."""
     module = sys.modules[__name__]
+    bound = types.ModuleType("kvikio", module.__doc__)
+    for name, value in vars(module).items():
+        if not name.startswith("__") and name != "defaults":
+            setattr(bound, name, value)
+    return bound
+
+
+def install(monkeypatch) -> types.ModuleType:
+    """Make ``import kvikio`` give this stand-in (fresh settings) for one test; returns the
+    stand-in module itself, whose ``defaults`` the test may use."""
     _reset()
-    monkeypatch.setitem(sys.modules, "kvikio", module)
+    monkeypatch.setitem(sys.modules, "kvikio", package())
     monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
-    return module
+    return sys.modules[__name__]
 
 
 _reset()

@@ -294,12 +294,15 @@ torch.save(history, {out!r})
 if {replay}:
     print(*figures, sep="\\n")
     assert figures[0].plans == 1 and figures[0].served == 0  # step 1 recorded
-    for before, after in zip(figures, figures[1:]):
-        assert after.served > before.served and after.plans == 1
+    # actoff itself settles after its first step (its arenas install their plans then), so the
+    # allocator may record once more at step 2; from then on it only replays.
+    assert figures[1].plans <= 2 and figures[1].served > 0
+    for before, after in zip(figures[1:], figures[2:]):
+        assert after.served > before.served and after.plans == before.plans
         if {policy!r} == "keep":  # lifetimes follow the program: not one fallback after step 1
             assert after.fallbacks == 0
         else:  # a copy source dies when its copy is seen done: lifetimes may shift (occupied)
-            assert after.diverged == 0
+            assert after.diverged == before.diverged
     assert figures[-1].errors == 0 and 0 < figures[-1].arena_bytes <= figures[-1].peak_reserved_bytes
 """
 

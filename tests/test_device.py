@@ -70,15 +70,18 @@ def test_cpu_policy_lowers_peak_memory_by_what_it_offloads():
         model.loss(tokens).backward()  # warm-up: arenas, cuBLAS workspaces
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        before = actoff.stats().total_bytes_offloaded if policy != "none" else 0
         model.loss(tokens).backward()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated(), actoff.stats().total_bytes_offloaded
+        offloaded = actoff.stats().total_bytes_offloaded - before if policy != "none" else 0
+        return torch.cuda.max_memory_allocated(), offloaded  # one step's offloaded bytes
 
     keep_peak, _ = peak("keep")
     cpu_peak, offloaded = peak("cpu")
     assert offloaded > 0
     # Issue 2's criterion. The last run's copy and the prefetched run are resident at the
     # peak, so with 16 blocks at most 2/16 of the offloaded bytes are still on the device.
+    print(f"keep peak {keep_peak}, cpu peak {cpu_peak}, offloaded in the step {offloaded}")
     assert keep_peak - cpu_peak >= 0.8 * offloaded
 
 
@@ -89,5 +92,7 @@ def test_cuda_pinned_arena_and_exact_gradients():
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
 
     assert_same_history(train(reference, 3, seq=65), train(model, 3, seq=65))
-    arena = next(iter(actoff._runtime.get_runtime().arenas.values()))
-    assert arena._chunks[0].buffer.is_pinned()
+    (arena,) = actoff._runtime.get_runtime().arenas.values()
+    # After the first step the planner's single chunk serves the plan; the bump chunks went back.
+    chunks = [*arena._chunks, *([arena.planned] if arena.planned is not None else [])]
+    assert chunks and all(chunk.buffer.is_pinned() for chunk in chunks)

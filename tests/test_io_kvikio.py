@@ -140,7 +140,7 @@ def test_real_write_error_names_op_path_offset_and_size(tmp_path):
         import resource, sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import _fake_kvikio
-        sys.modules["kvikio"], sys.modules["kvikio.defaults"] = _fake_kvikio, _fake_kvikio.defaults
+        sys.modules["kvikio"], sys.modules["kvikio.defaults"] = _fake_kvikio.package(), _fake_kvikio.defaults
         from actoff._nvme import open_engine
         engine = open_engine({str(tmp_path / "x.bin")!r}, "kvikio")
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))

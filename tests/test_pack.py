@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -26,7 +27,9 @@ def _random(shape, dtype, generator, device="cpu"):
         return torch.randint(0, 2, shape, generator=generator).bool().to(device)
     itemsize = dtype.itemsize
     raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), dtype=torch.uint8, generator=generator)
-    return raw.view(dtype).to(device)
+    with warnings.catch_warnings():  # complex32 warns that it is experimental: a view is fine
+        warnings.filterwarnings("ignore", "ComplexHalf support is experimental", UserWarning)
+        return raw.view(dtype).to(device)
 
 
 def _views(dtype, device="cpu"):
