@@ -186,13 +186,18 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The normed last hidden states ``(B, S, H)``: what the head turns into logits (for a
+        loss that never makes all the logits, e.g. `actoff.chunked_cross_entropy`)."""
         x = self.embed(tokens)  # (B, S, H)
         cos, sin = rope_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta,
                                device=tokens.device, dtype=x.dtype)  # fmt: skip
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(tokens))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy on ``tokens`` ``(B, S)``."""

@@ -10,13 +10,13 @@
 #   sanitizer      the gpu-marked tests under TORCH_CUDA_SANITIZER=1 (stream-ordering checker)
 #   suite          the whole test suite, stopped at the deadline
 #   io             I/O bandwidth on the NVMe directory (engine, kvikio host and device buffers, pinned)
-#   long           7B-shaped long-context table and plot (4 layers, 8k-32k, every policy)
+#   long           7B-shaped long-context table and plot (4 layers, 8k and 32k, every policy, cpu+tile+loss)
 #   maxseq-base    longest trainable sequence without actoff and with checkpointing
-#   maxseq-actoff  longest trainable sequence under actoff's cpu and auto policies
+#   maxseq-actoff  longest trainable sequence under actoff's cpu and auto policies, with tiling and chunked loss
 #   planner        planner benchmark (CPU work; run it only when a call has time to spare)
 #
 # Every call ends well inside the device's 10-minute limit: the stages of one call share
-# ACTOFF_SESSION_BUDGET seconds (default 540) counted from the start, each command gets what is
+# GPU_SESSION_BUDGET seconds (default 540) counted from the start, each command gets what is
 # left (minus a margin) through `timeout`, and the benchmarks get it as --time-budget, so they
 # stop starting work they could not finish. Records are written as they are made (--jsonl), so
 # a stage cut short keeps what it measured. `--dry-run` prints every command a stage would run
@@ -53,7 +53,8 @@ done
 
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/actoff-gpu-out}
-budget_s=${ACTOFF_SESSION_BUDGET:-540}
+# Not ACTOFF_*: actoff refuses unknown ACTOFF_ settings, and the benchmarks inherit the environment.
+budget_s=${GPU_SESSION_BUDGET:-540}
 margin_s=20
 started_s=$(date +%s)
 export PYTHONUNBUFFERED=1
@@ -142,19 +143,19 @@ for stage in "${stages[@]}"; do
       run sanitizer.log TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests ;;
     suite)  # in 8 processes where pytest-xdist is there (the GPU image has it): the CPU tests dominate
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-      run suite.log python3 -m pytest -q -p no:cacheprovider -rfE "${workers[@]}" tests ;;
+      run suite.log python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE "${workers[@]}" tests ;;
     io)
       run io.log python3 benchmarks/io_bandwidth.py --size 4GiB --repeats 2 --dir "$NVME_DIR/io" --jsonl "$OUT/io.jsonl" ;;
     long)
-      run long.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k,16k,32k --steps 3 --warmup 1 \
-        --policies none,keep,checkpoint,save_on_cpu,cpu,nvme,tokenwise:0.5:0,recompute,auto \
+      run long.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k,32k --steps 3 --warmup 1 \
+        --policies none,keep,checkpoint,save_on_cpu,cpu,nvme,tokenwise:0.5:0,recompute,auto,cpu+tile+loss \
         --nvme-dir "$NVME_DIR" --timeout 150 --time-budget "$(inner_budget)" \
         --jsonl "$OUT/long.jsonl" --plot "$OUT/long.png" ;;
     maxseq-base|maxseq-actoff)
       policies=none,checkpoint
-      [ "$stage" = maxseq-actoff ] && policies=cpu,auto
+      [ "$stage" = maxseq-actoff ] && policies=cpu+tile+loss,auto+tile+loss
       run "$stage.log" ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 7b --layers 4 \
-        --seq 8k --find-max-seq --max-seq 512k --policies "$policies" --nvme-dir "$NVME_DIR" --timeout 120 \
+        --seq 16k --find-max-seq --max-seq 512k --policies "$policies" --nvme-dir "$NVME_DIR" --timeout 120 \
         --time-budget "$(inner_budget)" --jsonl "$OUT/$stage.jsonl" ;;
     planner)
       run planner.log python3 benchmarks/planner.py --time-limit 10 --json "$OUT/planner.json" ;;

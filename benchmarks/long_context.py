@@ -111,6 +111,25 @@ def _apply_policy(model, policy: str, nvme_dir: str | None):
     return contextlib.nullcontext
 
 
+#: Variants a policy may carry as suffixes: ``+tile`` runs each block's MLP chunk by chunk
+#: (`actoff.tile_`, TILE_TOKENS positions at a time), ``+loss`` computes the head and the loss
+#: over chunks of LOSS_TOKENS rows (`actoff.chunked_cross_entropy`), e.g. ``cpu+tile+loss``.
+VARIANTS = ("tile", "loss")
+TILE_TOKENS = 4096
+LOSS_TOKENS = 4096
+
+
+def split_variants(policy: str) -> tuple[str, frozenset[str]]:
+    """``"cpu+tile+loss"`` -> ``("cpu", {"tile", "loss"})``; other suffixes (``+verify``) stay.
+
+    >>> split_variants("checkpoint+loss")
+    ('checkpoint', frozenset({'loss'}))
+    """
+    name, *suffixes = policy.split("+")
+    extras = frozenset(s for s in suffixes if s in VARIANTS)
+    return "+".join([name, *(s for s in suffixes if s not in VARIANTS)]), extras
+
+
 def build_model(config, device, dtype):
     """The reference model with its parameters made on ``device`` in ``dtype``: no CPU copy
     first (a 7B-shaped model built on the CPU in float32 took about 15 s per process)."""
@@ -153,7 +172,13 @@ def worker(spec: dict):
     config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
     torch.manual_seed(0)
     model = build_model(config, device, getattr(torch, spec["dtype"]))
-    step_context = _apply_policy(model, spec["policy"], spec.get("nvme_dir"))
+    policy, extras = split_variants(spec["policy"])
+    if "tile" in extras:
+        import actoff
+        from actoff.reference import MLP
+
+        actoff.tile_(model, module_cls=MLP, max_tokens=TILE_TOKENS)
+    step_context = _apply_policy(model, policy, spec.get("nvme_dir"))
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp is not None else model
     hang_after = int(os.environ.get("_ACTOFF_BENCH_HANG_AFTER", "0"))  # tests: a worker that hangs
     failed = None
@@ -211,12 +236,20 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
 
     hooks = [layer.register_forward_hook(after_forward) for layer in model.layers]
 
+    chunked_loss = "loss" in split_variants(spec["policy"])[1]
+
     def step() -> None:
         with step_context():
-            logits = net(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
-            )
+            if chunked_loss:  # the head and loss over chunks of tokens: never all the logits
+                hidden = model.hidden(tokens[:, :-1]) if net is model else net.module.hidden(tokens[:, :-1])
+                loss = actoff.chunked_cross_entropy(
+                    hidden, model.head.weight, tokens[:, 1:], shift=False, max_tokens=LOSS_TOKENS
+                )
+            else:
+                logits = net(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+                )
         loss.backward()
         sample()
 
@@ -669,10 +702,15 @@ def check_policies(text: str) -> list[str]:
     """The policies of ``--policies``, or SystemExit naming the one that is not known."""
     policies = [p.strip().lower() for p in text.split(",") if p.strip()]
     for policy in policies:
-        name, *fractions = policy.removesuffix("+verify").split(":")
+        base, *suffixes = policy.split("+")
+        unknown = [s for s in suffixes if s not in (*VARIANTS, "verify")]
+        if unknown:
+            raise SystemExit(f"policy {policy!r}: unknown suffix +{unknown[0]}; known: +tile, +loss, +verify")
+        name, *fractions = base.split(":")
         if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
             raise SystemExit(
                 f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
+                " (each may end in +tile, +loss, +verify)"
             )
         try:
             [float(f) for f in fractions]
@@ -904,8 +942,15 @@ def _find_max(policies: list[str], base: dict, start: int, limit: int, time_left
     if not torch.cuda.is_available():
         raise SystemExit("--find-max-seq needs a CUDA GPU: on a CPU every tier shares the same host memory")
     records = []
-    for policy in policies:
-        longest, probes, finished = find_max_seq(policy, base, start, limit, time_left, out.write)
+    for done, policy in enumerate(policies):
+        # An equal share of the time left for each policy still to search: the first one cannot
+        # spend it all (a long search probes many lengths, each a fresh process).
+        deadline = time.monotonic() + time_left() / (len(policies) - done)
+
+        def share_left(deadline=deadline) -> float:
+            return min(time_left(), deadline - time.monotonic())
+
+        longest, probes, finished = find_max_seq(policy, base, start, limit, share_left, out.write)
         records.append({"policy": policy, "max_seq": longest, "probes": probes,
                         "search": "done" if finished else "cut short by --time-budget (a lower bound)"})  # fmt: skip
         out.write({"result": records[-1]})

@@ -185,7 +185,8 @@ def _store_fds(path: str) -> list[int]:
 
 
 def test_pwrite_error_mid_step_keeps_values(nvme_dir):
-    # Swap the store's descriptors for read-only ones: every later pwrite fails with EBADF.
+    # Swap the store's descriptors for read-only ones: every later pwrite fails with EBADF
+    # (kvikio's POSIX path words it "Operation not permitted").
     model = make_model()
     reference = copy.deepcopy(model)
     expected = train(reference, 1) + train(reference, 1)  # two calls: same tokens twice
@@ -198,7 +199,7 @@ def test_pwrite_error_mid_step_keeps_values(nvme_dir):
     for fd in fds:
         if fd != readonly:
             os.dup2(readonly, fd)
-    with pytest.warns(RuntimeWarning, match="NVMe write failed.*Bad file descriptor"):
+    with pytest.warns(RuntimeWarning, match="NVMe write failed.*(Bad file descriptor|Operation not permitted)"):
         actual += train(model, 1)
     os.close(readonly)
     assert_same_history(expected, actual)
