@@ -8,6 +8,8 @@
 #   env            versions, the GPU, the NVMe directory's file system, O_DIRECT, kvikio GDS or compat
 #   tests          the gpu-marked tests, then the NVMe and kvikio tests on the real disk
 #   sanitizer      the gpu-marked tests under TORCH_CUDA_SANITIZER=1 (stream-ordering checker)
+#   io-gdb         the I/O and NVMe tests under cuda-gdb (a native backtrace if they crash:
+#                  a segfault in a thread without Python was seen there on an H100, 2026-11-23)
 #   suite          the whole test suite, stopped at the deadline
 #   io             I/O bandwidth on the NVMe directory (engine, kvikio host and device buffers, pinned)
 #   long           7B-shaped long-context table and plot (4 layers, 8k and 32k, every policy, cpu+tile+loss)
@@ -44,7 +46,7 @@ stages=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
-    --list) echo "env tests sanitizer suite io long maxseq-base maxseq-actoff planner"; exit 0 ;;
+    --list) echo "env tests sanitizer io-gdb suite io long maxseq-base maxseq-actoff planner"; exit 0 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
     *) stages+=("$arg") ;;
   esac
@@ -141,6 +143,9 @@ for stage in "${stages[@]}"; do
       run tests.log python3 -m pytest -q -p no:cacheprovider -rA tests/test_nvme.py tests/test_io.py tests/test_io_kvikio.py tests/test_arena.py ;;
     sanitizer)
       run sanitizer.log TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests ;;
+    io-gdb)  # the I/O tests under cuda-gdb: a native backtrace of every thread if one crashes
+      run io-gdb.log cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "thread apply all bt 12" \
+        --args python3 -m pytest -q -p no:cacheprovider tests/test_io.py tests/test_nvme.py ;;
     suite)  # in 8 processes where pytest-xdist is there (the GPU image has it): the CPU tests dominate
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
       run suite.log python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE "${workers[@]}" tests ;;

@@ -571,7 +571,10 @@ def _probe(policy: str, base: dict, seq: int, timeout_s, on_record) -> bool:
     if timeout_s <= 0:
         raise TimeoutError("time budget spent")
     spec = {**base, "policy": policy, "seq": seq, "steps": 1, "warmup": 0}
-    return run_one(spec, timeout_s, on_record)[0]["status"] == "ok"
+    status = run_one(spec, timeout_s, on_record)[0]["status"]
+    if status == "timeout":  # cut off, not failed: it says nothing about the length
+        raise TimeoutError(f"the probe at {seq} ran out of time")
+    return status == "ok"
 
 
 def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s,
@@ -603,7 +606,7 @@ def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s,
             ok = _probe(policy, base, middle, timeout_s, on_record)
             print(f"   {policy:<12} seq {middle:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
             good, bad = (middle, bad) if ok else (good, middle)
-    except TimeoutError:
+    except TimeoutError:  # the time ran out before or during a probe: ``good`` is a lower bound
         return good, probes - 1, False
     return good, probes, True
 

@@ -315,6 +315,12 @@ def test_training_under_the_replay_allocator_is_bit_exact(tmp_path, policy):
     import subprocess
     import sys
 
+    if os.environ.get("TORCH_CUDA_SANITIZER"):
+        # The sanitizer learns of allocations and frees from the caching allocator's trace only:
+        # under a pluggable allocator an address handed out again keeps the access history of
+        # the tensor it served before, and a copy stream's earlier read of it reads as a race
+        # (seen on an H100, 2026-11-23).
+        pytest.skip("TORCH_CUDA_SANITIZER cannot see the replay allocator's frees")
     tests = os.path.dirname(os.path.abspath(__file__))
     histories = {}
     for replay in (False, True):

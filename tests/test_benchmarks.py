@@ -201,6 +201,9 @@ def _check_command(words: list[str], markers: set[str]) -> None:
         assert name.startswith("ACTOFF_") or name == "TORCH_CUDA_SANITIZER", name
         if name == "ACTOFF_HOST_BUDGET":
             actoff.parse_size(value, what=name)  # a real size, not an empty or shell-quoted one
+    if words[0] == "cuda-gdb":  # a debugger around the command after --args
+        assert "-batch" in words and "--args" in words, words  # never waits for a prompt
+        words = words[words.index("--args") + 1 :]
     assert words[0] == "python3", words
     if words[1:3] == ["-m", "pytest"]:
         arguments = words[3:]
@@ -266,3 +269,35 @@ def test_benchmark_header_says_file_system_o_direct_and_io_engine(tmp_path):
     assert done.returncode == 0, done.stderr
     for key in ("file_system", "o_direct", "io_backend", "kvikio", "triton", "host"):
         assert f"   {key}" in done.stdout, key
+
+
+def test_find_max_seq_bisects_and_a_timed_out_probe_cuts_the_search_short(monkeypatch):
+    bench = _load_benchmark("long_context")
+    limit = {"fits": 40_000, "slow_from": None}
+
+    def fake_run_one(spec, timeout_s, on_record=None):
+        seq = spec["seq"]
+        if limit["slow_from"] is not None and seq >= limit["slow_from"]:
+            return [{"status": "timeout"}]
+        return [{"status": "ok" if seq <= limit["fits"] else "oom"}]
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    longest, probes, finished = bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0)
+    assert finished and 40_000 - 1024 < longest <= 40_000  # within the bisection's step of 1k
+    assert probes >= 4
+    # A probe that runs out of time is no failure: the search stops, the length is a lower bound.
+    limit["slow_from"] = 32768
+    longest, probes, finished = bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0)
+    assert (longest, probes, finished) == (16384, 2, False)
+
+
+def test_policy_variants_are_parsed_and_checked():
+    bench = _load_benchmark("long_context")
+    assert bench.split_variants("cpu+tile+loss") == ("cpu", frozenset({"tile", "loss"}))
+    assert bench.split_variants("tokenwise:0.5:0+verify+tile") == (
+        "tokenwise:0.5:0+verify",
+        frozenset({"tile"}),
+    )
+    assert bench.check_policies("none+loss, cpu+tile") == ["none+loss", "cpu+tile"]
+    with pytest.raises(SystemExit, match=r"unknown suffix \+fast; known: \+tile, \+loss, \+verify"):
+        bench.check_policies("cpu+fast")

@@ -199,7 +199,9 @@ def test_pwrite_error_mid_step_keeps_values(nvme_dir):
     for fd in fds:
         if fd != readonly:
             os.dup2(readonly, fd)
-    with pytest.warns(RuntimeWarning, match="NVMe write failed.*(Bad file descriptor|Operation not permitted)"):
+    with pytest.warns(
+        RuntimeWarning, match="NVMe write failed.*(Bad file descriptor|Operation not permitted)"
+    ):
         actual += train(model, 1)
     os.close(readonly)
     assert_same_history(expected, actual)
