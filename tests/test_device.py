@@ -60,28 +60,32 @@ def test_forced_race_still_exact():
 
 @pytest.mark.gpu
 def test_cpu_policy_lowers_peak_memory_by_what_it_offloads():
-    def peak(policy):
+    def peak(policy, planner="greedy"):
         actoff.reset()
         torch.manual_seed(0)
         model = Transformer(ModelConfig.preset("small", num_layers=16)).cuda()
         if policy != "none":
-            actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0)
+            config = actoff.Config(policy=policy, min_bytes=0, planner=planner)
+            actoff.offload_(model, block_cls=Block, config=config)
         tokens = torch.randint(0, 1024, (2, 2049), device="cuda")
         model.loss(tokens).backward()  # warm-up: arenas, cuBLAS workspaces
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        before = actoff.stats().total_bytes_offloaded if policy != "none" else 0
         model.loss(tokens).backward()
         torch.cuda.synchronize()
-        offloaded = actoff.stats().total_bytes_offloaded - before if policy != "none" else 0
-        return torch.cuda.max_memory_allocated(), offloaded  # one step's offloaded bytes
+        return torch.cuda.max_memory_allocated(), actoff.stats().total_bytes_offloaded  # of this step
 
     keep_peak, _ = peak("keep")
     cpu_peak, offloaded = peak("cpu")
+    unplanned_peak, _ = peak("cpu", planner="off")  # without the device arena, for the figures
+    print(
+        f"keep peak {keep_peak}, cpu peak {cpu_peak} (planner off: {unplanned_peak}), offloaded {offloaded}"
+    )
     assert offloaded > 0
     # Issue 2's criterion. The last run's copy and the prefetched run are resident at the
     # peak, so with 16 blocks at most 2/16 of the offloaded bytes are still on the device.
-    print(f"keep peak {keep_peak}, cpu peak {cpu_peak}, offloaded in the step {offloaded}")
+    # Seen on an H100 (2026-11-23): 3.99 GB lower of 9.99 GB offloaded (0.40), not understood
+    # yet (README, Status).
     assert keep_peak - cpu_peak >= 0.8 * offloaded
 
 
