@@ -35,14 +35,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from ._simmemory import DeviceMemory, poison
 
-__all__ = [
-    "RaceError",
-    "SimEvent",
-    "SimSettings",
-    "SimStreams",
-    "poison",
-    "settings_for",
-]
+__all__ = ["RaceError", "SimEvent", "SimSettings", "SimStreams", "poison", "settings_for"]
 
 
 class RaceError(RuntimeError):
@@ -111,6 +104,9 @@ class _Copy:
         # Held until the copy runs: aliases of its own, so that the race check can tell its
         # references from the caller's.
         self.dst, self.src = dst.detach(), src.detach()
+        if direction == "device-to-host":  # Note [copy sources and the allocator]
+            with no_dispatch():  # a snapshot, outside the device's memory
+                self.src = src.detach().clone()
         self.ran = False
         device, host = (src, dst) if direction == "device-to-host" else (dst, src)
         self.device_alias: torch.Tensor | None = device.detach()  # until ordered on the device
@@ -300,9 +296,10 @@ class SimStreams:
                 if entry.seq <= event.seq:
                     if entry.device_alias is not None:
                         alias, entry.device_alias = entry.device_alias, None
-                        # Nobody else holds the storage: only the alias, this call's storage
-                        # object and, until the copy runs, the queued copy itself.
-                        if _use_count(alias) <= (2 if entry.ran else 3):
+                        # Nobody else holds the storage: the alias, this call's storage object
+                        # and, until a copy to the device runs, its queued destination.
+                        queued = not entry.ran and entry.direction == "host-to-device"
+                        if _use_count(alias) <= (3 if queued else 2):
                             self._race(
                                 f"{entry.what}: the device {'source' if entry.direction == 'device-to-host' else 'destination'} "
                                 f"of a {entry.direction} copy was freed before the copy was waited for; the "

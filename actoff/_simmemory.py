@@ -4,6 +4,14 @@ allocation fails as a GPU's would.
 
 Part of the simulated device (`actoff._simdevice`); `actoff.testing.simulated_device` turns it
 on around a block of code, and the long-context benchmark reads its peak on a CPU.
+
+Note [copy sources and the allocator]: a storage counts as long as anything holds it. A copy to
+the host therefore reads a snapshot taken when it is queued, outside this memory: once the
+compute stream has waited for the copy, the caching allocator hands the source's memory to new
+compute work as soon as its owner drops it, whether the copy has run or not. Until that wait
+the copy holds the source itself (its ``device_alias``), which is the hazard the race checker
+watches. Keeping the source alive until the copy ran made late copies look as if offloading
+saved no device memory at all.
 """
 
 from __future__ import annotations
