@@ -148,7 +148,8 @@ for stage in "${stages[@]}"; do
         --args python3 -m pytest -q -p no:cacheprovider tests/test_io.py tests/test_nvme.py ;;
     suite)  # in 8 processes where pytest-xdist is there (the GPU image has it): the CPU tests dominate
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-      run suite.log python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE "${workers[@]}" tests ;;
+      # -v: one line per test as it ends, so a run cut at the deadline still names its failures.
+      run suite.log python3 -m pytest -v -p no:cacheprovider -p no:benchmark -rfE "${workers[@]}" tests ;;
     io)
       run io.log python3 benchmarks/io_bandwidth.py --size 4GiB --repeats 2 --dir "$NVME_DIR/io" --jsonl "$OUT/io.jsonl" ;;
     long)
