@@ -85,6 +85,16 @@ class NvmeTier(HostTier):
             return  # never wait for the disk in forward: a later call (or backward) finishes it
         self._finish_write(record)
 
+    def drop_forwarded(self, record: Record) -> None:
+        if record.write_future is None and record.host_slot is not None:
+            # Staged and not written yet: backward has used the bytes, so writing them now
+            # would cost a write nobody reads back. The slot is the record's home now (a
+            # retained graph's second backward reads it from there).
+            record.tier = HOST
+            HOST.drop_forwarded(record)
+        else:  # the write is under way (or the device tensor is the source: GDS, host-resident)
+            self.advance(record, force=True)
+
     def settle(self, record: Record) -> None:
         # A record whose device tensor went (a staged write running) is read back from the
         # file once its write ends: backward reads every record the same way.
