@@ -141,12 +141,10 @@ class NvmeStore:
         """Whether the engine writes and reads device buffers itself (kvikio with GDS active)."""
         return self.engine.takes_device_buffers
 
-    def write(self, buffer: torch.Tensor, nbytes: int, *, after: Any = _HOST) -> tuple[Extent, object]:
-        """Start writing ``nbytes`` of contiguous ``buffer``; returns its extent and future.
-
-        ``after``: ``buffer`` is device memory, written once that ticket completes (only when
-        `takes_device_buffers`; Note [direct device I/O] in actoff._io_kvikio).
-        """
+    def allocate(self, nbytes: int) -> tuple[Extent, OSError | None]:
+        """Take an extent for ``nbytes``, growing the file if needed; returns it and, if the
+        file could not grow (disk full, file-size limit), the error (the extent is still
+        taken: `free` it)."""
         with self._lock:
             extent = self.extents.alloc(nbytes)
             if extent.offset + extent.size > self.reserved:
@@ -159,9 +157,24 @@ class NvmeStore:
                         self.engine.reserve(extent.offset + extent.size)
                         want = extent.offset + extent.size
                     except OSError:
-                        return extent, FailedFuture(_io_error(error))
+                        return extent, _io_error(error)
                 self.reserved = want
                 self.growths += 1
+        return extent, None
+
+    def write(
+        self, buffer: torch.Tensor, nbytes: int, *, extent: Extent | None = None, after: Any = _HOST
+    ) -> tuple[Extent, object]:
+        """Start writing ``nbytes`` of contiguous ``buffer`` to ``extent`` (one `allocate`
+        gave), or to a new extent; returns the extent and the request's future.
+
+        ``after``: ``buffer`` is device memory, written once that ticket completes (only when
+        `takes_device_buffers`; Note [direct device I/O] in actoff._io_kvikio).
+        """
+        if extent is None:
+            extent, error = self.allocate(nbytes)
+            if error is not None:
+                return extent, FailedFuture(error)
         if after is _HOST:
             future = self.engine.pwrite(buffer, nbytes, extent.offset)
         else:

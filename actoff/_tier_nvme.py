@@ -41,6 +41,17 @@ class NvmeTier(HostTier):
         direct = run.backend.staged and store.takes_device_buffers
         if run.backend.staged and not direct:
             super().place(record)  # the host copy first; the write starts in advance()
+            if record.host_slot is not None:
+                # Note [extents at placement]: the write starts once the host sees the copy
+                # out end, in forward or in backward between the frees of later blocks'
+                # extents. Taken then, the extents would follow copy timing, and a step whose
+                # copies end earlier than the first step's would need more of them at once and
+                # grow the file after warm-up. Taken here, in forward order, they do not.
+                record.store = store
+                record.extent, error = store.allocate(record.host_slot.capacity)
+                if error is not None:  # the file cannot grow: the slot keeps the bytes
+                    self._stay_in_slot(record)
+                    self._warn_fallback(record, error, "host memory")
             return
         # Host-resident tensors, or device tensors the engine writes itself (GDS), go straight
         # to the file; no staging copy.
@@ -78,12 +89,21 @@ class NvmeTier(HostTier):
             if run.config.verify:
                 record.checksum = checksum(slot.view(record.layout.dtype, record.layout.span))
             # The whole aligned slot: aligned address, size and offset take O_DIRECT.
-            record.extent, record.write_future = store.write(slot.raw(), slot.capacity)
-            record.store = store
+            _, record.write_future = store.write(slot.raw(), slot.capacity, extent=record.extent)
         future = record.write_future
         if not future.done() and not finish:
             return  # never wait for the disk in forward: a later call (or backward) finishes it
         self._finish_write(record)
+
+    def drop_forwarded(self, record: Record) -> None:
+        if record.write_future is None and record.host_slot is not None:
+            # Staged and not written yet: backward has used the bytes, so writing them now
+            # would cost a write nobody reads back. The slot is the record's home now (a
+            # retained graph's second backward reads it from there).
+            self._stay_in_slot(record)
+            HOST.drop_forwarded(record)
+        else:  # the write is under way (or the device tensor is the source: GDS, host-resident)
+            self.advance(record, force=True)
 
     def settle(self, record: Record) -> None:
         # A record whose device tensor went (a staged write running) is read back from the
@@ -108,7 +128,6 @@ class NvmeTier(HostTier):
         # Nothing is lost: the bytes are still in the staging slot (-> host tier) or in the
         # device tensor, which the record still holds (-> keep).
         run = record.run
-        run.stats.write_fallback_bytes += record.layout.nbytes
         if _timed_out(error):
             # Note [hung I/O]: a worker that hangs may still write this extent later: never
             # hand it out again (and keep the source it reads from alive).
@@ -128,11 +147,26 @@ class NvmeTier(HostTier):
             record.tier = KEEP
             record.to(State.RESIDENT)
             fallback = "the device"
+        self._warn_fallback(record, error, fallback)
+
+    @staticmethod
+    def _warn_fallback(record: Record, error: Exception, fallback: str) -> None:
+        run = record.run
+        run.stats.write_fallback_bytes += record.layout.nbytes
         run.runtime.warn_once(
             f"nvme-write:{run.config.nvme_dir}",
             f"actoff: an NVMe write failed ({error}); affected activations stay in {fallback} "
             "and training continues with exact values. Free space or fix ACTOFF_NVME_DIR.",
         )
+
+    @staticmethod
+    def _stay_in_slot(record: Record) -> None:
+        """A staged record never written: its host slot is its home from now on (a host-tier
+        record), and its extent goes back."""
+        if record.extent is not None:
+            record.store.free(record.extent)
+            record.extent = None
+        record.tier = HOST
 
     def fetch(self, record: Record) -> None:
         run, layout, store = record.run, record.layout, record.store
@@ -169,7 +203,7 @@ class NvmeTier(HostTier):
                 return record.tier.materialize(record)
             if record.state is State.OFFLOADING:
                 if record.write_future is None:
-                    record.tier = HOST  # never written: the slot is its home now
+                    self._stay_in_slot(record)  # never written
                 HostTier.fetch(self, record)
                 self._arrive(record, prefetched=False)
                 return record.device_tensor

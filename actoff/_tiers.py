@@ -61,6 +61,11 @@ class Tier:
     def poll(self, record: Record) -> None:
         """Move a prefetch on without waiting (an NVMe read that landed starts its copy)."""
 
+    def drop_forwarded(self, record: Record) -> None:
+        """An OFFLOADING record that backward was served from the device (Note [forward what
+        is still on the device]) and needs no more: its device tensor goes once its copy out
+        is ordered (-> OFFLOADED); a move further out not yet started is skipped."""
+
     def evict(self, record: Record) -> None:
         """READY -> OFFLOADED: drop the device copy; what is stored off the device stays."""
         if record.state is not State.READY:
@@ -136,6 +141,9 @@ class HostTier(Tier):
         elif not ticket.query():
             return
         self._offloaded(record)
+
+    def drop_forwarded(self, record: Record) -> None:
+        self.advance(record, force=True)  # the compute stream waits for the copy; no host wait
 
     @staticmethod
     def _offloaded(record: Record) -> None:

@@ -270,7 +270,7 @@ class TokenwiseRun(Tier):
                 if child.state is State.OFFLOADING and child.device_tensor is not None:
                     # Served from the device (Note [forward what is still on the device]): the
                     # compute stream waits for its copy out, and the packed buffer goes.
-                    child.tier.advance(child, force=True)
+                    child.tier.drop_forwarded(child)
                 child.tier.evict(child)
         return record.device_tensor
 

@@ -95,6 +95,39 @@ def test_file_stops_growing_after_the_first_step(nvme_dir):
     assert store.extents.live_bytes == 0  # every extent returned at the end of backward
 
 
+def test_the_file_does_not_depend_on_when_copies_end(nvme_dir):
+    """On a device with DMA a record is staged through host memory, and its write starts
+    once the host sees its copy out end: in forward, or in backward, between the frees of
+    later blocks' extents. A first step whose copies end late reused those extents; a later
+    one whose copies ended early needed them all at once and grew the file (doubled it)
+    after warm-up. Extents are taken when records are placed, so the file's layout is the
+    same every step."""
+    from actoff.testing import simulated_device
+
+    model = make_model(num_layers=4)
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    with simulated_device(seed=11) as device:
+        real_loss = model.loss
+
+        def late_copies(tokens):  # no copy out ends before backward: writes start there
+            device.drain()
+            with device.hold(copies=True):
+                return real_loss(tokens)
+
+        model.loss = late_copies
+        actual = train(model, 1)
+        store = get_runtime().stores.stores()[0]
+        growths, size = store.growths, store.file_size()
+        model.loss = real_loss
+        for layer in model.layers:  # every copy out ends before the next block: writes start in forward
+            layer.register_forward_pre_hook(lambda module, args: device.drain())
+        actual += train(model, 2)
+    assert_same_history(train(reference, 1) + train(reference, 2), actual)
+    assert (store.growths, store.file_size()) == (growths, size)
+    assert store.extents.live_bytes == 0
+
+
 def test_no_file_left_after_reset(nvme_dir):
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)

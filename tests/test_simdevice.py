@@ -205,8 +205,8 @@ def test_staged_nvme_frees_the_device_before_the_disk_and_never_waits_for_it(nvm
     gate = threading.Event()
     real_write = NvmeStore.write
 
-    def held_write(self, buffer, nbytes):
-        extent, future = real_write(self, buffer, nbytes)
+    def held_write(self, buffer, nbytes, **where):
+        extent, future = real_write(self, buffer, nbytes, **where)
         return extent, _HeldFuture(future, gate)
 
     monkeypatch.setattr(NvmeStore, "write", held_write)

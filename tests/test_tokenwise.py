@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import actoff
 import actoff._tokenwise
+from actoff._runtime import get_runtime
 from actoff.reference import Block, ModelConfig, RMSNorm, rope_tables
 
 RECOMPUTE_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -341,6 +342,43 @@ def test_host_memory_falls_with_the_stored_fraction():
         train(model, 2)
         highs.append(actoff.stats().host_high_water)
     assert highs[0] > highs[1] > highs[2] > 0  # inputs and attention outputs always stored
+
+
+def test_rows_served_from_the_device_are_never_written_to_nvme(monkeypatch, nvme_dir):
+    """SSDTrain's forwarding: the last block's packed rows are still on the device when
+    backward starts and are served from there; once used, their NVMe write, not started yet,
+    is skipped. It used to start then if the copy out had ended: a write of bytes nobody
+    reads, and an extent more in just those steps, which grew the file after warm-up
+    (test_soak[tokenwise] on the simulated device)."""
+    from actoff._nvme import NvmeStore
+    from actoff.testing import simulated_device
+
+    writes = []
+    real_write = NvmeStore.write
+
+    def counted_write(self, buffer, nbytes, **where):
+        writes.append(nbytes)
+        return real_write(self, buffer, nbytes, **where)
+
+    monkeypatch.setattr(NvmeStore, "write", counted_write)
+    expected = train(make_model(), 3)
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, nvme_fraction=0.25, min_bytes=0,
+                    nvme_dir=nvme_dir)  # fmt: skip
+    with simulated_device(seed=3) as device:
+        real_loss = model.loss
+
+        def held_loss(tokens):
+            device.drain()  # the previous step's copies: nothing left to force open the hold
+            with device.hold(copies=True):  # no write starts in forward
+                return real_loss(tokens)
+
+        model.loss = held_loss
+        # Every copy out has ended when backward starts: the last block's could be written.
+        actual = train(model, 3, before_backward=device.drain)
+    assert_close_history(expected, actual)
+    assert len(writes) == 3 * (len(model.layers) - 1)  # one packed buffer per block but the last
+    assert get_runtime().stores.stores()[0].extents.live_bytes == 0
 
 
 # ---------------------------------------------------------------------------------- CUDA
