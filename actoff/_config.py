@@ -141,6 +141,11 @@ class Config:
     #: ``CUDA_LAUNCH_BLOCKING``: CUDA's stream semantics, poisoned copy destinations and a race
     #: checker on the CPU; see `actoff.testing.simulated_device`).
     sim_device: bool = False
+    #: Memory of the simulated device (a size like ``2GiB``; ``None``: unlimited). Needs
+    #: ``sim_device``. Storages allocated on it while its memory model is on
+    #: (`actoff.testing.device_memory`) count against it, and an allocation past it raises
+    #: ``torch.OutOfMemoryError`` as CUDA's allocator does; host buffers do not count.
+    sim_device_memory: int | None = None
     #: CUDA allocator: ``caching`` (PyTorch's) or ``replay`` (actoff's, which serves each
     #: step's allocations at offsets planned from the first step). ``replay`` takes effect only
     #: when set in the environment before actoff is imported (or after
@@ -184,6 +189,20 @@ class Config:
             set_(self, name, _as_int(name, getattr(self, name), low))
         set_(self, "verify", _as_bool("verify", self.verify))
         set_(self, "sim_device", _as_bool("sim_device", self.sim_device))
+        if self.sim_device_memory is not None:
+            capacity = _as_size("sim_device_memory", self.sim_device_memory, allow_bare=False)
+            if capacity <= 0:
+                raise ValueError(
+                    f"{_where('sim_device_memory')}={self.sim_device_memory!r} is out of range: "
+                    "expected a size > 0, e.g. '2GiB'"
+                )
+            if not self.sim_device:
+                raise ValueError(
+                    f"ACTOFF_SIM_DEVICE_MEMORY={self.sim_device_memory!r} caps the simulated device, "
+                    "which is off: set ACTOFF_SIM_DEVICE=1 as well (Config.sim_device), or unset "
+                    "ACTOFF_SIM_DEVICE_MEMORY"
+                )
+            set_(self, "sim_device_memory", capacity)
         for name in ("tile_chunks", "tile_max_tokens"):
             if getattr(self, name) is not None:
                 set_(self, name, _as_int(name, getattr(self, name), 1))
@@ -254,7 +273,9 @@ class Config:
 
 
 # Settings whose variable may say "none" (or be empty) for "not set".
-_OPTIONAL = frozenset({"host_budget", "gpu_budget", "host_bandwidth", "tile_chunks", "tile_max_tokens"})
+_OPTIONAL = frozenset(
+    {"host_budget", "gpu_budget", "host_bandwidth", "tile_chunks", "tile_max_tokens", "sim_device_memory"}
+)
 
 # Variables that share the prefix but configure tests or builds, not the runtime.
 _NOT_CONFIG = frozenset({"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR"})

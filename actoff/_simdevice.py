@@ -409,9 +409,9 @@ class SimStreams:
 _override: list[SimSettings] = []  # actoff.testing.simulated_device, innermost last
 
 
-def settings_for(sim_device: bool) -> SimSettings | None:
-    """The simulated device's settings for a scope on a CPU device: those of the innermost
-    `actoff.testing.simulated_device`, else the defaults when ``ACTOFF_SIM_DEVICE`` is on."""
+def settings_for(sim_device: bool, capacity: int | None = None) -> SimSettings | None:
+    """The settings of the innermost `actoff.testing.simulated_device`, else, with
+    ``ACTOFF_SIM_DEVICE`` on, the defaults and ``ACTOFF_SIM_DEVICE_MEMORY`` as ``capacity``."""
     if _override:
         return _override[-1]
-    return SimSettings() if sim_device else None
+    return SimSettings(capacity=capacity) if sim_device else None

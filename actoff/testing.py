@@ -6,6 +6,12 @@ destinations hold NaN until they land, events complete late, and a race checker 
 `RaceError` where a real GPU could read or reuse memory too early (see actoff._simdevice).
 ``ACTOFF_SIM_DEVICE=1`` turns it on for every scope on a CPU device; `simulated_device`
 does it for a block of code and hands back the device to inspect.
+
+Device memory is counted only inside a block: a ``simulated_device`` block, or `device_memory`
+for the device ``ACTOFF_SIM_DEVICE=1`` selects (with ``ACTOFF_SIM_DEVICE_MEMORY`` as its
+capacity). Counting is a dispatch mode, which is per thread and sends every operation through
+Python, so a program says where its "device" work begins and ends (the long-context benchmark
+enters it around building the model and its steps); nothing is counted behind its back.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from collections.abc import Iterator
 
 import torch
 
+from ._config import Config, get_config
 from ._device import backend_for, forget_backend
-from ._simdevice import RaceError, SimSettings, SimStreams, _override
+from ._simdevice import RaceError, SimSettings, SimStreams, _override, settings_for
+from ._simmemory import DeviceMemory
 
-__all__ = ["RaceError", "SimSettings", "SimStreams", "simulated_device"]
+__all__ = ["DeviceMemory", "RaceError", "SimSettings", "SimStreams", "device_memory", "simulated_device"]
 
 _generations = itertools.count(1)
 
@@ -70,3 +78,37 @@ def simulated_device(
         _override.remove(settings)
         device.close()
         forget_backend(cpu, settings)
+
+
+@contextlib.contextmanager
+def device_memory(config: Config | None = None) -> Iterator[DeviceMemory]:
+    """Count the memory of the simulated device that ``ACTOFF_SIM_DEVICE=1`` selects while the
+    block runs, capped at ``ACTOFF_SIM_DEVICE_MEMORY`` (``config``: the process's by default).
+
+    Storages allocated on the CPU inside the block are the device's (actoff's host buffers are
+    not); one past the capacity raises ``torch.OutOfMemoryError``, the type CUDA raises. Build
+    the model inside the block too, so that its weights count. The block can be entered again;
+    the counts carry over. Inside a `simulated_device` block it is that device's memory.
+
+    Example:
+        >>> import torch, actoff
+        >>> from actoff.testing import device_memory
+        >>> config = actoff.Config(sim_device=True, sim_device_memory="1MiB")
+        >>> with device_memory(config) as memory:
+        ...     weights = torch.zeros(2**16)  # 256 KiB
+        ...     try:
+        ...         torch.zeros(2**18)  # 1 MiB more
+        ...     except torch.OutOfMemoryError:
+        ...         print("out of memory at", memory.live)
+        out of memory at 262144
+    """
+    config = get_config() if config is None else config
+    if not config.sim_device:
+        raise RuntimeError(
+            "actoff.testing.device_memory counts the simulated device's memory, which is off: set "
+            "ACTOFF_SIM_DEVICE=1 (Config.sim_device), or use actoff.testing.simulated_device"
+        )
+    settings = settings_for(config.sim_device, config.sim_device_memory)
+    memory = backend_for(torch.device("cpu"), settings).streams.memory
+    with memory:
+        yield memory

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 # This checkout's actoff (and _common) before any installed copy: a benchmark measures the
 # code it sits next to, also when the package is installed elsewhere or not at all.
@@ -36,16 +37,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import JsonLines, format_table, print_header, progress, system_header, write_json
 
+from actoff._config import format_bytes, parse_size
+
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
 BASELINES = ("none", "checkpoint", "save_on_cpu")
 ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "auto")
 # tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
+# --find-max-seq on a CPU: the baselines and actoff's policies, each plain and with tiling and
+# the chunked loss. Of the token-wise family, recompute (block inputs and attention outputs in
+# host memory, the rest rebuilt in backward) needs the least device memory: its device arena
+# holds one block's rebuilt activations where cpu's holds two blocks' fetched ones.
+MAXSEQ_CPU_POLICIES = tuple(f"{name}{variant}" for variant in ("", "+tile+loss")
+                            for name in ("keep", "checkpoint", "save_on_cpu", "cpu", "recompute", "auto"))  # fmt: skip
+# ... and recompute+tile+loss with ACTOFF_PLANNER=off, to weigh what the device arena costs.
+MAXSEQ_CPU_POLICIES += ("recompute+tile+loss+noplan",)
+DEFAULT_SIM_MEMORY = "128MiB"
 DEFAULT_POLICIES = ("none", "keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
                     "tokenwise:0.25:0.25", "recompute", "auto")  # fmt: skip
 
 PRESETS = {
     # name: model preset, layers, default lengths, batch, dtype
-    "cpu": {"model": "small", "layers": 4, "seq": "512,1024", "batch": 1, "dtype": "float32"},
+    # On the CPU tiles and loss chunks of 256 tokens: the lengths that fit a small simulated
+    # device are a few thousand tokens, and 4096-token chunks would be most of the working memory.
+    "cpu": {
+        "model": "small",
+        "layers": 4,
+        "seq": "512,1024",
+        "batch": 1,
+        "dtype": "float32",
+        "tile_tokens": 256,
+        "loss_tokens": 256,
+    },
     "1b": {"model": "1b", "layers": 8, "seq": "8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
     "7b": {"model": "7b", "layers": 4, "seq": "4k,8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
 }
@@ -73,8 +95,9 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _apply_policy(model, policy: str, nvme_dir: str | None):
-    """Returns a context manager to run each step under (for save_on_cpu)."""
+def _apply_policy(model, policy: str, nvme_dir: str | None, planner_off: bool = False):
+    """Returns a context manager to run each step under (for save_on_cpu). ``planner_off``: an
+    actoff policy with ``ACTOFF_PLANNER=off`` (the ``+noplan`` variant)."""
     import torch
     import torch.utils.checkpoint
 
@@ -97,6 +120,8 @@ def _apply_policy(model, policy: str, nvme_dir: str | None):
         return contextlib.nullcontext
     if policy == "save_on_cpu":
         pin = torch.cuda.is_available()
+        if not pin and actoff.get_config().sim_device_memory is not None:
+            return _save_on_simulated_host  # Note [save_on_cpu on the simulated device]
         return lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
     # actoff policies read the rest of their settings from ACTOFF_* (e.g. ACTOFF_KEEP_LAST).
     policy, verify = policy.removesuffix("+verify"), policy.endswith("+verify")
@@ -107,14 +132,41 @@ def _apply_policy(model, policy: str, nvme_dir: str | None):
         overrides["nvme_fraction"] = float(fractions[1]) if len(fractions) > 1 else 0.0
     if nvme_dir and os.environ.get("ACTOFF_NVME_DIR") is None:
         overrides["nvme_dir"] = nvme_dir
+    if planner_off:
+        overrides["planner"] = "off"
     actoff.offload_(model, block_cls=Block, config=actoff.Config.from_env(**overrides))
     return contextlib.nullcontext
 
 
+def _save_on_simulated_host():
+    """Note [save_on_cpu on the simulated device]: on a CPU ``torch.autograd.graph.save_on_cpu``
+    keeps each saved tensor as it is (``tensor.cpu()`` of a CPU tensor is the tensor), so under
+    the simulated device's memory model it would cost what ``keep`` costs. This is what it does
+    on a GPU: pack copies every saved tensor, parameters' views included, into host memory
+    (allocated outside the device's count, as pinned memory is), and unpack copies it back into
+    a new device tensor."""
+    import torch
+    from torch.utils._mode_utils import no_dispatch
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        with no_dispatch():  # host memory: not the device's
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout)
+            host.copy_(tensor)
+        return host
+
+    def unpack(host: torch.Tensor) -> torch.Tensor:
+        return host.clone()  # a device allocation, as ``.to(device)`` is
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 #: Variants a policy may carry as suffixes: ``+tile`` runs each block's MLP chunk by chunk
 #: (`actoff.tile_`, TILE_TOKENS positions at a time), ``+loss`` computes the head and the loss
-#: over chunks of LOSS_TOKENS rows (`actoff.chunked_cross_entropy`), e.g. ``cpu+tile+loss``.
-VARIANTS = ("tile", "loss")
+#: over chunks of LOSS_TOKENS rows (`actoff.chunked_cross_entropy`), e.g. ``cpu+tile+loss``;
+#: ``+noplan`` runs an actoff policy with ``ACTOFF_PLANNER=off``: no device arena, actoff's
+#: backward buffers allocated per request and freed after their last use (and the host arena
+#: bump-allocated), to weigh what the arena costs in device memory.
+VARIANTS = ("tile", "loss", "noplan")
 TILE_TOKENS = 4096
 LOSS_TOKENS = 4096
 
@@ -170,37 +222,63 @@ def worker(spec: dict):
                                 rank=ddp["rank"], world_size=ddp["world"])  # fmt: skip
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
-    torch.manual_seed(0)
-    model = build_model(config, device, getattr(torch, spec["dtype"]))
-    policy, extras = split_variants(spec["policy"])
-    if "tile" in extras:
-        import actoff
-        from actoff.reference import MLP
+    # Note [a capped device on a CPU]: with ACTOFF_SIM_DEVICE_MEMORY the whole worker, model
+    # included, runs on the simulated device's memory, which raises out of memory past the cap.
+    with _capped_device_memory(cuda) as memory:
+        torch.manual_seed(0)
+        model = build_model(config, device, getattr(torch, spec["dtype"]))
+        policy, extras = split_variants(spec["policy"])
+        if "tile" in extras:
+            import actoff
+            from actoff.reference import MLP
 
-        actoff.tile_(model, module_cls=MLP, max_tokens=TILE_TOKENS)
-    step_context = _apply_policy(model, policy, spec.get("nvme_dir"))
-    net = torch.nn.parallel.DistributedDataParallel(model) if ddp is not None else model
-    hang_after = int(os.environ.get("_ACTOFF_BENCH_HANG_AFTER", "0"))  # tests: a worker that hangs
-    failed = None
-    for made, seq in enumerate(spec.get("seqs") or [spec["seq"]]):
-        if hang_after and made >= hang_after:
-            time.sleep(3600)
-        record = {**{key: spec[key] for key in ("policy", "batch", "model", "layers", "dtype")}, "seq": seq}
-        if ddp is not None:
-            record["rank"] = ddp["rank"]
-        if failed is not None:
-            record.update(status="skipped", error=f"a shorter length failed ({failed})")
-        else:
-            record.update(_measure(spec, seq, model, net, step_context, config, device))
-            if record["status"] != "ok":
-                failed = f"seq {seq}: {record['status']}"
-                if cuda:
-                    torch.cuda.empty_cache()
-        yield record
+            actoff.tile_(model, module_cls=MLP, max_tokens=spec.get("tile_tokens") or TILE_TOKENS)
+        step_context = _apply_policy(model, policy, spec.get("nvme_dir"), planner_off="noplan" in extras)
+        net = torch.nn.parallel.DistributedDataParallel(model) if ddp is not None else model
+        hang_after = int(os.environ.get("_ACTOFF_BENCH_HANG_AFTER", "0"))  # tests: a worker that hangs
+        failed = None
+        for made, seq in enumerate(spec.get("seqs") or [spec["seq"]]):
+            if hang_after and made >= hang_after:
+                time.sleep(3600)
+            record = {
+                **{key: spec[key] for key in ("policy", "batch", "model", "layers", "dtype")},
+                "seq": seq,
+            }
+            if ddp is not None:
+                record["rank"] = ddp["rank"]
+            if failed is not None:
+                record.update(status="skipped", error=f"a shorter length failed ({failed})")
+            else:
+                record.update(_measure(spec, seq, model, net, step_context, config, device, memory))
+                if record["status"] != "ok":
+                    failed = f"seq {seq}: {record['status']}"
+                    if cuda:
+                        torch.cuda.empty_cache()
+            yield record
 
 
-def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> dict:
-    """Warm-up and timed steps at one sequence length; the record's measured fields."""
+def _capped_device_memory(cuda: bool):
+    """Note [a capped device on a CPU]: the simulated device's memory model, capped at
+    ``ACTOFF_SIM_DEVICE_MEMORY``, when that is set on a CPU (``--sim-memory`` sets it for the
+    workers); else nothing. Entered before the model is built, so weights and gradients count
+    as a GPU's would; actoff's host buffers and save_on_cpu's copies do not. A run past the cap
+    is out of memory, as on a GPU of that size. Kernels' internal scratch is not seen (the
+    count is of the storages operators return), nor an optimizer's state (the steps have none).
+    """
+    import actoff
+    from actoff.testing import device_memory
+
+    if cuda or actoff.get_config().sim_device_memory is None:
+        return contextlib.nullcontext()
+    return device_memory()
+
+
+def _measure(spec: dict, seq: int, model, net, step_context, config, device, capped=None) -> dict:
+    """Warm-up and timed steps at one sequence length; the record's measured fields.
+
+    ``capped``: the simulated device's memory when the worker runs on it with a cap (Note [a
+    capped device on a CPU]); the memory figures then come from it, phase by phase.
+    """
     import torch
 
     import actoff
@@ -221,6 +299,8 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
         if cuda:
             torch.cuda.synchronize()
             device_bytes = torch.cuda.memory_allocated()
+        elif capped is not None:
+            device_bytes = capped.live
         elif simulated["memory"] is not None:
             device_bytes = simulated["static"] + simulated["memory"].live
         else:
@@ -238,19 +318,40 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
 
     chunked_loss = "loss" in split_variants(spec["policy"])[1]
 
+    phases: list[tuple[str, int, int]] = []  # (phase, device bytes live after it, peak during it)
+
+    def mark(phase: str) -> None:
+        """The end of a phase of the step on the capped device: its peak, then a new one."""
+        if capped is not None:
+            phases.append((phase, capped.live, capped.peak))
+            capped.reset_peak()
+
     def step() -> None:
+        phases.clear()
+        mark("start")
         with step_context():
             if chunked_loss:  # the head and loss over chunks of tokens: never all the logits
                 hidden = model.hidden(tokens[:, :-1]) if net is model else net.module.hidden(tokens[:, :-1])
+                mark("forward")
                 loss = actoff.chunked_cross_entropy(
-                    hidden, model.head.weight, tokens[:, 1:], shift=False, max_tokens=LOSS_TOKENS
-                )
+                    hidden, model.head.weight, tokens[:, 1:], shift=False,
+                    max_tokens=spec.get("loss_tokens") or LOSS_TOKENS,
+                )  # fmt: skip
             else:
-                logits = net(tokens[:, :-1])
+                if net is model:  # the same as model(...), with the head apart for the phases
+                    hidden = model.hidden(tokens[:, :-1])
+                    mark("forward")
+                    logits = model.head(hidden)
+                else:
+                    hidden, logits = None, net(tokens[:, :-1])
                 loss = torch.nn.functional.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
                 )
+            mark("loss")
+            if capped is not None and hidden is not None and hidden.requires_grad:
+                hidden.register_hook(lambda grad: (mark("loss backward"), grad)[1])
         loss.backward()
+        mark("blocks backward")
         sample()
 
     cpu_times: list[float] = []  # process CPU seconds per timed step
@@ -272,10 +373,13 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
         for parameter in model.parameters():  # keep grads allocated: static memory counted once
             if parameter.grad is not None:
                 parameter.grad.zero_()
-        if cuda:
-            torch.cuda.synchronize()
-            static_bytes = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+        if cuda or capped is not None:
+            if cuda:
+                torch.cuda.synchronize()
+                static_bytes = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                static_bytes = capped.live
             times = [timed_step() for _ in range(max(spec["steps"] - 1, 0))]
             sampling["on"], sampling["t0"] = True, time.perf_counter()
             sample()
@@ -284,13 +388,17 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
         else:
             times = [timed_step() for _ in range(spec["steps"])]
         stats = actoff.stats()  # of the timed steps
-        if not cuda and spec.get("ddp") is None:
+        if capped is not None:
+            memory_fields = _capped_memory_fields(model, tokens, capped, static_bytes, phases, stats)
+        elif not cuda and spec.get("ddp") is None:
             # Note [device memory on a CPU]: one more step on the simulated device, which
             # counts the storages a step allocates (host buffers excluded) as a GPU would.
             memory_fields = _simulated_memory_step(step, model, tokens, simulated, sampling, sample)
     except torch.cuda.OutOfMemoryError as error:
         return {"status": "oom", "error": str(error).splitlines()[0]}
     except Exception as error:  # reported per policy; the other policies still run
+        if "out of memory" in str(error):  # raised through a hook or autograd, which rewrap errors
+            return {"status": "oom", "error": str(error).splitlines()[0]}
         return {"status": "error", "error": f"{type(error).__name__}: {error}"}
     finally:
         for hook in hooks:
@@ -344,6 +452,32 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device) -> 
         if spec.get("ddp") is None:
             record.update(memory_fields)
     return record
+
+
+def _capped_memory_fields(model, tokens, memory, static_bytes: int, phases: list, stats) -> dict:
+    """The memory figures of the last step on the capped simulated device (Note [a capped
+    device on a CPU]): what was live before it (weights and gradients, the tokens, actoff's
+    device arena, anything else kept across steps), its peak, and per phase (forward through
+    the blocks, the loss, the loss's backward, the blocks' backward) the bytes live at its end
+    and its peak, all counted from the same zero as the cap."""
+    storages: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        for part in (tensor, tensor.grad):
+            if part is not None:
+                storage = part.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    peak = max((phase_peak for _, _, phase_peak in phases), default=memory.peak)
+    return {
+        "peak_allocated_bytes": peak,
+        "activation_peak_bytes": peak - static_bytes,
+        "static_bytes": static_bytes,
+        "weights_grads_bytes": sum(storages.values()),
+        "tokens_bytes": tokens.untyped_storage().nbytes(),
+        "device_arena_bytes": stats.device_arena_bytes,
+        "sim_capacity_bytes": memory.capacity,
+        "phases": [list(phase) for phase in phases[1:]],  # after "start"
+        "memory_source": "simulated device",
+    }
 
 
 def _simulated_memory_step(step, model, tokens, simulated: dict, sampling: dict, sample) -> dict:
@@ -456,9 +590,12 @@ def run_one(spec: dict, timeout_s: float, on_record=None) -> list[dict]:
     """
     seqs = spec.get("seqs") or [spec["seq"]]
     command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    env = None
+    if spec.get("sim_memory"):  # Note [a capped device on a CPU]
+        env = {**os.environ, "ACTOFF_SIM_DEVICE": "1", "ACTOFF_SIM_DEVICE_MEMORY": f"{spec['sim_memory']}B"}
     records: list[dict] = []
     with tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         timer = threading.Timer(timeout_s, process.kill)
         timer.start()
         try:
@@ -570,22 +707,35 @@ def _probe(policy: str, base: dict, seq: int, timeout_s, on_record) -> bool:
         timeout_s = timeout_s()
     if timeout_s <= 0:
         raise TimeoutError("time budget spent")
-    spec = {**base, "policy": policy, "seq": seq, "steps": 1, "warmup": 0}
+    spec = {"steps": 1, "warmup": 1, **base, "policy": policy, "seq": seq}
     status = run_one(spec, timeout_s, on_record)[0]["status"]
     if status == "timeout":  # cut off, not failed: it says nothing about the length
         raise TimeoutError(f"the probe at {seq} ran out of time")
     return status == "ok"
 
 
-def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s,
-                 on_record=None) -> tuple[int, int, bool]:  # fmt: skip
+class MaxSeq(NamedTuple):
+    """What `find_max_seq` found: the longest length that trained, the shortest that failed
+    (None: none did), the probes run, and whether the search finished (False: the time ran
+    out, and ``longest`` is a lower bound; so it is when nothing failed up to the limit)."""
+
+    longest: int
+    failed: int | None
+    probes: int
+    finished: bool
+
+
+def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s, on_record=None, *,
+                 precision: float = 0.0) -> MaxSeq:  # fmt: skip
     """Doubling then bisection to the longest length that trains.
 
-    ``timeout_s`` is seconds per probe, or a function giving them (the time left). Returns
-    the longest length that trained, the number of probes, and whether the search finished
-    (False when the time ran out: the length is then a lower bound).
+    ``timeout_s`` is seconds per probe, or a function giving them (the time left). Bisection
+    stops when the bracket is at most ``max(256, start // 8)`` tokens wide, or ``precision``
+    times the longest length found (a relative width, for lengths short next to 256). A
+    probe that times out ends the search: what was found is a lower bound.
     """
     probes, good, bad, seq = 0, 0, None, start
+    step = max(256, start // 8) if not precision else max(1, int(start * precision))
     try:
         while seq <= limit:
             probes += 1
@@ -596,9 +746,8 @@ def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s,
                 break
             good, seq = seq, seq * 2
         if bad is None:
-            return good, probes, True
-        step = max(256, start // 8)
-        while bad - good > step:
+            return MaxSeq(good, None, probes, True)
+        while bad - good > max(step, int(good * precision)):
             middle = (good + bad) // 2 // step * step or step
             if middle in (good, bad):
                 break
@@ -607,8 +756,8 @@ def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s,
             print(f"   {policy:<12} seq {middle:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
             good, bad = (middle, bad) if ok else (good, middle)
     except TimeoutError:  # the time ran out before or during a probe: ``good`` is a lower bound
-        return good, probes - 1, False
-    return good, probes, True
+        return MaxSeq(good, bad, probes - 1, False)
+    return MaxSeq(good, bad, probes, True)
 
 
 def gib(value: float | None) -> float | None:
@@ -678,8 +827,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int)
     parser.add_argument(
         "--policies",
-        default=",".join(DEFAULT_POLICIES),
-        help=f"comma list of {', '.join(BASELINES + ACTOFF_POLICIES)}; tokenwise:CPU:NVME sets fractions",
+        help=f"comma list of {', '.join(BASELINES + ACTOFF_POLICIES)}; tokenwise:CPU:NVME sets fractions; "
+        "+tile, +loss variants (default: all, or for --find-max-seq on a CPU each of keep, checkpoint, "
+        "save_on_cpu, cpu, recompute, auto, plain and +tile+loss)",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -688,9 +838,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jsonl", help="append each record to this path as it is made (JSON lines)")
     parser.add_argument("--plot", help="write a PNG to this path")
     parser.add_argument(
-        "--find-max-seq", action="store_true", help="longest trainable length per policy (CUDA)"
+        "--find-max-seq",
+        action="store_true",
+        help="longest trainable length per policy: doubling from the first --seq, then bisection (on a CPU: "
+        "on the simulated device with --sim-memory)",
     )
-    parser.add_argument("--max-seq", default="1024k", help="upper limit for --find-max-seq")
+    parser.add_argument("--max-seq", help="upper limit for --find-max-seq (default 1024k; 8k on a CPU)")
+    parser.add_argument(
+        "--sim-memory",
+        help="on a CPU: train on the simulated device with this much device memory (e.g. 128MiB; sets "
+        "ACTOFF_SIM_DEVICE=1 and ACTOFF_SIM_DEVICE_MEMORY for the workers); past it a step is out of "
+        f"memory. --find-max-seq uses ACTOFF_SIM_DEVICE_MEMORY or {DEFAULT_SIM_MEMORY} without it",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per process (one policy)")
     parser.add_argument(
         "--time-budget",
@@ -708,12 +867,18 @@ def check_policies(text: str) -> list[str]:
         base, *suffixes = policy.split("+")
         unknown = [s for s in suffixes if s not in (*VARIANTS, "verify")]
         if unknown:
-            raise SystemExit(f"policy {policy!r}: unknown suffix +{unknown[0]}; known: +tile, +loss, +verify")
+            raise SystemExit(
+                f"policy {policy!r}: unknown suffix +{unknown[0]}; known: +tile, +loss, +noplan, +verify"
+            )
         name, *fractions = base.split(":")
+        if "noplan" in suffixes and name not in ACTOFF_POLICIES:
+            raise SystemExit(
+                f"policy {policy!r}: +noplan turns off actoff's planner; {name} does not use actoff"
+            )
         if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
             raise SystemExit(
                 f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
-                " (each may end in +tile, +loss, +verify)"
+                " (each may end in +tile, +loss, +noplan, +verify)"
             )
         try:
             [float(f) for f in fractions]
@@ -749,12 +914,31 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[preset_name]
     if preset_name != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
+    cuda = torch.cuda.is_available()
+    capped = not cuda and (args.find_max_seq or args.sim_memory)
+    if args.policies is None:
+        args.policies = ",".join(MAXSEQ_CPU_POLICIES if args.find_max_seq and not cuda else DEFAULT_POLICIES)
     policies = check_policies(args.policies)
     lengths = parse_lengths(args.seq or preset["seq"])
+    max_seq = parse_lengths(args.max_seq or ("1024k" if cuda else "8k"))[0]
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
     os.makedirs(nvme_dir, exist_ok=True)
     base = {"model": preset["model"], "layers": args.layers or preset["layers"], "batch": args.batch or preset["batch"],
-            "dtype": preset["dtype"], "steps": args.steps, "warmup": args.warmup, "nvme_dir": nvme_dir}  # fmt: skip
+            "dtype": preset["dtype"], "steps": args.steps, "warmup": args.warmup, "nvme_dir": nvme_dir,
+            "tile_tokens": preset.get("tile_tokens"), "loss_tokens": preset.get("loss_tokens")}  # fmt: skip
+    if capped:  # Note [a capped device on a CPU]
+        size = args.sim_memory or os.environ.get("ACTOFF_SIM_DEVICE_MEMORY") or DEFAULT_SIM_MEMORY
+        try:
+            base["sim_memory"] = parse_size(size, what="--sim-memory")
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        if base["sim_memory"] <= 0:
+            raise SystemExit(f"--sim-memory={size!r}: give a size > 0, e.g. 128MiB")
+    if args.find_max_seq:
+        # Each probe: a warm-up step, in which actoff traces its buffers and plans them, then
+        # the step measured, the first to hold the planned device arena: a length that fits only
+        # before the plan does not train.
+        base.update(steps=1, warmup=1)
 
     launch = _torchrun_launch()
     if launch is not None and args.find_max_seq:
@@ -767,6 +951,11 @@ def main(argv: list[str] | None = None) -> int:
         preset=preset_name,
         model=f"{base['model']}-shaped, {base['layers']} layers, batch {base['batch']}, {base['dtype']}",
     )
+    if base.get("tile_tokens") or base.get("loss_tokens"):
+        header["chunks"] = f"+tile {base['tile_tokens']} tokens, +loss {base['loss_tokens']} tokens"
+    if base.get("sim_memory"):
+        header["device_memory"] = (f"simulated device of {format_bytes(base['sim_memory'])} "
+                                   "(ACTOFF_SIM_DEVICE_MEMORY; host buffers not counted)")  # fmt: skip
     lead = launch is None or launch["rank"] == 0
     if lead:
         print_header("actoff long-context benchmark", header)
@@ -781,8 +970,7 @@ def main(argv: list[str] | None = None) -> int:
     out = JsonLines(args.jsonl if lead else None, header)
     try:
         if args.find_max_seq:
-            return _find_max(policies, base, lengths[0], parse_lengths(args.max_seq)[0], time_left, header,
-                             args, out)  # fmt: skip
+            return _find_max(policies, base, lengths[0], max_seq, time_left, header, args, out)
         lengths.sort()  # shortest first: a failure skips the longer ones
         interleaved: list[dict] = []
         shown = progress(policies, len(policies), lambda policy: policy) if lead else policies
@@ -803,7 +991,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = {name for pair in PAIRS for name in pair}
         if not torch.cuda.is_available() and launch is None and wanted <= set(policies) and time_left() > 0:
             # Note [timing on a shared CPU]: the ratio lines' step times, interleaved.
-            spec = {**base, "policy": "interleaved", "seqs": lengths}
+            spec = {**base, "policy": "interleaved", "seqs": lengths, "sim_memory": None}  # uncapped
             interleaved = run_one(spec, time_left(), out.write)
         if launch is not None:
             records = _gather_to_rank0(records, launch)
@@ -938,13 +1126,29 @@ def _gather_to_rank0(records: list[dict], launch: dict) -> list[dict] | None:
     return rows + totals
 
 
+#: Targets of the longest-sequence search (issue 16), as ratios within one run, same model and
+#: memory: the best actoff configuration trains at least this many times keep's longest length,
+#: and checkpoint's.
+MAXSEQ_VS_KEEP_TARGET = 4.0
+MAXSEQ_VS_CHECKPOINT_TARGET = 1.5
+
+
 def _find_max(policies: list[str], base: dict, start: int, limit: int, time_left, header: dict, args,
               out: JsonLines) -> int:  # fmt: skip
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("--find-max-seq needs a CUDA GPU: on a CPU every tier shares the same host memory")
-    records = []
+    cuda = torch.cuda.is_available()
+    if not cuda and not base.get("sim_memory"):
+        raise SystemExit(
+            "--find-max-seq on a CPU runs on the simulated device with a capacity: give --sim-memory"
+        )
+    found: list[dict] = []  # every probe's record: the breakdown at the limit reads them
+
+    def on_record(record: dict) -> None:
+        found.append(record)
+        out.write(record)
+
+    rows = []
     for done, policy in enumerate(policies):
         # An equal share of the time left for each policy still to search: the first one cannot
         # spend it all (a long search probes many lengths, each a fresh process).
@@ -953,15 +1157,246 @@ def _find_max(policies: list[str], base: dict, start: int, limit: int, time_left
         def share_left(deadline=deadline) -> float:
             return min(time_left(), deadline - time.monotonic())
 
-        longest, probes, finished = find_max_seq(policy, base, start, limit, share_left, out.write)
-        records.append({"policy": policy, "max_seq": longest, "probes": probes,
-                        "search": "done" if finished else "cut short by --time-budget (a lower bound)"})  # fmt: skip
-        out.write({"result": records[-1]})
-    print(format_table(records, [("policy", "policy"), ("max_seq", "longest seq"), ("probes", "probes"),
-                                 ("search", "search")]))  # fmt: skip
+        # On a CPU the lengths are short next to the GPU's 256-token grain: stop at 1/16 instead.
+        result = find_max_seq(
+            policy, base, start, limit, share_left, on_record, precision=0.0 if cuda else 1 / 16
+        )
+        rows.append({"policy": policy, "max_seq": result.longest, "fails_at": result.failed,
+                     "probes": result.probes, "search": _search_state(result, limit)})  # fmt: skip
+        out.write({"result": rows[-1]})
+    add_max_seq_ratios(rows)
+    for row in rows:
+        record = next((r for r in found if r["policy"] == row["policy"] and r["seq"] == row["max_seq"]
+                       and r.get("status") == "ok"), None)  # fmt: skip
+        peak = record.get("peak_allocated_bytes") if record else None
+        row["peak_mib"] = f"{peak / 2**20:.1f}" if peak else None
+        row["record"] = record
+    print()
+    print(format_table(rows, [("policy", "policy"), ("max_seq", "longest seq"), ("fails_at", "fails at"),
+                              ("x_keep", "x keep"), ("x_checkpoint", "x checkpoint"), ("peak_mib", "peak MiB"),
+                              ("probes", "probes"), ("search", "search")]))  # fmt: skip
+    where = f"{format_bytes(base['sim_memory'])} simulated device" if not cuda else "the GPU"
+    print(f"\nlongest seq: the longest length that trained (forward, loss, backward, two steps) on {where}; "
+          "fails at: the shortest that ran out of memory; x keep / x checkpoint: longest seq over theirs "
+          "(>=: a lower bound, <=: an upper bound, ?: both sides bounds); peak MiB: the device peak at the "
+          "longest length. actoff configurations: keep, cpu, nvme, tokenwise, recompute, auto (+tile: "
+          "actoff.tile_ on the MLPs, +loss: actoff.chunked_cross_entropy).\n")  # fmt: skip
+    summary = max_seq_summary(rows)
+    for line in summary:
+        print(f"   {line['text']}")
+    best, default = best_actoff(rows), best_actoff(rows, default_planner=True)
+    for row in [best] + ([default] if default is not best else []):
+        if row is not None and row["record"] is not None:
+            print()
+            for line in where_memory_goes(row["record"]):
+                print(line)
+    if args.plot:
+        plot_max_seq(rows, args.plot, where)
+        print(f"plot written to {args.plot}")
+    records = [{key: value for key, value in row.items() if key != "record"} for row in rows]
+    if args.jsonl:
+        out.write({"summary": summary})
     if args.json:
-        write_json(args.json, header, records)
+        write_json(args.json, header, records, summary=summary, probes=found)
     return 0
+
+
+def _search_state(result: MaxSeq, limit: int) -> str:
+    if not result.finished:
+        return "cut short by --time-budget (a lower bound)"
+    if result.failed is None:
+        return f"reached --max-seq {limit} (a lower bound)"
+    return "done"
+
+
+def add_max_seq_ratios(rows: list[dict]) -> None:
+    """Add ``x_keep`` and ``x_checkpoint`` (text: ``"4.50"``, ``">=4.50"``, ``"<=0.80"``, ``"?"``)
+    and their values to rows of `_find_max`, against the plain ``keep`` and ``checkpoint`` rows.
+
+    >>> rows = [{"policy": "keep", "max_seq": 1000, "search": "done"},
+    ...         {"policy": "cpu", "max_seq": 4500, "search": "cut short by --time-budget (a lower bound)"}]
+    >>> add_max_seq_ratios(rows)
+    >>> rows[1]["x_keep"], rows[1]["x_keep_value"], rows[1]["x_checkpoint"]
+    ('>=4.50', 4.5, None)
+    """
+    by_policy = {row["policy"]: row for row in rows}
+    for name in ("keep", "checkpoint"):
+        bottom = by_policy.get(name)
+        for row in rows:
+            ratio = max_seq_ratio(row, bottom) if bottom is not None else None
+            row[f"x_{name}"] = (
+                None if ratio is None else ratio[1] + f"{ratio[0]:.2f}" if ratio[1] != "?" else "?"
+            )
+            row[f"x_{name}_value"] = None if ratio is None else ratio[0]
+            row[f"x_{name}_bound"] = None if ratio is None else ratio[1]
+
+
+def max_seq_ratio(top: dict, bottom: dict) -> tuple[float, str] | None:
+    """``top``'s longest length over ``bottom``'s, and what it is: ``""`` (measured), ``">="``
+    (``top`` is a lower bound), ``"<="`` (``bottom`` is), ``"?"`` (both are).
+
+    >>> max_seq_ratio({"max_seq": 3000, "search": "done"}, {"max_seq": 1000, "search": "done"})
+    (3.0, '')
+    """
+    if not top.get("max_seq") or not bottom.get("max_seq"):
+        return None
+    top_bound, bottom_bound = "lower bound" in top["search"], "lower bound" in bottom["search"]
+    kind = "?" if top_bound and bottom_bound else ">=" if top_bound else "<=" if bottom_bound else ""
+    return top["max_seq"] / bottom["max_seq"], kind
+
+
+def _verdict(value: float, kind: str, target: float) -> str:
+    """met / NOT met / undecided, for a ratio that may be a bound."""
+    if kind == "?" or (kind == ">=" and value < target) or (kind == "<=" and value >= target):
+        return "undecided: a bound on the wrong side of the target"
+    return "met" if value >= target else "NOT met"
+
+
+def is_actoff_policy(policy: str) -> bool:
+    """Whether ``policy`` places activations with actoff (``cpu+tile+loss`` yes, ``checkpoint+loss`` no)."""
+    return split_variants(policy)[0].split(":")[0].split("+")[0] in ACTOFF_POLICIES
+
+
+def best_actoff(rows: list[dict], *, default_planner: bool = False) -> dict | None:
+    """The actoff row with the longest length (``default_planner``: leaving out ``+noplan``)."""
+    candidates = [r for r in rows if is_actoff_policy(r["policy"]) and r["max_seq"]
+                  and not (default_planner and "noplan" in split_variants(r["policy"])[1])]  # fmt: skip
+    return max(candidates, key=lambda r: r["max_seq"]) if candidates else None
+
+
+def max_seq_summary(rows: list[dict]) -> list[dict]:
+    """The ratio lines: the best actoff configuration (the longest length among actoff's
+    policies, with any variants) against keep and checkpoint with their targets; the same for
+    the best with actoff's default planner when the best turned it off (``+noplan``); then the
+    best against the longest configuration without actoff's placement, for scale.
+
+    >>> rows = [{"policy": "keep", "max_seq": 1000, "search": "done"},
+    ...         {"policy": "checkpoint", "max_seq": 3000, "search": "done"},
+    ...         {"policy": "recompute+tile+loss", "max_seq": 4800, "search": "done"}]
+    >>> [line["text"] for line in max_seq_summary(rows)]  # doctest: +NORMALIZE_WHITESPACE
+    ['best actoff configuration: recompute+tile+loss, longest 4800 vs keep 1000: 4.80x (target >= 4x: met)',
+     'best actoff configuration: recompute+tile+loss, longest 4800 vs checkpoint 3000: 1.60x (target >= 1.5x: met)']
+    """
+    best = best_actoff(rows)
+    if best is None:
+        return []
+    by_policy = {row["policy"]: row for row in rows}
+    lines = []
+    default = best_actoff(rows, default_planner=True)
+    contenders = [("best actoff configuration", best)]
+    if default is not None and default is not best:
+        contenders.append(("best with actoff's default planner", default))
+    for what, top in contenders:
+        for name, target in (("keep", MAXSEQ_VS_KEEP_TARGET), ("checkpoint", MAXSEQ_VS_CHECKPOINT_TARGET)):
+            bottom = by_policy.get(name)
+            ratio = max_seq_ratio(top, bottom) if bottom is not None else None
+            if ratio is None:
+                continue
+            value, kind = ratio
+            verdict = _verdict(value, kind, target)
+            lines.append({"policy": top["policy"], "vs": name, "ratio": value, "bound": kind, "target": target,
+                          "met": verdict == "met", "verdict": verdict,
+                          "text": f"{what}: {top['policy']}, longest {top['max_seq']} vs {name} "
+                                  f"{bottom['max_seq']}: {kind}{value:.2f}x (target >= {target:g}x: {verdict})"})  # fmt: skip
+    others = [r for r in rows if not is_actoff_policy(r["policy"]) and r["max_seq"]
+              and r["policy"] not in ("keep", "checkpoint")]  # fmt: skip
+    if others and lines:
+        rival = max(others, key=lambda r: r["max_seq"])
+        ratio = max_seq_ratio(best, rival)
+        if ratio is not None:
+            lines.append({"policy": best["policy"], "vs": rival["policy"], "ratio": ratio[0], "bound": ratio[1],
+                          "target": None, "met": None, "verdict": "for scale",
+                          "text": f"for scale, the longest without actoff's placement: {rival['policy']} "
+                                  f"{rival['max_seq']}; {best['policy']} reaches {ratio[1]}{ratio[0]:.2f}x "
+                                  "of it"})  # fmt: skip
+    return lines
+
+
+def where_memory_goes(record: dict) -> list[str]:
+    """Where the device memory of one capped probe (Note [a capped device on a CPU]) goes, as
+    lines: the cap, what stays across steps (weights and gradients, the tokens), what autograd
+    saved and where actoff put it, and per phase of the step the bytes live at its end and the
+    peak within it over the step's start (working memory), naming the phase of the peak.
+
+    >>> record = {"policy": "cpu", "seq": 2048, "sim_capacity_bytes": 2**27, "static_bytes": 2**24,
+    ...           "weights_grads_bytes": 2**24, "tokens_bytes": 0, "device_arena_bytes": 2**20,
+    ...           "act_keep_bytes": 0, "act_cpu_bytes": 2**25, "act_nvme_bytes": 0, "act_recompute_bytes": 0,
+    ...           "peak_allocated_bytes": 2**25, "phases": [["forward", 2**24 + 2**22, 2**25]]}
+    >>> print(where_memory_goes(record)[-1])
+       forward                 live at its end  +4.00 MiB  peak  +16.00 MiB  <- the step's peak
+    """
+    if not record.get("phases"):
+        return []
+    mib = lambda value: f"{value / 2**20:.2f} MiB"  # noqa: E731
+    static = record["static_bytes"]
+    other = static - record["weights_grads_bytes"] - record["tokens_bytes"]
+    capacity = record.get("sim_capacity_bytes")
+    lines = [
+        f"where the device memory goes at the limit: {record['policy']} at seq {record['seq']}, peak "
+        f"{mib(record['peak_allocated_bytes'])}" + (f" of {mib(capacity)}" if capacity else ""),
+        f"   weights + gradients   {mib(record['weights_grads_bytes'])}",
+        f"   tokens                {mib(record['tokens_bytes'])}",
+        f"   other kept across steps  {mib(other)}",
+        "   saved for backward by actoff's scopes: on the device (keep) "
+        f"{mib(record['act_keep_bytes'])}; off it: cpu {mib(record['act_cpu_bytes'])}, nvme "
+        f"{mib(record['act_nvme_bytes'])}, recomputed in backward {mib(record['act_recompute_bytes'])}",
+        f"   actoff's device arena (its backward buffers: fetched and rebuilt activations) "
+        f"{mib(record['device_arena_bytes'])}, held from its first use in backward",
+        "   per phase, over the step's start (weights, gradients, tokens):",
+    ]
+    peak = max(phase_peak for _, _, phase_peak in record["phases"])
+    for phase, live, phase_peak in record["phases"]:
+        lines.append(f"   {phase:<22}  live at its end {'+' + mib(live - static):>10}  peak {'+' + mib(phase_peak - static):>11}"
+                     + ("  <- the step's peak" if phase_peak == peak else ""))  # fmt: skip
+    return lines
+
+
+def plot_max_seq(rows: list[dict], path: str, where: str) -> None:
+    """Longest length per policy (hatched: a lower bound), with keep's and checkpoint's marked,
+    and the device memory at each one's limit split into weights and gradients, actoff's device
+    arena and the rest (activations and working memory)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(15, 0.45 * len(rows) + 2.2), gridspec_kw={"width_ratios": [3, 2]})
+    names = [row["policy"] for row in rows][::-1]
+    shown = rows[::-1]
+    colors = ["tab:blue" if is_actoff_policy(r["policy"]) else "tab:gray" for r in shown]
+    bars = axes[0].barh(names, [r["max_seq"] or 0 for r in shown], color=colors)
+    for bar, row in zip(bars, shown, strict=True):
+        if "lower bound" in row["search"]:
+            bar.set_hatch("//")
+        ratios = [f"{row[f'x_{name}']}x {name}" for name in ("keep", "checkpoint") if row.get(f"x_{name}")]
+        label = f" {row['max_seq']}" + (f"  ({', '.join(ratios)})" if ratios else "")
+        axes[0].text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
+    by_policy = {row["policy"]: row for row in rows}
+    for name, style in (("keep", ":"), ("checkpoint", "--")):
+        if by_policy.get(name, {}).get("max_seq"):
+            axes[0].axvline(
+                by_policy[name]["max_seq"], color="black", linestyle=style, linewidth=1, label=name
+            )
+    axes[0].set(title=f"longest sequence that trains on {where}", xlabel="tokens (hatched: a lower bound; "
+                "blue: actoff policies)")  # fmt: skip
+    axes[0].set_xlim(0, max((r["max_seq"] or 0) for r in rows) * 1.45 or 1)
+    axes[0].legend(fontsize=8, loc="lower right")
+    weights, arena, rest = [], [], []
+    for row in shown:
+        record = row.get("record") or {}
+        peak = record.get("peak_allocated_bytes") or 0
+        weights.append((record.get("weights_grads_bytes") or 0) / 2**20)
+        arena.append((record.get("device_arena_bytes") or 0) / 2**20)
+        rest.append(max(0.0, peak / 2**20 - weights[-1] - arena[-1]))
+    axes[1].barh(names, weights, color="tab:olive", label="weights + gradients")
+    axes[1].barh(names, arena, left=weights, color="tab:orange", label="actoff's device arena")
+    axes[1].barh(names, rest, left=[w + a for w, a in zip(weights, arena, strict=True)], color="tab:cyan",
+                 label="activations and working memory")  # fmt: skip
+    axes[1].set(title="device peak at each one's longest length", xlabel="MiB")
+    axes[1].set_yticklabels([])
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":

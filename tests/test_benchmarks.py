@@ -225,7 +225,8 @@ def _check_command(words: list[str], markers: set[str]) -> None:
     if name == "long_context":
         module.check_policies(args.policies)
         module.parse_lengths(args.seq)
-        module.parse_lengths(args.max_seq)
+        if args.max_seq is not None:  # its default depends on the machine
+            module.parse_lengths(args.max_seq)
         assert args.time_budget and args.time_budget < 600 and args.jsonl, (
             "a stage must end inside 10 minutes"
         )
@@ -282,13 +283,114 @@ def test_find_max_seq_bisects_and_a_timed_out_probe_cuts_the_search_short(monkey
         return [{"status": "ok" if seq <= limit["fits"] else "oom"}]
 
     monkeypatch.setattr(bench, "run_one", fake_run_one)
-    longest, probes, finished = bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0)
-    assert finished and 40_000 - 1024 < longest <= 40_000  # within the bisection's step of 1k
+    longest, failed, probes, finished = bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0)
+    assert finished and 40_000 - 1024 < longest <= 40_000 < failed <= longest + 1024  # the step: 1k
     assert probes >= 4
+    # Short lengths (a CPU): a relative width instead, here 1/16 of the length found.
+    limit["fits"] = 1000
+    found = bench.find_max_seq("cpu", {}, 128, 1 << 20, 60.0, precision=1 / 16)
+    assert found.finished and 1000 - 1000 / 16 <= found.longest <= 1000 < found.failed
+    # Nothing failed up to the limit: finished, and a lower bound all the same.
+    assert bench.find_max_seq("cpu", {}, 128, 512, 60.0) == (512, None, 3, True)
     # A probe that runs out of time is no failure: the search stops, the length is a lower bound.
-    limit["slow_from"] = 32768
-    longest, probes, finished = bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0)
-    assert (longest, probes, finished) == (16384, 2, False)
+    limit["fits"], limit["slow_from"] = 40_000, 32768
+    assert bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0) == (16384, None, 2, False)
+
+
+def test_find_max_seq_on_the_cpu_runs_on_a_capped_simulated_device(tmp_path):
+    """--find-max-seq without a GPU: each probe a fresh worker on a 40 MiB simulated device.
+
+    Robust by construction, not by timing: keep runs out of memory between 256 and 512 tokens
+    (about 0.06 MiB a token over 15 MiB of weights and gradients, a count with no copies in
+    flight, so the same each run), while cpu+tile+loss needs about 33 MiB at 512, the limit
+    given, and so stops there with room to spare. So the actoff configuration is strictly
+    longer, and its length is a lower bound ("reached --max-seq").
+    """
+    out_json, out_png = tmp_path / "maxseq.json", tmp_path / "maxseq.png"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--find-max-seq",
+               "--policies", "keep,cpu+tile+loss", "--layers", "2", "--seq", "256", "--max-seq", "512",
+               "--sim-memory", "40MiB", "--time-budget", "400", "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "simulated device of 40.00 MiB" in done.stdout
+    data = json.loads(out_json.read_text())
+    rows = {row["policy"]: row for row in data["records"]}
+    keep, actoff_row = rows["keep"], rows["cpu+tile+loss"]
+    assert keep["search"] == "done" and 256 <= keep["max_seq"] < keep["fails_at"] <= 512
+    assert actoff_row["max_seq"] == 512 and actoff_row["search"].startswith("reached --max-seq")
+    assert actoff_row["x_keep"] == f">={512 / keep['max_seq']:.2f}"
+    # The failed probes ran out of the simulated device's memory, as CUDA's allocator would.
+    assert any(p["policy"] == "keep" and p["status"] == "oom" for p in data["probes"])
+    assert all(p["sim_capacity_bytes"] == 40 * 2**20 for p in data["probes"] if p["status"] == "ok")
+    (line,) = data["summary"]  # no checkpoint row: the line against keep alone
+    assert line["policy"] == "cpu+tile+loss" and line["vs"] == "keep" and line["bound"] == ">="
+    assert "where the device memory goes at the limit: cpu+tile+loss at seq 512" in done.stdout
+    assert "<- the step's peak" in done.stdout
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_memory_must_be_a_size():
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--find-max-seq",
+               "--sim-memory", "lots"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--sim-memory='lots' is not a size" in done.stderr
+
+
+def test_max_seq_ratios_and_verdicts_say_which_side_a_bound_is_on():
+    bench = _load_benchmark("long_context")
+    done, short = "done", "cut short by --time-budget (a lower bound)"
+    rows = [
+        {"policy": "keep", "max_seq": 1000, "search": done},
+        {"policy": "checkpoint", "max_seq": 3000, "search": done},
+        {
+            "policy": "save_on_cpu+tile+loss",
+            "max_seq": 8192,
+            "search": "reached --max-seq 8192 (a lower bound)",
+        },
+        {"policy": "cpu+tile+loss", "max_seq": 4000, "search": done},
+        {"policy": "recompute+tile+loss", "max_seq": 4200, "search": done},
+    ]
+    bench.add_max_seq_ratios(rows)
+    assert [r["x_keep"] for r in rows] == ["1.00", "3.00", ">=8.19", "4.00", "4.20"]
+    assert rows[3]["x_checkpoint"] == "1.33" and rows[2]["x_checkpoint"] == ">=2.73"
+    lines = bench.max_seq_summary(rows)
+    # The best actoff configuration, not the longest row (save_on_cpu is no actoff policy).
+    assert [(line["policy"], line["vs"], line["verdict"]) for line in lines] == [
+        ("recompute+tile+loss", "keep", "met"),
+        ("recompute+tile+loss", "checkpoint", "NOT met"),
+        ("recompute+tile+loss", "save_on_cpu+tile+loss", "for scale"),
+    ]
+    assert "4200 vs checkpoint 3000: 1.40x (target >= 1.5x: NOT met)" in lines[1]["text"]
+    assert "reaches <=0.51x of it" in lines[2]["text"]
+    assert bench.max_seq_ratio({"max_seq": 2000, "search": done}, {"max_seq": 1000, "search": short}) == (
+        2.0,
+        "<=",
+    )
+    assert (
+        bench.max_seq_ratio({"max_seq": 2000, "search": short}, {"max_seq": 1000, "search": short})[1] == "?"
+    )
+    # A lower bound under the target decides nothing; an upper bound under it does.
+    assert bench._verdict(1.2, ">=", 1.5).startswith("undecided")
+    assert bench._verdict(1.2, "<=", 1.5) == "NOT met" and bench._verdict(1.6, ">=", 1.5) == "met"
+    assert bench._verdict(2.0, "?", 1.5).startswith("undecided")
+
+
+def test_where_memory_goes_names_the_phase_of_the_peak():
+    bench = _load_benchmark("long_context")
+    mib = 2**20
+    record = {"policy": "cpu+tile+loss", "seq": 4096, "sim_capacity_bytes": 128 * mib, "static_bytes": 27 * mib,
+              "weights_grads_bytes": 26 * mib, "tokens_bytes": mib, "device_arena_bytes": 40 * mib,
+              "act_keep_bytes": 0, "act_cpu_bytes": 160 * mib, "act_nvme_bytes": 0, "act_recompute_bytes": 0,
+              "peak_allocated_bytes": 127 * mib,
+              "phases": [["forward", 40 * mib, 90 * mib], ["loss", 40 * mib, 50 * mib],
+                         ["loss backward", 42 * mib, 60 * mib], ["blocks backward", 70 * mib, 127 * mib]]}  # fmt: skip
+    lines = bench.where_memory_goes(record)
+    assert "cpu+tile+loss at seq 4096, peak 127.00 MiB of 128.00 MiB" in lines[0]
+    assert "weights + gradients   26.00 MiB" in lines[1]
+    assert "cpu 160.00 MiB" in "".join(lines) and "device arena" in "".join(lines)
+    peak_lines = [line for line in lines if "the step's peak" in line]
+    assert len(peak_lines) == 1 and "blocks backward" in peak_lines[0] and "+100.00 MiB" in peak_lines[0]
+    assert bench.where_memory_goes({"policy": "keep", "seq": 1}) == []  # no capped device: nothing to say
 
 
 def test_policy_variants_are_parsed_and_checked():
@@ -299,5 +401,11 @@ def test_policy_variants_are_parsed_and_checked():
         frozenset({"tile"}),
     )
     assert bench.check_policies("none+loss, cpu+tile") == ["none+loss", "cpu+tile"]
-    with pytest.raises(SystemExit, match=r"unknown suffix \+fast; known: \+tile, \+loss, \+verify"):
+    with pytest.raises(SystemExit, match=r"unknown suffix \+fast; known: \+tile, \+loss, \+noplan, \+verify"):
         bench.check_policies("cpu+fast")
+    assert bench.split_variants("recompute+tile+loss+noplan") == (
+        "recompute",
+        frozenset({"tile", "loss", "noplan"}),
+    )
+    with pytest.raises(SystemExit, match="checkpoint does not use actoff"):
+        bench.check_policies("checkpoint+noplan")

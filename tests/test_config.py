@@ -105,6 +105,26 @@ def test_bad_values_name_the_variable_and_what_is_allowed(variable, value, messa
         Config.from_env({variable: value})
 
 
+def test_sim_device_memory_is_a_size_and_needs_the_simulated_device():
+    on = {"ACTOFF_SIM_DEVICE": "1"}
+    assert Config.from_env({**on, "ACTOFF_SIM_DEVICE_MEMORY": "2GiB"}).sim_device_memory == 2 * 2**30
+    assert Config.from_env({**on, "ACTOFF_SIM_DEVICE_MEMORY": "none"}).sim_device_memory is None
+    assert Config(sim_device=True, sim_device_memory=4096).sim_device_memory == 4096
+    for value, message in (
+        ("2", r"ACTOFF_SIM_DEVICE_MEMORY \(Config.sim_device_memory\)='2' has no unit"),
+        ("lots", "ACTOFF_SIM_DEVICE_MEMORY.*not a size"),
+        ("2 parsecs", "ACTOFF_SIM_DEVICE_MEMORY.*unknown unit"),
+        ("0GiB", "ACTOFF_SIM_DEVICE_MEMORY.*expected a size > 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Config.from_env({**on, "ACTOFF_SIM_DEVICE_MEMORY": value})
+    # Without the simulated device there is nothing to cap: refused, naming the fix.
+    with pytest.raises(ValueError, match="caps the simulated device, which is off: set ACTOFF_SIM_DEVICE=1"):
+        Config.from_env({"ACTOFF_SIM_DEVICE_MEMORY": "2GiB"})
+    with pytest.raises(TypeError, match="sim_device_memory"):
+        Config(sim_device=True, sim_device_memory=1.5)
+
+
 def test_fractions_over_one_are_rejected():
     with pytest.raises(ValueError, match=r"ACTOFF_CPU_FRACTION \+ ACTOFF_NVME_FRACTION = 0.7 \+ 0.5 > 1"):
         Config.from_env({"ACTOFF_CPU_FRACTION": "0.7", "ACTOFF_NVME_FRACTION": "0.5"})

@@ -14,7 +14,7 @@ from actoff._device import StreamBackend, StreamTicket
 from actoff._simdevice import RaceError, SimSettings, SimStreams
 from actoff._tiers import HostTier
 from actoff.reference import Block
-from actoff.testing import simulated_device
+from actoff.testing import device_memory, simulated_device
 
 pytestmark = pytest.mark.no_sim_device  # each test builds the simulated device it needs
 
@@ -141,6 +141,46 @@ def test_device_memory_counts_storages_and_enforces_capacity():
         del a, view
         assert device.memory.live == 0
         assert device.memory.peak == 2048
+
+
+def test_the_memory_setting_caps_the_device_of_the_setting(monkeypatch):
+    """ACTOFF_SIM_DEVICE_MEMORY: inside `device_memory` an allocation past the cap raises the
+    type CUDA raises; the scopes train on that same device, whose host buffers do not count."""
+    monkeypatch.setenv("ACTOFF_SIM_DEVICE", "1")
+    monkeypatch.setenv("ACTOFF_SIM_DEVICE_MEMORY", "64KiB")
+    actoff.set_config()
+    with device_memory() as memory:
+        kept = torch.empty(8192, dtype=torch.float32)  # 32 KiB
+        with pytest.raises(torch.OutOfMemoryError, match="ACTOFF_SIM_DEVICE_MEMORY"):
+            torch.empty(8192 + 1, dtype=torch.float32)
+        assert memory.live == 32 * 2**10 and memory.capacity == 64 * 2**10
+        del kept
+    # Outside the block nothing is counted, and nothing is capped.
+    torch.empty(2**20)
+    assert memory.live == 0
+    # A model under the cpu policy, built inside the block: its weights count. Room for little
+    # more than the weights is out of memory in the step; 64 MiB trains, with the host arena
+    # outside the count.
+    weights = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    for cap, fits in ((f"{weights // 1024 + 16}KiB", False), ("64MiB", True)):
+        monkeypatch.setenv("ACTOFF_SIM_DEVICE_MEMORY", cap)
+        actoff.set_config()
+        actoff.reset()
+        with device_memory() as memory:
+            model = _policy_model("cpu")
+            tokens = torch.randint(0, 256, (2, 64))
+            if fits:
+                model.loss(tokens).backward()
+                assert 0 < memory.peak <= 64 * 2**20
+                assert actoff.stats().total_bytes_offloaded > 0
+            else:
+                with pytest.raises(torch.OutOfMemoryError):
+                    model.loss(tokens).backward()
+
+
+def test_device_memory_needs_the_simulated_device():
+    with pytest.raises(RuntimeError, match="set ACTOFF_SIM_DEVICE=1"), device_memory():
+        pass
 
 
 def test_setting_and_context_select_the_simulated_device(monkeypatch):
