@@ -21,9 +21,7 @@ graph is freed), so ``retain_graph=True`` and partial backward passes need no sp
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +34,7 @@ from ._config import Config
 from ._device import backend_for
 from ._distributed import agree_with_rank0, local_world_size
 from ._layout import Arenas
+from ._lock import RuntimeLock, ThreadState
 from ._mixers import CaptureMode, CollectiveWatch
 from ._nvme import StoreRegistry
 from ._plans import ByOwner, ModulePlans
@@ -55,55 +54,12 @@ __all__ = ["Runtime", "find_device", "get_runtime"]
 TIERS: dict[str, Tier] = {"keep": KEEP, "cpu": HOST, "nvme": NVME}
 
 
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[ScopeRun] = []
-        self.disabled = 0
-        self.locked = 0  # depth of the runtime's lock in this thread
-
-
-class _RuntimeLock:
-    """The runtime's re-entrant lock; on leaving it, the records whose handles were dropped
-    while it was busy are released (Note [releases from the collector])."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self._lock = threading.RLock()
-        self._runtime = runtime
-        self._thread = runtime.thread
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        self._thread.locked += 1
-
-    def __exit__(self, *exc: object) -> None:
-        if self._thread.locked > 1:
-            self._thread.locked -= 1
-            self._lock.release()
-            return
-        while True:
-            try:
-                self._runtime.release_dropped()
-            finally:
-                self._thread.locked -= 1
-                self._lock.release()
-            # Queued by another thread after the last look, while this one held the lock?
-            if not self._runtime.has_dropped() or not self.try_acquire():
-                return
-
-    def try_acquire(self) -> bool:
-        if not self._lock.acquire(blocking=False):
-            return False
-        self._thread.locked += 1
-        return True
-
-
 class Runtime:
     """Process-wide state: the current step, host arenas, NVMe stores and what was learned."""
 
     def __init__(self) -> None:
-        self.thread = _ThreadState()
-        self.lock = _RuntimeLock(self)
-        self._dropped: collections.deque[Record] = collections.deque()  # Note [releases from the collector]
+        self.thread = ThreadState()
+        self.lock = RuntimeLock(self.thread, self.release)
         self.step: Step | None = None
         self.steps_started = 0
         self.steps_completed = 0
@@ -298,36 +254,8 @@ class Runtime:
             self._publish(step)
             self.replay.end(self.warn_once)  # last: it may raise what the allocator recorded
 
-    # Note [releases from the collector]: autograd drops a handle when backward is done with
-    # it, or when its graph goes; the cycle collector frees a graph in a cycle (an exception's
-    # traceback) inside whatever allocation started it, one that actoff makes holding a lock
-    # of its own (a host arena's, the NVMe store's, the simulated device's) included. Released
-    # there, the record would take that lock again and hang the thread, or find the state it
-    # guards half changed. So a dropped handle is released at once only where this thread can
-    # take the runtime's lock and does not hold it already; otherwise it is queued, and whoever
-    # holds the lock releases it on leaving (every actoff lock is taken under it).
-    def drop(self, record: Record) -> None:
-        """A handle to ``record`` was dropped: release it now or, if that is not safe here,
-        when the runtime's lock is next left."""
-        self._dropped.append(record)  # atomic: safe from any thread, the collector included
-        if not self.thread.locked:
-            self.try_release_dropped()
-
-    def try_release_dropped(self) -> None:
-        """Release the queued records if the lock is free (else its holder will, on leaving)."""
-        if self.lock.try_acquire():
-            self.lock.__exit__()
-
-    def has_dropped(self) -> bool:
-        return bool(self._dropped)
-
-    def release_dropped(self) -> None:
-        """Release the queued records (holding the lock)."""
-        while self._dropped:
-            self.release(self._dropped.popleft())
-
     def release(self, record: Record) -> None:
-        """Return everything a record holds (`drop` calls it when autograd drops its handle)."""
+        """Return everything a record holds (autograd dropped its handle: `RuntimeLock.drop`)."""
         with self.lock:
             if record.state is State.RELEASED:
                 return
