@@ -40,6 +40,7 @@ from ._nvme import StoreRegistry
 from ._plans import ByOwner, ModulePlans
 from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from ._record import Record, State
+from ._runtime_lock import RuntimeLock
 from ._simdevice import settings_for
 from ._stats import BlockStats, Stats, collect, snapshot
 from ._step import ScopeRun, Step, serve, unpack
@@ -64,7 +65,7 @@ class Runtime:
     """Process-wide state: the current step, host arenas, NVMe stores and what was learned."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        self.lock = RuntimeLock(self.release)  # Note [releases from the collector]
         self.thread = _ThreadState()
         self.step: Step | None = None
         self.steps_started = 0
@@ -261,7 +262,7 @@ class Runtime:
             self.replay.end(self.warn_once)  # last: it may raise what the allocator recorded
 
     def release(self, record: Record) -> None:
-        """Return everything a record holds; called when autograd drops its handle."""
+        """Return everything a record holds (Note [releases from the collector]: when)."""
         with self.lock:
             if record.state is State.RELEASED:
                 return

@@ -1,6 +1,10 @@
 """The runtime: exact gradients, dedup, parameters, retain_graph, in-place, exceptions, release."""
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 from typing import ClassVar
 
 import pytest
@@ -447,3 +451,50 @@ def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, n
         assert get_runtime().step.live == 0
     finally:
         gc.enable()
+
+
+def test_a_graph_the_collector_frees_inside_actoffs_own_locks_is_released_without_deadlock():
+    # A graph that only the cycle collector frees (an exception's traceback, a loss kept in a
+    # cycle) is released when the collector runs: inside any allocation, one that actoff
+    # makes holding its host arena's lock included. Releasing its records there took that
+    # lock again (merging the arena's chunks once the step's last record went) and hung the
+    # training thread (seen in test_nvme's hung-read test, after the test before it left such
+    # a graph behind). Here the collector runs in exactly that place, in a process of its own
+    # that a deadlock cannot take the suite down with.
+    script = textwrap.dedent(
+        f"""
+        import gc, sys, torch
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import actoff
+        from _helpers import make_model, train
+        from actoff._arena import HostArena
+        from actoff._record import State
+        from actoff._runtime import get_runtime
+        from actoff.reference import Block
+        from actoff.testing import simulated_device
+
+        with simulated_device(seed=4):  # the host arena: copies on a device with DMA
+            model = make_model()
+            actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+            cycle = [model.loss(torch.randint(0, 256, (2, 33)))]
+            cycle.append(cycle)  # garbage only the collector finds
+            records = [r for run in get_runtime().step.runs for r in run.records]
+            del cycle
+            real_bump = HostArena._bump
+
+            def collecting_bump(self, size, *, grow):
+                gc.collect()  # as if an allocation under the arena's lock started the collector
+                return real_bump(self, size, grow=grow)
+
+            HostArena._bump = collecting_bump
+            train(model, 1)
+            assert all(r.state is State.RELEASED for r in records)
+            assert get_runtime().step.live == 0
+        print("trained")
+        """
+    )
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlocked: the training thread waited for a lock it held")
+    assert result.returncode == 0 and "trained" in result.stdout, result.stderr
