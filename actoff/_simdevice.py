@@ -240,7 +240,9 @@ class SimStreams:
 
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
-        self.lock = threading.Lock()
+        # Re-entrant: the collector may release a graph (ordering its copies) inside any
+        # allocation, one made holding this lock included.
+        self.lock = threading.RLock()
         # Live host buffers, start -> bytes (Note [host ranges die with their buffer]: a freed
         # chunk's addresses come back as "device" tensors, whose copies compute must await).
         self._host_ranges: dict[int, int] = {}
@@ -299,16 +301,19 @@ class SimStreams:
             for entry in stream.copies:
                 if entry.seq <= event.seq:
                     if entry.device_alias is not None:
-                        alias, entry.device_alias = entry.device_alias, None
                         # Nobody else holds the storage: only the alias, this call's storage
-                        # object and, until the copy runs, the queued copy itself.
-                        if _use_count(alias) <= (2 if entry.ran else 3):
+                        # object and, until the copy runs, the queued copy itself. Counted
+                        # before the alias goes: the collector may release a graph inside this
+                        # call, whose own ordering of the copy then comes first (and counts).
+                        users = _use_count(entry.device_alias)
+                        if entry.device_alias is not None and users <= (2 if entry.ran else 3):
                             self._race(
                                 f"{entry.what}: the device {'source' if entry.direction == 'device-to-host' else 'destination'} "
                                 f"of a {entry.direction} copy was freed before the copy was waited for; the "
                                 "caching allocator could have handed its memory to new work while the copy "
                                 "still used it (hold the tensor until the compute stream waits on the copy)"
                             )
+                        entry.device_alias = None
                     if by_host:
                         entry.host_range = None
                 if entry.device_alias is not None or entry.host_range is not None:

@@ -2,6 +2,10 @@
 memory count, and the ordering bugs of the CUDA paths that it makes visible on a CPU."""
 
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from types import SimpleNamespace
 
@@ -242,6 +246,45 @@ class _HeldFuture:
 
     def elapsed(self):
         return self.future.elapsed()
+
+
+def test_a_graph_the_collector_frees_while_the_device_holds_its_lock_is_released():
+    # The collector may free a graph in a cycle (an exception's traceback: test_nvme's
+    # hung-read test leaves one) while the device holds its lock, in a drain at the end of a
+    # `simulated_device` block; releasing the graph's records orders their copies, which takes
+    # that lock again. It hung; here the collector runs in exactly that place, in a process of
+    # its own that a deadlock cannot take the suite down with.
+    script = textwrap.dedent(
+        f"""
+        import gc, sys, torch
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import actoff, actoff._simdevice
+        from _helpers import make_model
+        from actoff.reference import Block
+        from actoff.testing import simulated_device
+
+        with simulated_device(seed=4) as device:
+            model = make_model()
+            actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+            cycle = [model.loss(torch.randint(0, 256, (2, 33)))]
+            cycle.append(cycle)  # garbage only the collector finds; copies still in flight
+            del cycle
+            real_use_count = actoff._simdevice._use_count
+
+            def collecting_use_count(tensor):
+                gc.collect()  # as if an allocation under the device's lock started the collector
+                return real_use_count(tensor)
+
+            actoff._simdevice._use_count = collecting_use_count
+            device.drain()
+        print("drained")
+        """
+    )
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlocked: the device waited for a lock it held")
+    assert result.returncode == 0 and "drained" in result.stdout, result.stderr
 
 
 def test_backward_never_blocks_the_host_on_a_copy():
