@@ -20,6 +20,7 @@ asynchronous as a GPU, so that CI sees what a GPU would (``ACTOFF_SIM_DEVICE=1``
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import random
@@ -134,7 +135,8 @@ class _SideStream:
         self.rng = random.Random(seed)
         self.seq = 0
         self.copies: list[_Copy] = []
-        threading.Thread(target=self._work, name="actoff-simstream", daemon=True).start()
+        self.thread = threading.Thread(target=self._work, name="actoff-simstream", daemon=True)
+        self.thread.start()
 
     def _work(self) -> None:
         while True:
@@ -190,7 +192,8 @@ class _ComputeStream:
         self.lagging: queue.SimpleQueue = queue.SimpleQueue()
         self.last_due = 0.0
         self.waited: list[SimEvent] = []  # side events this stream waits on, not yet done
-        threading.Thread(target=self._complete, name="actoff-simcompute", daemon=True).start()
+        self.thread = threading.Thread(target=self._complete, name="actoff-simcompute", daemon=True)
+        self.thread.start()
 
     def _complete(self) -> None:
         while True:
@@ -256,6 +259,7 @@ class SimStreams:
         self.copies_gate, self.compute_gate = _Gate(), _Gate()
         self.forced = 0  # holds the host had to break (a wait on work not yet run)
         self.memory = DeviceMemory(settings.capacity)
+        _running.add(self)
 
     # ------------------------------------------------------------------ the stream API
     def current(self) -> _ComputeStream:
@@ -393,9 +397,19 @@ class SimStreams:
     def close(self) -> None:
         """Drain, then stop the worker threads."""
         self.drain()
+        self.stop()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Let the workers run what is queued (holds opened), then end them and wait."""
+        for gate in (self.copies_gate, self.compute_gate):
+            gate.open.set()
         for stream in self._side:
             stream.items.put(("stop", None))
         self.compute.lagging.put((None, 0.0, ()))
+        for worker in (*(stream.thread for stream in self._side), self.compute.thread):
+            if worker is not threading.current_thread():
+                worker.join(timeout_s)
+        _running.discard(self)
 
     def _race(self, message: str) -> None:
         error = RaceError("actoff (simulated device): race: " + message)
@@ -412,6 +426,21 @@ class SimStreams:
             with self.lock:
                 errors, self._undelivered = self._undelivered, []
             raise errors[0]
+
+
+# Note [stop before the interpreter exits]: the workers are daemon threads that run torch ops
+# (a copy) without the GIL. One still inside such an op when the interpreter finalizes is
+# ended (pthread_exit) as it takes the GIL back, unwinding C++ frames that must not be: the
+# process aborts ("terminate called without an active exception"), a script run with
+# ACTOFF_SIM_DEVICE=1 that exits or is stopped with copies in flight included. So at exit
+# every device still running lets its workers finish and end first.
+_running: weakref.WeakSet[SimStreams] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for streams in list(_running):
+        streams.stop()
 
 
 _override: list[SimSettings] = []  # actoff.testing.simulated_device, innermost last
