@@ -22,6 +22,7 @@ graph is freed), so ``retain_graph=True`` and partial backward passes need no sp
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,12 +35,12 @@ from ._config import Config
 from ._device import backend_for
 from ._distributed import agree_with_rank0, local_world_size
 from ._layout import Arenas
-from ._lock import RuntimeLock, ThreadState
 from ._mixers import CaptureMode, CollectiveWatch
 from ._nvme import StoreRegistry
 from ._plans import ByOwner, ModulePlans
 from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from ._record import Record, State
+from ._runtime_lock import RuntimeLock
 from ._simdevice import settings_for
 from ._stats import BlockStats, Stats, collect, snapshot
 from ._step import ScopeRun, Step, serve, unpack
@@ -54,12 +55,18 @@ __all__ = ["Runtime", "find_device", "get_runtime"]
 TIERS: dict[str, Tier] = {"keep": KEEP, "cpu": HOST, "nvme": NVME}
 
 
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[ScopeRun] = []
+        self.disabled = 0
+
+
 class Runtime:
     """Process-wide state: the current step, host arenas, NVMe stores and what was learned."""
 
     def __init__(self) -> None:
-        self.thread = ThreadState()
-        self.lock = RuntimeLock(self.thread, self.release)
+        self.lock = RuntimeLock(self.release)  # Note [releases from the collector]
+        self.thread = _ThreadState()
         self.step: Step | None = None
         self.steps_started = 0
         self.steps_completed = 0
@@ -255,7 +262,7 @@ class Runtime:
             self.replay.end(self.warn_once)  # last: it may raise what the allocator recorded
 
     def release(self, record: Record) -> None:
-        """Return everything a record holds (autograd dropped its handle: `RuntimeLock.drop`)."""
+        """Return everything a record holds (Note [releases from the collector]: when)."""
         with self.lock:
             if record.state is State.RELEASED:
                 return

@@ -20,11 +20,9 @@ asynchronous as a GPU, so that CI sees what a GPU would (``ACTOFF_SIM_DEVICE=1``
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import queue
-import random
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,8 +32,16 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ._simmemory import DeviceMemory, poison
+from ._simstreams import ComputeStream, Gate, SideStream
 
-__all__ = ["RaceError", "SimEvent", "SimSettings", "SimStreams", "poison", "settings_for"]
+__all__ = [
+    "RaceError",
+    "SimEvent",
+    "SimSettings",
+    "SimStreams",
+    "poison",
+    "settings_for",
+]
 
 
 class RaceError(RuntimeError):
@@ -94,143 +100,6 @@ class SimEvent:
         return (end.time - self.time) * 1e3
 
 
-class _Copy:
-    """One queued copy: what it touches, and how far it has been ordered."""
-
-    __slots__ = ("device_alias", "direction", "dst", "host_range", "ran", "seq", "src", "what")
-
-    def __init__(self, direction: str, dst: torch.Tensor, src: torch.Tensor, what: str, seq: int) -> None:
-        self.direction, self.what, self.seq = direction, what or "a copy", seq
-        # Held until the copy runs: aliases of its own, so that the race check can tell its
-        # references from the caller's.
-        self.dst, self.src = dst.detach(), src.detach()
-        if direction == "device-to-host":  # Note [copy sources and the allocator]
-            with no_dispatch():  # a snapshot, outside the device's memory
-                self.src = src.detach().clone()
-        self.ran = False
-        device, host = (src, dst) if direction == "device-to-host" else (dst, src)
-        self.device_alias: torch.Tensor | None = device.detach()  # until ordered on the device
-        self.host_range: tuple[int, int] | None = (host.data_ptr(), host.numel() * host.element_size())
-
-
-class _Gate:
-    """Lets a stream run, or holds it until the host forces it (`SimStreams.hold`)."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.open.set()
-
-
-class _SideStream:
-    """A stream whose queue a worker thread runs, each item after a random delay."""
-
-    def __init__(self, streams: SimStreams, seed: int) -> None:
-        self.streams = streams
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-        self.rng = random.Random(seed)
-        self.seq = 0
-        self.copies: list[_Copy] = []
-        threading.Thread(target=self._work, name="actoff-simstream", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            kind, payload = self.items.get()
-            if kind == "stop":
-                return
-            self.streams.copies_gate.open.wait()
-            time.sleep(self.rng.uniform(0, self.streams.settings.max_delay_s))
-            try:
-                if kind == "wait":
-                    self.streams.reach(payload, by="stream")
-                elif kind == "record":
-                    payload.time = time.perf_counter()
-                    payload.done.set()
-                else:
-                    payload.dst.copy_(payload.src)
-                    with self.streams.lock:
-                        payload.dst = payload.src = None  # the device alias alone stays
-                        payload.ran = True
-            except Exception as error:  # surfaces in the training thread
-                self.streams.fail(RuntimeError(f"simulated copy failed: {error}"))
-
-    def wait_stream(self, other: Any) -> None:
-        event = SimEvent(self.streams)
-        other.record(event)
-        self.wait_event(event)
-
-    def wait_event(self, event: SimEvent) -> None:
-        self.items.put(("wait", event))
-
-    def record(self, event: SimEvent) -> None:
-        event.done.clear()
-        event.stream, event.seq, event.time = self, self.seq, None
-        self.items.put(("record", event))
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-        direction = "device-to-host" if self.streams.is_host(dst) else "host-to-device"
-        self.seq += 1
-        entry = _Copy(direction, dst, src, what, self.seq)
-        poison(dst)
-        with self.streams.lock:
-            self.copies.append(entry)
-        self.items.put(("copy", entry))
-
-
-class _ComputeStream:
-    """The calling thread's stream: work runs at once on the host, but its events complete
-    late, and never before the events the stream waited on."""
-
-    def __init__(self, streams: SimStreams, seed: int) -> None:
-        self.streams = streams
-        self.rng = random.Random(seed)
-        self.lagging: queue.SimpleQueue = queue.SimpleQueue()
-        self.last_due = 0.0
-        self.waited: list[SimEvent] = []  # side events this stream waits on, not yet done
-        threading.Thread(target=self._complete, name="actoff-simcompute", daemon=True).start()
-
-    def _complete(self) -> None:
-        while True:
-            event, due, after = self.lagging.get()
-            if event is None:
-                return
-            self.streams.compute_gate.open.wait()
-            delay = due - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            for other in after:
-                other.done.wait()
-            event.time = time.perf_counter()
-            event.done.set()
-
-    def record(self, event: SimEvent) -> None:
-        event.done.clear()
-        event.stream, event.seq, event.time = self, -1, None
-        # In order: an event completes after every event recorded before it.
-        self.last_due = max(
-            self.last_due, time.perf_counter() + self.rng.uniform(0, self.streams.settings.max_lag_s)
-        )
-        self.waited = [other for other in self.waited if not other.done.is_set()]
-        self.lagging.put((event, self.last_due, tuple(self.waited)))
-
-    def wait_event(self, event: SimEvent) -> None:
-        """Compute waits for ``event``: in stream order, every copy before it is ordered for
-        the caching allocator at once. The host blocks only when a copy to the device is still
-        to land (compute, which runs on the host, is about to read it); a copy to the host
-        need not have run, and the host is not told it has."""
-        self.streams.surface()
-        if not event.done.is_set():
-            if self.streams.h2d_pending(event):
-                self.streams.reach(event, by="compute")
-            else:
-                self.waited.append(event)
-        self.streams.ordered(event, by_host=False)
-
-    def wait_stream(self, other: Any) -> None:
-        event = SimEvent(self.streams)
-        other.record(event)
-        self.wait_event(event)
-
-
 class SimStreams:
     """The simulated device's stream API (see actoff._device.StreamBackend)."""
 
@@ -242,31 +111,32 @@ class SimStreams:
         # Live host buffers, start -> bytes (Note [host ranges die with their buffer]: a freed
         # chunk's addresses come back as "device" tensors, whose copies compute must await).
         self._host_ranges: dict[int, int] = {}
-        self._side: list[_SideStream] = []
-        self.compute = _ComputeStream(self, settings.seed)
+        self._side: list[SideStream] = []
+        self.compute = ComputeStream(self, settings.seed)
         self._streams = 0
         self.races: list[RaceError] = []
         self._undelivered: list[BaseException] = []
         self.host_syncs = 0  # host synchronize calls on events (each blocks on a real GPU)
         self.blocking_syncs = 0  # host waits on events not yet complete
-        self.copies_gate, self.compute_gate = _Gate(), _Gate()
+        self.copies_gate, self.compute_gate = Gate(), Gate()
         self.forced = 0  # holds the host had to break (a wait on work not yet run)
         self.memory = DeviceMemory(settings.capacity)
+        _running.add(self)
 
     # ------------------------------------------------------------------ the stream API
-    def current(self) -> _ComputeStream:
+    def current(self) -> ComputeStream:
         return self.compute
 
-    def new_stream(self) -> _SideStream:
+    def new_stream(self) -> SideStream:
         self._streams += 1
-        stream = _SideStream(self, self.settings.seed * 1000 + self._streams)
+        stream = SideStream(self, self.settings.seed * 1000 + self._streams)
         self._side.append(stream)
         return stream
 
     def event(self) -> SimEvent:
         return SimEvent(self)
 
-    def copy(self, stream: _SideStream, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    def copy(self, stream: SideStream, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         self.surface()
         stream.copy(dst, src, what)
 
@@ -290,15 +160,18 @@ class SimStreams:
         """Every copy of ``event``'s stream up to it is ordered: for the device's allocator
         (a compute wait or a host observation) and, ``by_host``, for host memory too."""
         stream = event.stream
-        if not isinstance(stream, _SideStream):
+        if not isinstance(stream, SideStream):
             return
         with self.lock:
             keep = []
             for entry in stream.copies:
                 if entry.seq <= event.seq:
                     if entry.device_alias is not None:
-                        # Only the alias, this call's storage object and a queued H2D copy's
-                        # destination hold it? Counted first: a graph freed in here orders it too.
+                        # Nobody else holds the storage: only the alias, this call's storage
+                        # object and, until a copy to the device runs, its queued destination
+                        # (a copy to the host reads a snapshot: Note [copy sources and the
+                        # allocator]). Counted before the alias goes: the collector may release
+                        # a graph inside this call, whose own ordering of the copy comes first.
                         queued = not entry.ran and entry.direction == "host-to-device"
                         users = _use_count(entry.device_alias)
                         if entry.device_alias is not None and users <= (3 if queued else 2):
@@ -366,7 +239,7 @@ class SimStreams:
     def h2d_pending(self, event: SimEvent) -> bool:
         """A copy to the device up to ``event`` on its stream has not run yet."""
         stream = event.stream
-        if not isinstance(stream, _SideStream):
+        if not isinstance(stream, SideStream):
             return True
         with self.lock:
             return any(
@@ -388,9 +261,19 @@ class SimStreams:
     def close(self) -> None:
         """Drain, then stop the worker threads."""
         self.drain()
+        self.stop()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Let the workers run what is queued (holds opened), then end them and wait."""
+        for gate in (self.copies_gate, self.compute_gate):
+            gate.open.set()
         for stream in self._side:
             stream.items.put(("stop", None))
         self.compute.lagging.put((None, 0.0, ()))
+        for worker in (*(stream.thread for stream in self._side), self.compute.thread):
+            if worker is not threading.current_thread():
+                worker.join(timeout_s)
+        _running.discard(self)
 
     def _race(self, message: str) -> None:
         error = RaceError("actoff (simulated device): race: " + message)
@@ -407,6 +290,21 @@ class SimStreams:
             with self.lock:
                 errors, self._undelivered = self._undelivered, []
             raise errors[0]
+
+
+# Note [stop before the interpreter exits]: the workers are daemon threads that run torch ops
+# (a copy) without the GIL. One still inside such an op when the interpreter finalizes is
+# ended (pthread_exit) as it takes the GIL back, unwinding C++ frames that must not be: the
+# process aborts ("terminate called without an active exception"), a script run with
+# ACTOFF_SIM_DEVICE=1 that exits or is stopped with copies in flight included. So at exit
+# every device still running lets its workers finish and end first.
+_running: weakref.WeakSet[SimStreams] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for streams in list(_running):
+        streams.stop()
 
 
 _override: list[SimSettings] = []  # actoff.testing.simulated_device, innermost last

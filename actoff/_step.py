@@ -37,7 +37,7 @@ class Handle:
     def __del__(self) -> None:
         # At interpreter shutdown module globals may be gone: nothing is left to return then.
         if _finalizing is not None and not _finalizing():
-            self.record.run.runtime.lock.drop(self.record)  # Note [releases from the collector]
+            self.record.run.runtime.lock.release_when_safe(self.record)
 
 
 def unpack(packed: Any) -> torch.Tensor:

@@ -372,7 +372,8 @@ def test_sigterm_removes_the_file(nvme_dir):
         nvme_dir,
         check=False,
     )
-    assert result.returncode == 143 and "still running" not in result.stdout
+    assert result.returncode == 143, (result.returncode, result.stderr)
+    assert "still running" not in result.stdout
     assert os.listdir(nvme_dir) == []
 
 

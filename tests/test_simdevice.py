@@ -327,6 +327,29 @@ def test_a_graph_the_collector_frees_while_the_device_holds_its_lock_is_released
     assert result.returncode == 0 and "drained" in result.stdout, result.stderr
 
 
+def test_a_process_that_exits_with_copies_in_flight_exits_cleanly():
+    # Note [stop before the interpreter exits]: a worker still inside a copy when the
+    # interpreter finalized aborted the process (seen as test_nvme's SIGTERM test ending with
+    # SIGABRT on the simulated device). Here long copies are queued just before the exit.
+    script = textwrap.dedent(
+        """
+        import sys, time, torch
+        from actoff._simdevice import SimSettings, SimStreams
+
+        streams = SimStreams(SimSettings(max_delay_s=0.0, max_lag_s=0.0))
+        side = streams.new_stream()
+        source = torch.ones(50_000_000)  # 200 MB: copies that run while the interpreter exits
+        destination = torch.empty_like(source)
+        for _ in range(4):
+            streams.copy(side, destination, source, "a long copy")
+        time.sleep(0.01)
+        sys.exit(3)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+
+
 def test_backward_never_blocks_the_host_on_a_copy():
     """Problem 4: release() synchronized the host on each fetched record's copy, so the
     autograd thread could not run ahead of the copy stream."""

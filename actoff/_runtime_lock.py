@@ -1,0 +1,76 @@
+"""The runtime's lock, and the records whose handles were dropped where they could not be released.
+
+Note [releases from the collector]: autograd drops a handle when backward is done with it, or
+when its graph goes; the cycle collector frees a graph in a cycle (an exception's traceback)
+inside whatever allocation started it, one that actoff makes holding a lock of its own (a host
+arena's, the NVMe store's) included. Released there, the record would take that lock again
+and hang the thread, or find the state it guards half changed. So a dropped handle's record
+is released at once only where this thread can take the runtime's lock and does not hold it
+already; otherwise it is queued, and whoever holds the lock releases the queue on leaving it
+(actoff takes its other locks under the runtime's).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RuntimeLock"]
+
+
+class RuntimeLock:
+    """A re-entrant lock (``with lock:``) that, on its outermost exit, releases the records
+    `release_when_safe` queued.
+
+    >>> released = []
+    >>> lock = RuntimeLock(released.append)
+    >>> with lock:
+    ...     lock.release_when_safe("record")  # the lock is held here: queued
+    ...     released
+    []
+    >>> released
+    ['record']
+    """
+
+    def __init__(self, release: Callable[[Any], None]) -> None:
+        self._lock = threading.RLock()
+        self._release = release
+        self._dropped: collections.deque[Any] = collections.deque()
+        self._depth = threading.local()  # how deep this thread holds the lock
+
+    def _held(self) -> int:
+        return getattr(self._depth, "value", 0)
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._depth.value = self._held() + 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held() > 1:
+            self._depth.value -= 1
+            self._lock.release()
+            return
+        while True:
+            try:
+                while self._dropped:
+                    self._release(self._dropped.popleft())
+            finally:
+                self._depth.value -= 1
+                self._lock.release()
+            # Queued by another thread after the last look, while this one held the lock?
+            if not self._dropped or not self._try_enter():
+                return
+
+    def _try_enter(self) -> bool:
+        if not self._lock.acquire(blocking=False):
+            return False
+        self._depth.value = self._held() + 1
+        return True
+
+    def release_when_safe(self, record: Any) -> None:
+        """Release ``record`` now if that is safe here, else when the lock is next left."""
+        self._dropped.append(record)  # atomic: safe from any thread, the collector included
+        if not self._held() and self._try_enter():
+            self.__exit__()

@@ -1,0 +1,160 @@
+"""The simulated device's streams: side streams whose queues worker threads run late, and the
+calling thread's compute stream, whose events complete late.
+
+Part of the simulated device (actoff._simdevice), whose `SimStreams` they belong to and call
+back (ordering, races, holds); the order rules are described there.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from ._simmemory import poison
+
+__all__ = ["ComputeStream", "Copy", "Gate", "SideStream"]
+
+
+class Copy:
+    """One queued copy: what it touches, and how far it has been ordered."""
+
+    __slots__ = ("device_alias", "direction", "dst", "host_range", "ran", "seq", "src", "what")
+
+    def __init__(self, direction: str, dst: torch.Tensor, src: torch.Tensor, what: str, seq: int) -> None:
+        self.direction, self.what, self.seq = direction, what or "a copy", seq
+        # Held until the copy runs: aliases of its own, so that the race check can tell its
+        # references from the caller's.
+        self.dst, self.src = dst.detach(), src.detach()
+        if direction == "device-to-host":  # Note [copy sources and the allocator]
+            with no_dispatch():  # a snapshot, outside the device's memory
+                self.src = src.detach().clone()
+        self.ran = False
+        device, host = (src, dst) if direction == "device-to-host" else (dst, src)
+        self.device_alias: torch.Tensor | None = device.detach()  # until ordered on the device
+        self.host_range: tuple[int, int] | None = (host.data_ptr(), host.numel() * host.element_size())
+
+
+class Gate:
+    """Lets a stream run, or holds it until the host forces it (`SimStreams.hold`)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+
+
+class SideStream:
+    """A stream whose queue a worker thread runs, each item after a random delay."""
+
+    def __init__(self, streams: Any, seed: int) -> None:
+        self.streams = streams
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.rng = random.Random(seed)
+        self.seq = 0
+        self.copies: list[Copy] = []
+        self.thread = threading.Thread(target=self._work, name="actoff-simstream", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while True:
+            kind, payload = self.items.get()
+            if kind == "stop":
+                return
+            self.streams.copies_gate.open.wait()
+            time.sleep(self.rng.uniform(0, self.streams.settings.max_delay_s))
+            try:
+                if kind == "wait":
+                    self.streams.reach(payload, by="stream")
+                elif kind == "record":
+                    payload.time = time.perf_counter()
+                    payload.done.set()
+                else:
+                    payload.dst.copy_(payload.src)
+                    with self.streams.lock:
+                        payload.dst = payload.src = None  # the device alias alone stays
+                        payload.ran = True
+            except Exception as error:  # surfaces in the training thread
+                self.streams.fail(RuntimeError(f"simulated copy failed: {error}"))
+
+    def wait_stream(self, other: Any) -> None:
+        event = self.streams.event()
+        other.record(event)
+        self.wait_event(event)
+
+    def wait_event(self, event: Any) -> None:
+        self.items.put(("wait", event))
+
+    def record(self, event: Any) -> None:
+        event.done.clear()
+        event.stream, event.seq, event.time = self, self.seq, None
+        self.items.put(("record", event))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+        direction = "device-to-host" if self.streams.is_host(dst) else "host-to-device"
+        self.seq += 1
+        entry = Copy(direction, dst, src, what, self.seq)
+        poison(dst)
+        with self.streams.lock:
+            self.copies.append(entry)
+        self.items.put(("copy", entry))
+
+
+class ComputeStream:
+    """The calling thread's stream: work runs at once on the host, but its events complete
+    late, and never before the events the stream waited on."""
+
+    def __init__(self, streams: Any, seed: int) -> None:
+        self.streams = streams
+        self.rng = random.Random(seed)
+        self.lagging: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_due = 0.0
+        self.waited: list[Any] = []  # side events this stream waits on, not yet done
+        self.thread = threading.Thread(target=self._complete, name="actoff-simcompute", daemon=True)
+        self.thread.start()
+
+    def _complete(self) -> None:
+        while True:
+            event, due, after = self.lagging.get()
+            if event is None:
+                return
+            self.streams.compute_gate.open.wait()
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            for other in after:
+                other.done.wait()
+            event.time = time.perf_counter()
+            event.done.set()
+
+    def record(self, event: Any) -> None:
+        event.done.clear()
+        event.stream, event.seq, event.time = self, -1, None
+        # In order: an event completes after every event recorded before it.
+        self.last_due = max(
+            self.last_due, time.perf_counter() + self.rng.uniform(0, self.streams.settings.max_lag_s)
+        )
+        self.waited = [other for other in self.waited if not other.done.is_set()]
+        self.lagging.put((event, self.last_due, tuple(self.waited)))
+
+    def wait_event(self, event: Any) -> None:
+        """Compute waits for ``event``: in stream order, every copy before it is ordered for
+        the caching allocator at once. The host blocks only when a copy to the device is still
+        to land (compute, which runs on the host, is about to read it); a copy to the host
+        need not have run, and the host is not told it has."""
+        self.streams.surface()
+        if not event.done.is_set():
+            if self.streams.h2d_pending(event):
+                self.streams.reach(event, by="compute")
+            else:
+                self.waited.append(event)
+        self.streams.ordered(event, by_host=False)
+
+    def wait_stream(self, other: Any) -> None:
+        event = self.streams.event()
+        other.record(event)
+        self.wait_event(event)
