@@ -88,7 +88,8 @@ def device_memory(config: Config | None = None) -> Iterator[DeviceMemory]:
     Storages allocated on the CPU inside the block are the device's (actoff's host buffers are
     not); one past the capacity raises ``torch.OutOfMemoryError``, the type CUDA raises. Build
     the model inside the block too, so that its weights count. The block can be entered again;
-    the counts carry over. Inside a `simulated_device` block it is that device's memory.
+    the counts carry over. Inside a `simulated_device` block it is that device's memory, and a
+    capacity set here that differs from that device's raises ``ValueError``.
 
     Example:
         >>> import torch, actoff
@@ -109,6 +110,15 @@ def device_memory(config: Config | None = None) -> Iterator[DeviceMemory]:
             "ACTOFF_SIM_DEVICE=1 (Config.sim_device), or use actoff.testing.simulated_device"
         )
     settings = settings_for(config.sim_device, config.sim_device_memory)
+    if config.sim_device_memory is not None and settings.capacity != config.sim_device_memory:
+        # Inside a simulated_device block its device is the one counted: a capacity asked of
+        # the setting would be dropped without a word.
+        raise ValueError(
+            f"actoff.testing.device_memory: the setting asks for a capacity of "
+            f"{config.sim_device_memory} bytes (ACTOFF_SIM_DEVICE_MEMORY), but inside a "
+            f"simulated_device block that device is counted, with capacity {settings.capacity}: "
+            "pass capacity= to simulated_device instead, or leave its block"
+        )
     memory = backend_for(torch.device("cpu"), settings).streams.memory
     with memory:
         yield memory

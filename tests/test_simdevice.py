@@ -147,6 +147,17 @@ def test_device_memory_counts_storages_and_enforces_capacity():
         assert device.memory.peak == 2048
 
 
+def test_a_capacity_set_inside_a_simulated_device_block_is_refused_not_dropped():
+    """device_memory counts the enclosing simulated_device's memory; a different capacity asked
+    of the setting there would be ignored, so the call names the conflict instead."""
+    config = actoff.Config(sim_device=True, sim_device_memory="1MiB")
+    refused = pytest.raises(ValueError, match="pass capacity= to simulated_device")
+    with simulated_device(seed=0), refused, device_memory(config):
+        pass
+    with simulated_device(seed=0, capacity=2**20) as device, device_memory(config) as memory:
+        assert memory is device.memory and memory.capacity == 2**20
+
+
 def test_the_memory_setting_caps_the_device_of_the_setting(monkeypatch):
     """ACTOFF_SIM_DEVICE_MEMORY: inside `device_memory` an allocation past the cap raises the
     type CUDA raises; the scopes train on that same device, whose host buffers do not count."""
