@@ -243,4 +243,8 @@ def test_plans_come_back_from_the_disk_cache(tmp_path):
         assert methods == ({"cache"} if attempt else {m for m in methods if m != "cache"})
         assert actoff.stats().host_plan == ("cache" if attempt else methods.pop())  # shown in the stats
         assert f"plan {actoff.stats().host_plan}" in str(actoff.stats())
-    assert len(list(tmp_path.glob("plan-*.json"))) == 2  # the host arena's and the device arena's
+    kinds = [json.loads(path.read_text())["key"]["kind"] for path in tmp_path.glob("plan-*.json")]
+    assert kinds.count("host-arena") == 1  # written once, read back
+    # The device arena's trace depends on which copies were over by backward (a record still on
+    # the device is not fetched), so the second run may trace another step: one file or two.
+    assert 1 <= kinds.count("device-arena") <= 2 and len(kinds) == kinds.count("device-arena") + 1
