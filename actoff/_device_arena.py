@@ -7,7 +7,7 @@ token-wise run rebuilds (actoff._tokenwise). Every step is traced: each request'
 run, what, which record), size, and lifetime on a logical clock that ticks at every request and
 every death. After a step the planner lays the trace out (actoff._layout); from then on a
 request whose key the plan knows, at the planned size, is served at its offset in one buffer,
-allocated once (again only when a plan needs more than it has).
+held only while backward needs it (Note [the arena between backwards]).
 
 A request the plan does not know (another key or size: a new length or batch) is a divergence,
 and the step it happened in becomes the next plan. A planned range still held (a tenant that
@@ -29,6 +29,19 @@ compute stream. So a range is reused only after its previous tenant is dead and 
 request on another stream is a fallback with a new allocation. Tensors of the arena ignore
 ``record_stream`` (their memory is not the caching allocator's): code that hands a fetched
 activation to another stream must keep it referenced until that stream is done with it.
+
+Note [the arena between backwards]: the buffer is taken from the device's allocator at a step's
+first planned request and given back (`give_back`) when the step's last record is released, or
+at the next step's start. Held through forward, the loss and the optimizer step, it would add its
+whole size to their peaks, where actoff needs none of it (per-request tensors, the planner off,
+come and go): on the simulated device that made the planned run's peak 15-47% higher than the
+unplanned one's. Given back, it is one allocation of one size per step, not one per request: on
+CUDA the caching allocator hands the same cached block back. Its tenants still alive keep it
+through their storages (Note [device tenants]), so giving it back never frees bytes in use.
+
+Its start has the alignment of any fresh allocation of the device (512 bytes on CUDA, 64 on the
+CPU) and offsets are multiples of ALIGNMENT, so a tenant is aligned as well as a tensor of its
+own would be, and kernels that pick a path by alignment pick the same one.
 """
 
 from __future__ import annotations
@@ -56,7 +69,8 @@ _GENERATIONS = itertools.count()  # trace generations, unique in the process
 
 
 class DeviceArena:
-    """One device buffer of a step's planned size, handed out as tenants at planned offsets.
+    """One device buffer of a step's planned size, handed out as tenants at planned offsets, held
+    through backward only.
 
     Thread-safe: tenants die on autograd's threads and in the garbage collector.
 
@@ -85,10 +99,11 @@ class DeviceArena:
     def __init__(self, backend: Any) -> None:
         self.backend = backend  # an actoff._device.StreamBackend
         self.streams = backend.streams
-        self.buffer: torch.Tensor | None = None  # (capacity,) uint8, ALIGNMENT-aligned start
+        self.buffer: torch.Tensor | None = None  # (capacity,) uint8, held through backward only
         self.buffer_id = 0  # tells tenants of a replaced buffer apart
         self.stream: Any = None  # the stream the buffer was allocated on (Note [device arena reuse])
-        self.num_allocations = 0  # buffers ever allocated
+        self.num_allocations = 0  # buffers ever taken (one per step: Note [the arena between backwards])
+        self.size = 0  # bytes of the last buffer taken (shown in stats)
         # The plan: key -> (size, offset), and the layout it came from (shown in stats).
         self.plan: dict[tuple, tuple[int, int]] | None = None
         self.layout: Layout | None = None
@@ -129,8 +144,19 @@ class DeviceArena:
         with self._locked():
             return dict(self._live)
 
+    def give_back(self) -> None:
+        """The step's backward is over: drop the buffer (Note [the arena between backwards]); the
+        next planned request takes one again."""
+        with self._locked():
+            self.buffer = None
+            self.buffer_id += 1  # deaths of its tenants no longer concern the ranges handed out
+            self._live = {}
+            self.stream = None
+
     def begin_step(self) -> None:
-        """A new step: keys count from zero and a new trace starts."""
+        """A new step: keys count from zero and a new trace starts; a buffer still held (a step
+        whose records did not all come back) is given back."""
+        self.give_back()
         with self._locked():
             self.seen.clear()
             self.last_fallbacks = 0 if self._new_plan else self.fallbacks
@@ -211,14 +237,13 @@ class DeviceArena:
         return None
 
     def _usable(self) -> bool:
-        """The buffer holds the plan and serves the current stream; allocated if need be."""
+        """The buffer holds the plan and serves the current stream; taken if need be."""
         current, peak = self.streams.current(), self.layout.peak
         if self.buffer is not None and self.capacity >= peak:
             return current == self.stream
         # Tenants of the old buffer keep it alive through their storages until they die.
-        raw = self.backend.device_empty(peak + ALIGNMENT, torch.uint8)
-        pad = (-raw.data_ptr()) % ALIGNMENT
-        self.buffer = raw[pad : pad + peak]
+        self.buffer = self.backend.device_empty(peak, torch.uint8)
+        self.size = peak
         self.buffer_id += 1
         self.num_allocations += 1
         self.stream = current
@@ -255,7 +280,7 @@ class DeviceArena:
         time, method, buffers allocated, divergences and fallbacks."""
         layout = self.layout
         return {
-            "bytes": self.capacity,
+            "bytes": self.size,
             "plan_bytes": layout.peak if layout is not None else 0,
             "lower_bound": layout.lower_bound if layout is not None else 0,
             "solve_s": layout.solve_s if layout is not None else 0.0,

@@ -68,6 +68,15 @@ class Arenas(dict):
             if device is None or arena.backend.device == device:
                 arena.consolidate()
 
+    def records_back(self, device: torch.device, current: bool) -> None:
+        """A step's records on ``device`` are all back: its host arena merges empty chunks, and,
+        if it is the ``current`` step (an older one's says nothing of the current backward),
+        its device arena gives its buffer back (Note [the arena between backwards])."""
+        self.consolidate(device)
+        arena = self.on_device.get(device)
+        if current and arena is not None:
+            arena.give_back()
+
     def plan(self, config: Config, plans: dict[str, Layout]) -> None:
         """After a step whose buffers are all back: every arena laid out (`plan_arena`)."""
         for arena in self.values():

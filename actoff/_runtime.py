@@ -277,7 +277,7 @@ class Runtime:
                 for done in step.runs:
                     if done.tokenwise is not None:
                         done.tokenwise.fn = None
-                self.arenas.consolidate(run.device)
+                self.arenas.records_back(run.device, current=self.step is step)
 
     # ------------------------------------------------------------------ resources and figures
     def arena(self, run: ScopeRun) -> HostArena:

@@ -12,6 +12,11 @@ compute work as soon as its owner drops it, whether the copy has run or not. Unt
 the copy holds the source itself (its ``device_alias``), which is the hazard the race checker
 watches. Keeping the source alive until the copy ran made late copies look as if offloading
 saved no device memory at all.
+
+Note [block sizes]: a storage counts as many bytes as CUDA's caching allocator would take for it:
+its size rounded up to a multiple of 512 (nothing for an empty one). Counted exactly, a run
+of many small tensors would look smaller than the same bytes in one buffer, which a GPU rounds
+the same way (actoff's device arena, Note [the arena between backwards]).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DeviceMemory", "poison"]
+__all__ = ["BLOCK", "DeviceMemory", "poison"]
+
+#: CUDA's caching allocator hands out multiples of this many bytes (Note [block sizes]).
+BLOCK = 512
 
 
 def poison(tensor: torch.Tensor) -> None:
@@ -42,15 +50,17 @@ def poison(tensor: torch.Tensor) -> None:
 class DeviceMemory(TorchDispatchMode):
     """Live and peak bytes of the simulated device: storages allocated on the CPU while the
     mode is active (host buffers are allocated outside it). It counts storages, not tensors:
-    views and in-place results share their input's storage and add nothing.
+    views and in-place results share their input's storage and add nothing. Sizes are rounded
+    up to 512 bytes as on CUDA (Note [block sizes]).
 
     >>> memory = DeviceMemory()
     >>> with memory:
     ...     x = torch.ones(256)  # 1 KiB
     ...     y = x[:128]  # a view: nothing new
+    ...     z = torch.ones(3)  # 12 bytes: one 512-byte block
     >>> memory.live, memory.peak
-    (1024, 1024)
-    >>> del x, y
+    (1536, 1536)
+    >>> del x, y, z
     >>> memory.live
     0
     """
@@ -87,7 +97,7 @@ class DeviceMemory(TorchDispatchMode):
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
-        size = storage.nbytes()
+        size = -(-storage.nbytes() // BLOCK) * BLOCK
         with self._lock:
             if self.capacity is not None and self.live + size > self.capacity:
                 raise torch.OutOfMemoryError(

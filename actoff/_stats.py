@@ -63,7 +63,8 @@ class Stats:
     #: The device arena (actoff._device_arena; none on a plain CPU device or with the planner
     #: off): bytes allocated, bytes its plan needs, the plan's lower bound (most bytes live at
     #: once in the traced step), solve time, method ("bilevel", "greedy:...", "cache", ...),
-    #: buffers ever allocated, and requests not served as planned.
+    #: buffers taken (one per step's backward: Note [the arena between backwards]), and requests
+    #: not served as planned.
     device_arena_bytes: int = 0
     device_plan_bytes: int = 0
     device_lower_bound: int = 0
@@ -151,8 +152,8 @@ class Stats:
         if self.device_plan != "none":
             gap = self.device_plan_bytes / self.device_lower_bound - 1 if self.device_lower_bound else 0.0
             lines.append(
-                f"device arena: {format_bytes(self.device_arena_bytes)} in {self.device_allocations} "
-                f"allocation(s), plan {format_bytes(self.device_plan_bytes)} = lower bound "
+                f"device arena: {format_bytes(self.device_arena_bytes)}, taken {self.device_allocations} "
+                f"time(s) (once per backward), plan {format_bytes(self.device_plan_bytes)} = lower bound "
                 f"{format_bytes(self.device_lower_bound)} + {gap:.1%} ({self.device_plan}, solved in "
                 f"{self.device_solve_s * 1e3:.1f} ms), {self.device_divergences} divergence(s), "
                 f"{self.device_fallbacks} fallback(s)"

@@ -79,17 +79,24 @@ def _device_plans() -> list:
     return [layout for key, layout in get_runtime().plans.items() if key.startswith("device-arena:")]
 
 
-def test_the_arena_is_allocated_once_and_serves_every_request(monkeypatch):
+def test_one_buffer_per_step_serves_every_request_and_is_held_through_backward_only(monkeypatch):
+    """Note [the arena between backwards]: after the traced step, each step takes one buffer of
+    the plan's size (never one per request) and gives it back when its records are all back."""
     made = _device_allocations(monkeypatch)
     model = _offloaded(POLICIES["cpu"])
     with simulated_device(seed=11) as device:
         first = _steps(model, device, [33])  # traced: every request a new allocation
         assert len(made) == first[0][0] > 0
         planned = _steps(model, device, [33] * 4)
-    arena = _arena()
-    assert len(made) == first[0][0] + 1  # then one buffer, allocated at the first planned request
-    assert made[-1] == arena.capacity + 512  # (with room to align its start)
-    assert arena.num_allocations == actoff.stats().device_allocations == 1
+        arena = _arena()
+        loss = model.loss(torch.randint(0, 256, (2, 33)))
+        held_through_forward = arena.buffer
+        loss.backward()
+    assert held_through_forward is None and arena.buffer is None
+    plan_bytes = arena.layout.peak
+    assert made[first[0][0] :] == [plan_bytes] * 5
+    assert arena.num_allocations == actoff.stats().device_allocations == 5
+    assert actoff.stats().device_arena_bytes == plan_bytes
     assert all(
         requests == served > 0 and not diverged and not fell_back
         for requests, served, diverged, fell_back in planned
@@ -151,16 +158,39 @@ def test_an_overlap_would_be_caught(monkeypatch):
         assert_same_history(expected, actual)
 
 
-def test_peak_device_memory_grows_by_at_most_the_arena():
-    """Against the same training with the planner off (a new tensor per request): the device
-    peak minus the arena is at most that run's peak, so the arena adds nothing but itself. It
-    is not below it: the simulated device has no fragmentation, and the arena holds its bytes
-    while actoff's own buffers need fewer (forward, the loss), where per-request tensors come
-    and go. README, Status, says what a GPU must show."""
+def test_an_older_steps_graph_freed_in_backward_leaves_the_current_buffer(monkeypatch):
+    """A graph kept from an earlier forward, freed in the middle of the current backward, brings
+    back the older step's records: that must not give back the buffer the current backward is
+    using (its next requests would take a second one)."""
+    model = make_model(num_layers=4)
+    actoff.offload_(model, block_cls=Block, min_bytes=0, policy="cpu")
+    made = _device_allocations(monkeypatch)
+    tokens = torch.randint(0, 256, (2, 33))
+    with simulated_device(seed=16) as device:
+        _steps(model, device, [33] * 2)  # planned
+        kept = [model.loss(tokens)]  # a step whose backward never comes
+        model.layers[2].register_full_backward_pre_hook(lambda *_: kept.clear())
+        loss = model.loss(tokens)  # the module comes round again: a new step
+        before = len(made)
+        loss.backward()
+        assert not kept
+    arena = _arena()
+    assert len(made) == before + 1 and made[-1] == arena.layout.peak
+    assert arena.fallbacks == arena.divergences == 0 and device.races == []
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_peak_device_memory_is_at_most_the_unplanned_runs(policy, nvme_dir):
+    """Against the same training with the planner off (a new tensor per request, as PyTorch
+    allocates): the arena adds nothing to the device peak under `cpu` and `nvme`. Under
+    `tokenwise` the arena may hold up to 2% more at the peak: the blocks' backward peaks late,
+    when the runs left need less than the plan's peak, which the arena still holds (Note [the
+    arena between backwards]). Before the arena was given back between backwards, forward held
+    it too: 15-47% over."""
     peaks = {}
     for planner_setting in ("off", "greedy"):
         actoff.reset()
-        model = _offloaded(POLICIES["cpu"], planner=planner_setting)
+        model = _offloaded(POLICIES[policy], nvme_dir, planner=planner_setting)
         with simulated_device(seed=14) as device:
             _steps(model, device, [33] * 2)
             device.memory.reset_peak()
@@ -168,7 +198,8 @@ def test_peak_device_memory_grows_by_at_most_the_arena():
             peaks[planner_setting] = device.memory.peak
         arena_bytes = actoff.stats().device_arena_bytes
     assert arena_bytes > 0
-    assert peaks["greedy"] - arena_bytes <= peaks["off"]
+    allowed = 1.02 if policy == "tokenwise" else 1.0
+    assert peaks["greedy"] <= allowed * peaks["off"], peaks
 
 
 def test_a_new_length_is_planned_from_its_first_step_and_a_known_one_reuses_its_plan(monkeypatch):
@@ -182,9 +213,9 @@ def test_a_new_length_is_planned_from_its_first_step_and_a_known_one_reuses_its_
     with simulated_device(seed=15) as device:
         short = _steps(model, device, [33, 33])
         arena = _arena()
-        short_plan, short_capacity = dict(arena.plan), arena.capacity
+        short_plan, short_size = dict(arena.plan), arena.size
         long = _steps(model, device, [65, 65])
-        long_capacity = arena.capacity
+        long_size = arena.size
         back = _steps(model, device, [33, 33])
     assert short[1][0] == short[1][1] and not short[1][2]
     assert long[0][2] > 0  # another length: its requests diverge ...
@@ -192,8 +223,9 @@ def test_a_new_length_is_planned_from_its_first_step_and_a_known_one_reuses_its_
     assert back[0][2] > 0 and back[1][0] == back[1][1] and not back[1][2]
     assert arena.plan == short_plan  # the short plan again ...
     assert len(solves) == 2 and len(_device_plans()) == 2  # ... from memory, not solved again
-    assert long_capacity > short_capacity and arena.capacity == long_capacity
-    assert arena.num_allocations == 2  # the short length fits the long one's buffer
+    # Each step takes a buffer of its own plan's size: the short length's again at the end.
+    assert long_size > short_size and arena.size == short_size
+    assert arena.num_allocations <= 5  # at most one buffer per step after the first
     assert device.races == []
 
 
@@ -232,7 +264,7 @@ def test_stats_report_the_arena_against_its_lower_bound():
     with simulated_device(seed=18) as device:
         _steps(model, device, [33] * 3)
     stats, arena = actoff.stats(), _arena()
-    assert stats.device_arena_bytes == arena.capacity > 0
+    assert stats.device_arena_bytes == arena.size == arena.layout.peak > 0
     assert 0 < stats.device_lower_bound <= stats.device_plan_bytes <= stats.device_arena_bytes
     assert stats.device_solve_s >= 0 and stats.device_plan == arena.layout.method
     assert "device arena:" in str(stats) and "lower bound" in str(stats)
