@@ -15,6 +15,10 @@
 #   long           7B-shaped long-context table and plot (4 layers, 8k and 32k, every policy, cpu+tile+loss)
 #   maxseq-base    longest trainable sequence without actoff and with checkpointing
 #   maxseq-actoff  longest trainable sequence under actoff's cpu and auto policies, with tiling and chunked loss
+#   alloc          fragmentation (reserved minus allocated at the peak) at 8k and 32k under cpu+tile+loss
+#                  for four allocators: PyTorch's caching allocator (+noplan), expandable segments,
+#                  actoff's planned device arena (the default), actoff's replay allocator (+replay)
+#   maxseq-alloc   longest trainable sequence for the same four
 #   planner        planner benchmark (CPU work; run it only when a call has time to spare)
 #
 # Every call ends well inside the device's 10-minute limit: the stages of one call share
@@ -46,7 +50,7 @@ stages=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
-    --list) echo "env tests sanitizer io-gdb suite io long maxseq-base maxseq-actoff planner"; exit 0 ;;
+    --list) echo "env tests sanitizer io-gdb suite io long maxseq-base maxseq-actoff alloc maxseq-alloc planner"; exit 0 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
     *) stages+=("$arg") ;;
   esac
@@ -133,6 +137,9 @@ else
   echo "# dry run: nothing is installed or run"
 fi
 
+# The four allocators the alloc stages compare, under one actoff policy.
+ALLOCATORS=cpu+tile+loss+noplan,cpu+tile+loss+noplan+expandable,cpu+tile+loss,cpu+tile+loss+replay
+
 for stage in "${stages[@]}"; do
   echo "== stage $stage ($(left) s left)"
   case "$stage" in
@@ -163,6 +170,14 @@ for stage in "${stages[@]}"; do
       run "$stage.log" ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 7b --layers 4 \
         --seq 16k --find-max-seq --max-seq 512k --policies "$policies" --nvme-dir "$NVME_DIR" --timeout 120 \
         --time-budget "$(inner_budget)" --jsonl "$OUT/$stage.jsonl" ;;
+    alloc)
+      run alloc.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k,32k --steps 3 --warmup 1 \
+        --policies "$ALLOCATORS" --nvme-dir "$NVME_DIR" --timeout 150 --time-budget "$(inner_budget)" \
+        --jsonl "$OUT/alloc.jsonl" ;;
+    maxseq-alloc)
+      run maxseq-alloc.log ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 7b \
+        --layers 4 --seq 16k --find-max-seq --max-seq 512k --policies "$ALLOCATORS" --nvme-dir "$NVME_DIR" \
+        --timeout 120 --time-budget "$(inner_budget)" --jsonl "$OUT/maxseq-alloc.jsonl" ;;
     planner)
       run planner.log python3 benchmarks/planner.py --time-limit 10 --json "$OUT/planner.json" ;;
     *)

@@ -165,8 +165,16 @@ def _save_on_simulated_host():
 #: over chunks of LOSS_TOKENS rows (`actoff.chunked_cross_entropy`), e.g. ``cpu+tile+loss``;
 #: ``+noplan`` runs an actoff policy with ``ACTOFF_PLANNER=off``: no device arena, actoff's
 #: backward buffers allocated per request and freed after their last use (and the host arena
-#: bump-allocated), to weigh what the arena costs in device memory.
-VARIANTS = ("tile", "loss", "noplan")
+#: bump-allocated), to weigh what the arena costs in device memory. On CUDA, ``+expandable`` runs
+#: the worker with PyTorch's ``expandable_segments:True`` and ``+replay`` under actoff's replay
+#: allocator (``ACTOFF_ALLOCATOR=replay``): with ``+noplan`` and the plain policy, four ways to
+#: allocate the device's memory, compared by fragmentation and longest sequence.
+VARIANTS = ("tile", "loss", "noplan", "expandable", "replay")
+#: The worker's environment under each allocator variant (set before CUDA starts).
+ALLOCATOR_VARIANTS = {
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "replay": {"ACTOFF_ALLOCATOR": "replay"},
+}
 TILE_TOKENS = 4096
 LOSS_TOKENS = 4096
 
@@ -298,7 +306,7 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device, cap
             return
         if cuda:
             torch.cuda.synchronize()
-            device_bytes = torch.cuda.memory_allocated()
+            device_bytes = _cuda_memory()[0]
         elif capped is not None:
             device_bytes = capped.live
         elif simulated["memory"] is not None:
@@ -376,8 +384,7 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device, cap
         if cuda or capped is not None:
             if cuda:
                 torch.cuda.synchronize()
-                static_bytes = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+                static_bytes = _cuda_memory(reset=True)[0]
             else:
                 static_bytes = capped.live
             times = [timed_step() for _ in range(max(spec["steps"] - 1, 0))]
@@ -433,14 +440,14 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device, cap
     offloaded = record["act_cpu_bytes"] + record["act_nvme_bytes"]
     record["copy_gbps"] = offloaded / (record["copy_ms"] * 1e6) if record["copy_ms"] > 0 else None
     if cuda:
-        peak_alloc, peak_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        _, peak_alloc, peak_reserved = _cuda_memory()
         record.update(
             peak_allocated_bytes=peak_alloc,
             peak_reserved_bytes=peak_reserved,
             fragmentation_bytes=peak_reserved - peak_alloc,
             activation_peak_bytes=peak_alloc - static_bytes,
             static_bytes=static_bytes,
-            memory_source="cuda",
+            memory_source=_memory_source(spec["policy"]),
         )
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
@@ -452,6 +459,28 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device, cap
         if spec.get("ddp") is None:
             record.update(memory_fields)
     return record
+
+
+def _memory_source(policy: str) -> str:
+    replay = "replay" in split_variants(policy)[1]
+    return "replay allocator (peaks over the process)" if replay else "cuda"
+
+
+def _cuda_memory(reset: bool = False) -> tuple[int, int, int]:
+    """CUDA bytes allocated now, most allocated and most reserved since the last ``reset``:
+    PyTorch's figures, or under ``+replay`` the replay allocator's (torch's read nothing under
+    a pluggable allocator; the replay allocator's peaks run over the process, warm-up included,
+    whose requests are the measured step's)."""
+    import torch
+
+    import actoff
+
+    replay = actoff.replay_allocator_stats()
+    if replay.installed:
+        return replay.live_bytes, replay.peak_bytes, replay.peak_reserved_bytes
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
 def _capped_memory_fields(model, tokens, memory, static_bytes: int, phases: list, stats) -> dict:
@@ -590,9 +619,11 @@ def run_one(spec: dict, timeout_s: float, on_record=None) -> list[dict]:
     """
     seqs = spec.get("seqs") or [spec["seq"]]
     command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    env = None
+    extra = {key: value for variant in split_variants(spec["policy"])[1]
+             for key, value in ALLOCATOR_VARIANTS.get(variant, {}).items()}  # fmt: skip
     if spec.get("sim_memory"):  # Note [a capped device on a CPU]
-        env = {**os.environ, "ACTOFF_SIM_DEVICE": "1", "ACTOFF_SIM_DEVICE_MEMORY": f"{spec['sim_memory']}B"}
+        extra.update(ACTOFF_SIM_DEVICE="1", ACTOFF_SIM_DEVICE_MEMORY=f"{spec['sim_memory']}B")
+    env = {**os.environ, **extra} if extra else None
     records: list[dict] = []
     with tempfile.TemporaryFile("w+") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
@@ -868,17 +899,18 @@ def check_policies(text: str) -> list[str]:
         unknown = [s for s in suffixes if s not in (*VARIANTS, "verify")]
         if unknown:
             raise SystemExit(
-                f"policy {policy!r}: unknown suffix +{unknown[0]}; known: +tile, +loss, +noplan, +verify"
+                f"policy {policy!r}: unknown suffix +{unknown[0]}; known: +tile, +loss, +noplan, "
+                "+expandable, +replay, +verify"
             )
         name, *fractions = base.split(":")
-        if "noplan" in suffixes and name not in ACTOFF_POLICIES:
-            raise SystemExit(
-                f"policy {policy!r}: +noplan turns off actoff's planner; {name} does not use actoff"
-            )
+        needs_actoff = {"noplan": "turns off actoff's planner", "replay": "plans by actoff's scopes"}
+        for variant, what in needs_actoff.items():
+            if variant in suffixes and name not in ACTOFF_POLICIES:
+                raise SystemExit(f"policy {policy!r}: +{variant} {what}; {name} does not use actoff")
         if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
             raise SystemExit(
                 f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
-                " (each may end in +tile, +loss, +noplan, +verify)"
+                " (each may end in +tile, +loss, +noplan, +expandable, +replay, +verify)"
             )
         try:
             [float(f) for f in fractions]
@@ -919,6 +951,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.policies is None:
         args.policies = ",".join(MAXSEQ_CPU_POLICIES if args.find_max_seq and not cuda else DEFAULT_POLICIES)
     policies = check_policies(args.policies)
+    cuda_only = [p for p in policies if split_variants(p)[1] & ALLOCATOR_VARIANTS.keys()]
+    if cuda_only and not cuda:
+        raise SystemExit(
+            f"policy {cuda_only[0]!r}: +expandable and +replay choose how CUDA memory is allocated; "
+            "this machine has no CUDA device (leave them out here)"
+        )
     lengths = parse_lengths(args.seq or preset["seq"])
     max_seq = parse_lengths(args.max_seq or ("1024k" if cuda else "8k"))[0]
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")

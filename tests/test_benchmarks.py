@@ -401,7 +401,9 @@ def test_policy_variants_are_parsed_and_checked():
         frozenset({"tile"}),
     )
     assert bench.check_policies("none+loss, cpu+tile") == ["none+loss", "cpu+tile"]
-    with pytest.raises(SystemExit, match=r"unknown suffix \+fast; known: \+tile, \+loss, \+noplan, \+verify"):
+    with pytest.raises(
+        SystemExit, match=r"unknown suffix \+fast; known: \+tile, \+loss, \+noplan, \+expandable"
+    ):
         bench.check_policies("cpu+fast")
     assert bench.split_variants("recompute+tile+loss+noplan") == (
         "recompute",
@@ -409,3 +411,46 @@ def test_policy_variants_are_parsed_and_checked():
     )
     with pytest.raises(SystemExit, match="checkpoint does not use actoff"):
         bench.check_policies("checkpoint+noplan")
+    # The allocator variants: expandable segments for any policy, the replay allocator for actoff's.
+    assert bench.check_policies("checkpoint+expandable,cpu+tile+loss+noplan+expandable,cpu+replay") == [
+        "checkpoint+expandable", "cpu+tile+loss+noplan+expandable", "cpu+replay",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"\+replay plans by actoff's scopes; none does not use actoff"):
+        bench.check_policies("none+replay")
+
+
+def test_allocator_variants_set_the_workers_environment_and_need_cuda(monkeypatch, tmp_path):
+    """+expandable and +replay reach the worker as the settings PyTorch and actoff read before
+    CUDA starts; on a machine without CUDA the run refuses them, naming the fix."""
+    bench = _load_benchmark("long_context")
+    seen = []
+
+    class Worker:
+        def __init__(self, command, env=None, **_):
+            seen.append(env)
+            self.stdout, self.returncode = iter(()), 0
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+        def kill(self):
+            pass
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bench.subprocess, "Popen", Worker)
+        for policy in ("cpu+tile+loss+noplan+expandable", "cpu+replay", "cpu+tile"):
+            bench.run_one({"policy": policy, "seq": 64}, 60.0)
+    assert seen[0]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert seen[1]["ACTOFF_ALLOCATOR"] == "replay" and "PYTORCH_CUDA_ALLOC_CONF" not in seen[1]
+    assert seen[2] is None  # the parent's environment as it is
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "long_context.py"),
+        "--policies",
+        "cpu+replay",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode != 0 and "this machine has no CUDA device" in done.stderr
