@@ -27,8 +27,9 @@ class _ScopeSpec:
     def __init__(self, config: Config | None, overrides: dict[str, object], name: str | None) -> None:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"offload(config=...) expects an actoff.Config, got {type(config).__name__}")
-        # Validate overrides now (a typo fails at decoration, not mid-step).
-        (config or Config()).replace(**overrides) if overrides else None
+        # Validate overrides now (a typo fails at decoration, not mid-step), on top of what the
+        # call will resolve them on: the process's settings (ACTOFF_NVME_DIR, say) count.
+        (config or get_config()).replace(**overrides) if overrides else None
         self.config = config
         self.overrides = overrides
         self.name = name

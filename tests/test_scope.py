@@ -105,6 +105,17 @@ def test_offload_with_explicit_config():
     assert blocks["layers.1"].bytes_per_tier["cpu"] == 0
 
 
+def test_a_policy_given_as_a_keyword_takes_the_rest_from_the_environment(monkeypatch, tmp_path):
+    """policy="nvme" as a keyword with ACTOFF_NVME_DIR set: the directory counts (it was
+    checked against the defaults, which have none, and refused)."""
+    monkeypatch.setenv("ACTOFF_NVME_DIR", str(tmp_path))
+    actoff.set_config()
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="nvme", min_bytes=0)
+    train(model, 1)
+    assert actoff.stats().blocks["layers.0"].bytes_per_tier["nvme"] > 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
