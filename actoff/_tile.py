@@ -85,7 +85,10 @@ class _TiledCall:
 
     def call(self, rows: torch.Tensor, leaves: list[Any]) -> Any:
         rest, kwargs = tree_unflatten(leaves, self.treespec)
-        return self.forward(rows, *rest, **kwargs)
+        # A chunk of a (B, S, H) input along S is strided when B > 1, and modules flatten their
+        # input with .view (Hugging Face's mixture-of-experts blocks): hand them rows of their own,
+        # as an untiled call with a contiguous input would see.
+        return self.forward(rows.contiguous(), *rest, **kwargs)
 
     def forward_chunks(self, x: torch.Tensor, *, keep_rng: bool) -> torch.Tensor:
         out = None

@@ -411,6 +411,30 @@ def test_hugging_face_llama_mlp_trains_tiled_as_untiled():
             torch.testing.assert_close(grads_b[name], grads_a[name], **REASSOCIATED)
 
 
+def test_a_mixture_of_experts_block_that_flattens_its_input_trains_tiled_at_batch_two():
+    """Hugging Face's MoE blocks are token-local (each token routed alone) and flatten their
+    input with .view: a chunk along the tokens of a batch of two is strided, so tile_ hands it
+    over contiguous (before, the first call's probe refused the block, blaming its arguments)."""
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM._from_config(config, attn_implementation="sdpa")
+    reference = copy.deepcopy(model)
+    actoff.tile_(model, module_cls=type(model.model.layers[0].mlp), max_tokens=16)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for module in (reference, model):
+        losses.append(module(input_ids=tokens, labels=tokens).loss)
+        losses[-1].backward()
+    assert tiled_chunk_count(model.model.layers[0].mlp, 48) == 3
+    torch.testing.assert_close(losses[1], losses[0], **REASSOCIATED)
+    for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, expected.grad, **REASSOCIATED, msg=name)
+
+
 def test_readme_tiling_example_runs():
     import os
     import re
