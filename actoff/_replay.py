@@ -8,10 +8,21 @@ restored) while `ReplayMode` serves the mixer's output rows from its stored outp
 tensors arrive in the same order as in the forward pass (parameters, recognised by storage,
 and the mixer's own saves are left out of the order on both passes), so the i-th repacked
 tensor gives record i its rows. Any difference in count or shape is a mismatch.
+
+Note [re-forwards without forward hooks]: the probe runs during forward, and the recompute
+runs on some rows only; neither is a forward the user's program made. The forward hooks of the
+block's submodules do not fire in them: a hook that records outputs (Hugging Face's output
+capture: router logits, attentions, hidden states) recorded the probe's rows as one more layer
+(a mixture-of-experts model's auxiliary loss came out wrong, and its backward crashed). A hook
+that changes an output changes the forward's saves, so the probe finds a mismatch and the block
+is placed whole; nothing is recomputed without it. Pre-hooks still run (they may gather
+parameters or set weights). The hooks are lifted from the modules while a re-forward runs, so
+another thread running the same modules at that moment would miss them too.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -24,7 +35,7 @@ from ._record import Record
 from ._step import param_like
 from ._tokens import Canon, detect_canon
 
-__all__ = ["Resave", "autocast_state", "forward_state", "probe", "replay", "rows_match"]
+__all__ = ["Resave", "autocast_state", "forward_hooks_off", "forward_state", "probe", "replay", "rows_match"]
 
 
 def rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
@@ -83,6 +94,30 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
     if not plan:
         return None, "no saved tensor has a token dimension"
     return plan, ""
+
+
+@contextlib.contextmanager
+def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
+    """Note [re-forwards without forward hooks]: the forward hooks of ``module`` and its
+    submodules do not fire inside the block (a function scope, ``None``: nothing to lift).
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
+    >>> with forward_hooks_off(torch.nn.Sequential(layer)):
+    ...     _ = layer(torch.ones(2))
+    >>> _ = layer(torch.ones(2))
+    hook
+    """
+    lifted = []
+    for sub in module.modules() if module is not None else ():
+        if sub._forward_hooks:
+            lifted.append((sub, sub._forward_hooks))
+            sub._forward_hooks = collections.OrderedDict()
+    try:
+        yield
+    finally:
+        for sub, hooks in lifted:
+            sub._forward_hooks = hooks
 
 
 class Resave(NamedTuple):
@@ -198,7 +233,8 @@ def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None
             torch.set_rng_state(tokenwise.rng[0])
             if tokenwise.rng[1] is not None:
                 torch.cuda.set_rng_state(tokenwise.rng[1], run.device)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed), mode:
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed)
+            with hooks, mode, forward_hooks_off(tokenwise.module):
                 tokenwise.fn(*args, **kwargs)
     finally:
         runtime.thread.stack.pop()

@@ -276,7 +276,7 @@ class Runtime:
                 # would re-run, which hold their modules (a deleted model is freed at once).
                 for done in step.runs:
                     if done.tokenwise is not None:
-                        done.tokenwise.fn = None
+                        done.tokenwise.fn = done.tokenwise.module = None
                 self.arenas.records_back(run.device, current=self.step is step)
 
     # ------------------------------------------------------------------ resources and figures

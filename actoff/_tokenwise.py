@@ -46,6 +46,7 @@ class TokenwiseRun(Tier):
         self.conditions: tuple = ()
         self.plan: Plan | None = None
         self.fn: Callable[..., Any] | None = None
+        self.module: torch.nn.Module | None = None  # its forward hooks are lifted in re-forwards
         self.input_spec: Any = None  # pytree structure of (args, kwargs)
         self.inputs: list[Any] = []  # their flattened leaves: Record, or the value itself
         self.input_status: list[str | None] = []  # autograd_status of each input at capture
@@ -89,7 +90,7 @@ class TokenwiseRun(Tier):
         if self.conditions in self.learned.verdicts:
             return False
         self.plan = self.learned.plans.get(self.conditions)
-        self.fn = fn
+        self.fn, self.module = fn, module
         self.input_status = [autograd_status(value) for value in values]
         self.inputs = [self.keep_whole(value) for value in values]
         cuda_state = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None

@@ -194,6 +194,23 @@ def test_blocks_that_cannot_be_recomputed_fall_back_with_one_warning(block_facto
     assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] == 0
 
 
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+def test_forward_hooks_inside_a_block_see_the_forward_only(policy):
+    """Note [re-forwards without forward hooks]: neither the probe (during forward) nor the
+    recompute (of some rows, in backward) fires the forward hooks of the block's submodules."""
+    model = make_model()
+    seen = []
+    for layer in model.layers:
+        layer.mlp.register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    overrides = {"cpu_fraction": 0.25} if policy == "tokenwise" else {}
+    actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, **overrides)
+    for length in (33, 33, 49):  # probed, planned, probed again
+        seen.clear()
+        model.loss(torch.randint(0, 256, (2, length))).backward()
+        assert seen == [(2, length - 1, 64)] * len(model.layers)
+    assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] > 0
+
+
 def test_registered_mixer_is_served_from_the_stored_output():
     calls = []
     sdpa = F.scaled_dot_product_attention

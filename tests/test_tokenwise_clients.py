@@ -144,6 +144,7 @@ def _hf(family: str, attn_implementation: str = "sdpa", **changes):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[family]
     if family == "gpt2":
         sizes = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
@@ -210,6 +211,25 @@ def test_phi3_fused_projections_are_recomputed_token_wise():
     expected, actual = _hf_offloaded(model, policy="tokenwise", cpu_fraction=0.25)
     assert_close_history(expected, actual)
     assert _recompute_bytes("model.layers.0") > 0
+
+
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+def test_mixtral_router_logits_and_aux_loss_count_each_layer_once(policy):
+    """Note [re-forwards without forward hooks]: Hugging Face records the router logits with
+    forward hooks; the probe's re-forward recorded its rows as one more layer per block (the
+    auxiliary loss came out wrong and backward crashed in an unpack hook)."""
+    model = _hf(
+        "mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    )  # fmt: skip
+    overrides = {"cpu_fraction": 0.25} if policy == "tokenwise" else {}
+    expected, actual = _hf_offloaded(model, policy=policy, **overrides)
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("model.layers.0") > 0
+    tokens = torch.randint(0, 256, (2, 40))  # a new length: probed again
+    output = model(input_ids=tokens, labels=tokens)
+    assert [tuple(r.shape) for r in output.router_logits] == [(80, 4), (80, 4)]
+    output.loss.backward()
 
 
 # ---------------------------------------------------------------------------------- LoRA, autocast
