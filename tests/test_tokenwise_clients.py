@@ -145,6 +145,11 @@ def _hf(family: str, attn_implementation: str = "sdpa", **changes):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM),
     }[family]
     if family == "gpt2":
         sizes = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
@@ -161,6 +166,8 @@ def _hf(family: str, attn_implementation: str = "sdpa", **changes):
 
 
 def _hf_layer_cls(model) -> type:
+    if hasattr(model, "gpt_neox"):
+        return type(model.gpt_neox.layers[0])
     return type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
 
 
@@ -230,6 +237,34 @@ def test_mixtral_router_logits_and_aux_loss_count_each_layer_once(policy):
     output = model(input_ids=tokens, labels=tokens)
     assert [tuple(r.shape) for r in output.router_logits] == [(80, 4), (80, 4)]
     output.loss.backward()
+
+
+#: Families beyond Llama, Phi-3 and GPT-2, with what sets them apart: q/k norms (Qwen3), sliding
+#: windows (Mistral; Gemma 3 with sandwich norms, one sliding and one full layer), experts routed
+#: per token (Qwen3-MoE), parallel attention and MLP with partial rotary (GPT-NeoX).
+FAMILIES = {
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": 8},
+    "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen3_moe": {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                  "decoder_sparse_step": 1},
+    "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_dropout": 0.0,
+                 "attention_dropout": 0.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("policy", ["cpu", "tokenwise"])
+def test_more_families_train_as_without_actoff(family, policy):
+    """cpu bit for bit; tokenwise recomputed (no fallback) within float32 reassociation."""
+    model = _hf(family, **FAMILIES[family])
+    overrides = {"cpu_fraction": 0.25} if policy == "tokenwise" else {}
+    expected, actual = _hf_offloaded(model, policy=policy, **overrides)
+    assert_close_history(expected, actual, RECOMPUTE_TOL if policy == "tokenwise" else {"rtol": 0, "atol": 0})
+    if policy == "tokenwise":
+        block = "gpt_neox.layers.0" if family == "gpt_neox" else "model.layers.0"
+        assert _recompute_bytes(block) > 0
 
 
 # ---------------------------------------------------------------------------------- LoRA, autocast
