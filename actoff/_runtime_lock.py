@@ -40,37 +40,40 @@ class RuntimeLock:
         self._dropped: collections.deque[Any] = collections.deque()
         self._depth = threading.local()  # how deep this thread holds the lock
 
-    def _held(self) -> int:
-        return getattr(self._depth, "value", 0)
-
+    # Note [pack is hot] (actoff._step): entered for every saved tensor's unpack and release,
+    # so each method reads the thread's depth once, without calls of its own.
     def __enter__(self) -> None:
         self._lock.acquire()
-        self._depth.value = self._held() + 1
+        depth = self._depth
+        depth.value = getattr(depth, "value", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
-        if self._held() > 1:
-            self._depth.value -= 1
+        depth = self._depth
+        if depth.value > 1:
+            depth.value -= 1
             self._lock.release()
             return
+        dropped = self._dropped
         while True:
             try:
-                while self._dropped:
-                    self._release(self._dropped.popleft())
+                while dropped:
+                    self._release(dropped.popleft())
             finally:
-                self._depth.value -= 1
+                depth.value -= 1
                 self._lock.release()
             # Queued by another thread after the last look, while this one held the lock?
-            if not self._dropped or not self._try_enter():
+            if not dropped or not self._try_enter():
                 return
 
     def _try_enter(self) -> bool:
         if not self._lock.acquire(blocking=False):
             return False
-        self._depth.value = self._held() + 1
+        depth = self._depth
+        depth.value = getattr(depth, "value", 0) + 1
         return True
 
     def release_when_safe(self, record: Any) -> None:
         """Release ``record`` now if that is safe here, else when the lock is next left."""
         self._dropped.append(record)  # atomic: safe from any thread, the collector included
-        if not self._held() and self._try_enter():
+        if not getattr(self._depth, "value", 0) and self._try_enter():
             self.__exit__()
