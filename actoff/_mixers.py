@@ -197,16 +197,21 @@ def with_status(status: str | None, rows: torch.Tensor) -> torch.Tensor:
 def slice_inputs(values: list[Any], statuses: list[str | None], seq_len: int, token_dim: int,
                  start: int, stop: int) -> list[Any]:  # fmt: skip
     """Slice every tensor input along its token dimension (the configured one for the first
-    tensor, else the unique dimension of length ``seq_len``); others pass as they are.
-    ``statuses`` (from `autograd_status` at capture) say how each took part in autograd."""
+    tensor, else the unique dimension of length ``seq_len``, else, when several have that
+    length, the configured one if it is among them); others pass as they are. ``statuses``
+    (from `autograd_status` at capture) say how each took part in autograd.
+
+    Several dimensions of length ``seq_len``: rotary tables ``(B, S, head_dim)`` at a length
+    equal to the head dim. Passed whole, they broke the re-forward and the block was placed
+    whole at that length; a wrong guess cannot train either: the probe checks the rows."""
     out = []
     first = True
     for value, status in zip(values, statuses, strict=True):
         if isinstance(value, torch.Tensor):
-            dim = (
-                token_dim if first and value.dim() > token_dim and value.shape[token_dim] == seq_len else None
-            )
-            dim = dim if dim is not None else unique_dim(tuple(value.shape), seq_len)
+            configured = value.dim() > token_dim and value.shape[token_dim] == seq_len
+            dim = token_dim if first and configured else unique_dim(tuple(value.shape), seq_len)
+            if dim is None and configured:
+                dim = token_dim
             first = False
             if dim is not None:
                 value = with_status(status, value.detach().narrow(dim, start, stop - start))

@@ -267,6 +267,19 @@ def test_more_families_train_as_without_actoff(family, policy):
         assert _recompute_bytes(block) > 0
 
 
+def test_a_length_equal_to_the_head_dim_is_still_recomputed():
+    """Hugging Face passes rotary tables (B, S, head_dim); at S == head_dim two dimensions have
+    the sequence's length. They were passed whole, the probe's re-forward raised, and the block
+    was placed whole at that length (with a warning; gradients exact)."""
+    model = _hf("qwen3", head_dim=16)
+    reference = copy.deepcopy(model)
+    expected = _hf_train(reference, 2, seq=16)
+    actoff.offload_(model, block_cls=_hf_layer_cls(model), min_bytes=0, policy="tokenwise", cpu_fraction=0.25)
+    actual = _no_fallback(lambda: _hf_train(model, 2, seq=16))
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("model.layers.0") > 0
+
+
 # ---------------------------------------------------------------------------------- LoRA, autocast
 class LoRALinear(nn.Module):
     """A frozen linear layer plus a trainable low-rank update: ``base(x) + B(A(x)) * scale``."""
