@@ -30,10 +30,12 @@ class Copy:
         self.direction, self.what, self.seq = direction, what or "a copy", seq
         # Held until the copy runs: aliases of its own, so that the race check can tell its
         # references from the caller's.
-        self.dst, self.src = dst.detach(), src.detach()
+        self.dst = dst.detach()
         if direction == "device-to-host":  # Note [copy sources and the allocator]
             with no_dispatch():  # a snapshot, outside the device's memory
                 self.src = src.detach().clone()
+        else:
+            self.src = src.detach()
         self.ran = False
         device, host = (src, dst) if direction == "device-to-host" else (dst, src)
         self.device_alias: torch.Tensor | None = device.detach()  # until ordered on the device

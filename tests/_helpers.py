@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import torch
 
@@ -97,3 +99,17 @@ def baseline_and_offloaded(steps: int = 3, *, model_changes=None, train_kwargs=N
     actoff.offload_(model, block_cls=Block, **overrides)
     actual = train(model, steps, **(train_kwargs or {}))
     return expected, actual
+
+
+def run_without_deadlock(script: str, done: str, what: str, timeout: float) -> None:
+    """Run ``script`` in a fresh Python process; it must print ``done`` and exit 0. Running past
+    ``timeout`` seconds fails the test as a deadlock: ``what`` waited for a lock it held."""
+    import pytest
+
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"deadlocked: {what} waited for a lock it held")
+    assert result.returncode == 0 and done in result.stdout, result.stderr

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _helpers import assert_same_history, make_model, train
+from _helpers import assert_same_history, make_model, run_without_deadlock, train
 
 import actoff
 from actoff._device import StreamBackend, StreamTicket
@@ -331,11 +331,7 @@ def test_a_graph_the_collector_frees_while_the_device_holds_its_lock_is_released
         print("drained")
         """
     )
-    try:
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("deadlocked: the device waited for a lock it held")
-    assert result.returncode == 0 and "drained" in result.stdout, result.stderr
+    run_without_deadlock(script, "drained", "the device", timeout=60)
 
 
 def test_a_process_that_exits_with_copies_in_flight_exits_cleanly():
