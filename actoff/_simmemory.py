@@ -29,8 +29,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._arena import align_up
-
 __all__ = ["BLOCK", "DeviceMemory", "poison"]
 
 #: CUDA's caching allocator hands out multiples of this many bytes (Note [block sizes]).
@@ -99,7 +97,7 @@ class DeviceMemory(TorchDispatchMode):
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
-        size = align_up(storage.nbytes(), BLOCK)
+        size = -(-storage.nbytes() // BLOCK) * BLOCK  # not _arena.align_up: an import circle
         with self._lock:
             if self.capacity is not None and self.live + size > self.capacity:
                 raise torch.OutOfMemoryError(
