@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Record", "RecordStateError", "State", "TensorLayout"]
+__all__ = ["Record", "RecordStateError", "State", "TensorLayout", "modified_error"]
 
 
 class State(enum.Enum):
@@ -56,24 +56,24 @@ _KEEP_ALIGNMENT = 256
 class TensorLayout:
     """How to copy a strided tensor's bytes out and rebuild an identical view."""
 
-    __slots__ = ("compact", "dtype", "itemsize", "numel", "pad", "size", "span", "stride")
+    __slots__ = ("compact", "dtype", "itemsize", "nbytes", "numel", "pad", "size", "span", "stride")
 
+    # Note [pack is hot] (actoff._step): built for every record; contiguity is asked of torch.
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.size = tuple(tensor.shape)
-        self.stride = tuple(tensor.stride())
-        self.dtype = tensor.dtype
-        self.itemsize = tensor.element_size()
-        self.numel = tensor.numel()
-        span = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True)) if self.numel else 0
+        self.size = size = tensor.shape  # a torch.Size: a tuple
+        self.stride = stride = tensor.stride()
+        self.dtype = dtype = tensor.dtype
+        self.itemsize = itemsize = dtype.itemsize
+        self.numel = numel = tensor.numel()
+        if tensor.is_contiguous():
+            span = numel
+        else:
+            span = 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) if numel else 0
         # Gappy views (e.g. every 4th column) would copy mostly unused bytes: go compact.
-        self.compact = span > 2 * self.numel
-        self.span = self.numel if self.compact else span
-        self.pad = 0 if self.compact else tensor.storage_offset() % max(1, _KEEP_ALIGNMENT // self.itemsize)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes moved when the tensor is offloaded."""
-        return self.span * self.itemsize
+        self.compact = compact = span > 2 * numel
+        self.span = span = numel if compact else span
+        self.pad = 0 if compact else tensor.storage_offset() % max(1, _KEEP_ALIGNMENT // itemsize)
+        self.nbytes = span * itemsize  # bytes moved when the tensor is offloaded
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """The 1-D span to copy out of ``tensor`` (a view when possible)."""
@@ -86,6 +86,21 @@ class TensorLayout:
         if self.compact:
             return flat[self.pad :].view(self.size)
         return flat.as_strided(self.size, self.stride, self.pad)
+
+
+def modified_error(size: Any, dtype: torch.dtype, block: str, version: int, expected: int) -> RuntimeError:
+    """Autograd's error for a saved tensor modified in place, naming the block that saved it.
+
+    >>> str(modified_error((2, 3), torch.float32, "layers.0", 2, 1)).split(":")[0]
+    'one of the variables needed for gradient computation has been modified by an inplace operation'
+    """
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: a tensor of shape {list(size)} and dtype {dtype} saved in block "
+        f"{block!r} is at version {version}; expected version {expected} instead (caught by "
+        "actoff, which saves it). Avoid the in-place operation, or clone the tensor before "
+        "modifying it."
+    )
 
 
 class Record:
@@ -172,13 +187,8 @@ class Record:
             alias = self.source()  # the tensor itself, while it lives
         if alias is None or alias._version == self.saved_version:
             return
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: a tensor of shape {list(self.layout.size)} and dtype "
-            f"{self.layout.dtype} saved in block {self.run.name!r} is at version "
-            f"{alias._version}; expected version {self.saved_version} instead (caught by "
-            "actoff, which saves it). Avoid the in-place operation, or clone the tensor "
-            "before modifying it."
+        raise modified_error(
+            self.layout.size, self.layout.dtype, self.run.name, alias._version, self.saved_version
         )
 
     def what(self) -> str:

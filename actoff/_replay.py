@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from ._mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs, with_status
 from ._record import Record
-from ._step import param_like
+from ._step import param_like, serve
 from ._tokens import Canon, detect_canon
 
 __all__ = ["Resave", "autocast_state", "forward_hooks_off", "forward_state", "probe", "replay", "rows_match"]
@@ -178,7 +178,7 @@ def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None
     run = tokenwise.run
     runtime = run.runtime
     length = stop - start
-    values = [runtime.materialize(v) if isinstance(v, Record) else v for v in tokenwise.inputs]
+    values = [serve(v) if isinstance(v, Record) else v for v in tokenwise.inputs]
     with forward_state(tokenwise):  # backward runs with grad off; the sliced inputs need it on
         sliced = slice_inputs(
             values, tokenwise.input_status, tokenwise.seq_len, run.config.token_dim, start, stop
@@ -188,7 +188,7 @@ def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None
     for value, dim, status in tokenwise.mixer_outputs:
         if dim is None:
             raise ReplayMismatch("a token mixer's output has no token dimension actoff can find")
-        whole = runtime.materialize(value) if isinstance(value, Record) else value
+        whole = serve(value) if isinstance(value, Record) else value
         with forward_state(tokenwise):  # rows that require grad, as the mixer's output did
             mixer_rows.append(with_status(status, rows_like(whole, dim, start, stop)))
     wanted = {r.index: r for r in (detect if detect is not None else tokenwise.split_records)}

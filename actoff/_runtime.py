@@ -65,7 +65,8 @@ class Runtime:
     """Process-wide state: the current step, host arenas, NVMe stores and what was learned."""
 
     def __init__(self) -> None:
-        self.lock = RuntimeLock(self.release)  # Note [releases from the collector]
+        # Note [releases from the collector]; it calls `_release` holding the lock
+        self.lock = RuntimeLock(lambda record: self._release(record))
         self.thread = _ThreadState()
         self.step: Step | None = None
         self.steps_started = 0
@@ -220,28 +221,12 @@ class Runtime:
     def unpack(self, record: Record) -> torch.Tensor:
         """Serve a saved tensor to autograd (called from the backward threads)."""
         with self.lock:
-            run = record.run
-            step = run.step
-            step.backward_started = True
-            if not step.callback_queued:
-                try:
-                    torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_backward(step))
-                    step.callback_queued = True
-                except RuntimeError:
-                    pass  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
+            record.run.reached()
             record.check_version()
-            if not run.fetch_issued:
-                run.prefetch()
-                if run.index > 0:
-                    step.runs[run.index - 1].prefetch()
-            elif run.index > 0:
-                step.runs[run.index - 1].poll()
-            return self.materialize(record)
+            return serve(record)
 
-    #: The device tensor of a record for compute, from wherever it is now.
-    materialize = staticmethod(serve)
-
-    def _end_backward(self, step: Step) -> None:
+    def end_backward(self, step: Step) -> None:
+        """Autograd's final callback of a backward that unpacked ``step`` (`ScopeRun.reached`)."""
         with self.lock:
             step.callback_queued = False
             # Copies still running are timed when the next step begins (the host never waits).
@@ -264,20 +249,22 @@ class Runtime:
     def release(self, record: Record) -> None:
         """Return everything a record holds (Note [releases from the collector]: when)."""
         with self.lock:
-            if record.state is State.RELEASED:
-                return
-            record.tier.release(record)
-            record.to(State.RELEASED)
-            run = record.run
-            step = run.step
-            step.live -= 1
-            if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
-                # Nothing of the step can be rebuilt now: let go of the forwards token-wise runs
-                # would re-run, which hold their modules (a deleted model is freed at once).
-                for done in step.runs:
-                    if done.tokenwise is not None:
-                        done.tokenwise.fn = done.tokenwise.module = None
-                self.arenas.records_back(run.device, current=self.step is step)
+            self._release(record)
+
+    def _release(self, record: Record) -> None:
+        if record.state is State.RELEASED:
+            return
+        record.tier.release(record)
+        record.state = State.RELEASED  # from any other state (the transitions allow it)
+        step = record.run.step
+        step.live -= 1
+        if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
+            # Nothing of the step can be rebuilt now: let go of the forwards token-wise runs
+            # would re-run, which hold their modules (a deleted model is freed at once).
+            for done in step.runs:
+                if done.tokenwise is not None:
+                    done.tokenwise.fn = done.tokenwise.module = None
+            self.arenas.records_back(record.run.device, current=self.step is step)
 
     # ------------------------------------------------------------------ resources and figures
     def arena(self, run: ScopeRun) -> HostArena:
@@ -325,9 +312,17 @@ class Runtime:
 
 def _param_storages(module: torch.nn.Module | None) -> set[int]:
     """Storages of the module's parameters and buffers: never offloaded, views included."""
+    storages: set[int] = set()
     if module is None:
-        return set()
-    return {tensor.untyped_storage().data_ptr() for tensor in (*module.parameters(), *module.buffers())}
+        return storages
+    # Note [pack is hot] (actoff._step): the modules' own dictionaries, read at every scope
+    # call, not `parameters()`'s generators (under half the time; the same tensors).
+    for sub in module.modules():
+        for tensors in (sub._parameters, sub._buffers):
+            for tensor in tensors.values():
+                if tensor is not None:
+                    storages.add(tensor.untyped_storage().data_ptr())
+    return storages
 
 
 def find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:

@@ -35,10 +35,16 @@ class _ScopeSpec:
         self.name = name
         self._names: ByOwner[str] = ByOwner()  # by instance, forgotten when it dies
         self._counter = itertools.count()
+        self._resolved: tuple[Config, Config] | None = None  # the last base seen, resolved
 
     def resolve(self) -> Config:
         base = self.config if self.config is not None else get_config()
-        return base.replace(**self.overrides) if self.overrides else base
+        if not self.overrides:
+            return base
+        cached = self._resolved  # Note [pack is hot] (actoff._step): replaced once per base
+        if cached is None or cached[0] is not base:
+            cached = self._resolved = (base, base.replace(**self.overrides))
+        return cached[1]
 
     def block_name(self, module: torch.nn.Module | None, default: str) -> str:
         if self.name is not None:

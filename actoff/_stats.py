@@ -169,9 +169,9 @@ class Stats:
 
 
 _SUMMED = (
-    "dedup_hits", "skipped_param_bytes", "skipped_small_bytes", "skipped_other_bytes",
-    "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms", "fetch_ms",
-    "wait_ms", "recompute_ms", "probes",
+    "tensors", "bytes_saved", "dedup_hits", "skipped_param_bytes", "skipped_small_bytes",
+    "skipped_other_bytes", "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms",
+    "fetch_ms", "wait_ms", "recompute_ms", "probes",
 )  # fmt: skip
 
 
@@ -186,6 +186,8 @@ def collect(step: Any) -> dict[str, BlockStats]:
         block.calls += 1
         for name in _SUMMED:
             setattr(block, name, getattr(block, name) + getattr(source, name))
+        for tier, nbytes in source.bytes_per_tier.items():  # runs kept as is (actoff._step)
+            block.bytes_per_tier[tier] += nbytes
         for record in run.records:
             block.tensors += 1
             block.bytes_saved += record.layout.nbytes

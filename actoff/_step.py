@@ -17,7 +17,7 @@ import torch
 
 from ._config import Config
 from ._device import DeviceBackend, Ticket
-from ._record import Record, State
+from ._record import Record, State, TensorLayout, modified_error
 from ._stats import BlockStats
 from ._tiers import KEEP
 
@@ -41,11 +41,33 @@ class Handle:
 
 
 def unpack(packed: Any) -> torch.Tensor:
-    """The unpack hook: a handle's tensor from the runtime, anything else as it is."""
-    if type(packed) is not Handle:
-        return packed
-    record = packed.record
-    return record.run.runtime.unpack(record)
+    """The unpack hook: a handle's tensor from the runtime, a kept tensor checked, anything
+    else as it is."""
+    kind = type(packed)
+    if kind is Handle:
+        record = packed.record
+        return record.run.runtime.unpack(record)
+    if kind is tuple:
+        return _unpack_kept(*packed)
+    return packed
+
+
+# Note [kept as is]: under the ``keep`` policy a run's saved tensors never move, so they need
+# no Record, Handle or release (the state machine, the runtime's lock at every unpack and
+# release: most of what actoff cost per saved tensor). Its pack hook returns a tuple of a
+# detached alias (Note [no cycle through autograd]), the version it was saved at and the run;
+# autograd frees it with the graph like any saved tensor. Unpack checks the version (Note
+# [version check]) and, at the run's first unpack of a backward, tells the runtime backward has
+# reached the run (`ScopeRun.reached`: the end-of-backward callback, the previous run's prefetch).
+# Statistics count the tensor at pack. Runs kept for other reasons (``keep_last``, no room)
+# are records on the keep tier: they can still be placed.
+def _unpack_kept(alias: torch.Tensor, version: int, run: ScopeRun) -> torch.Tensor:
+    if alias._version != version:
+        raise modified_error(alias.shape, alias.dtype, run.name, alias._version, version)
+    if not run.fetch_issued or (run.index and run.step.runs[run.index - 1].fetching):
+        with run.runtime.lock:
+            run.reached()
+    return alias
 
 
 class Step:
@@ -128,6 +150,7 @@ class ScopeRun:
         self.records: list[Record] = []
         self.dedup: dict[tuple, Handle] = {}
         self.stats = BlockStats(name, calls=1)
+        self.kept = config.policy == "keep"  # Note [kept as is]
         self.fetch_issued = False
         self.fetching: list[Record] = []  # records the prefetch left FETCHING, for `poll`
         # Token-wise state (actoff._tokenwise.TokenwiseRun) while the run may be split by
@@ -164,19 +187,23 @@ class ScopeRun:
             if events is not None:
                 events.append(-1)
             return tensor
-        handle = self.handle_for(tensor, storage)
+        handle = self.handle_for(tensor, storage, nbytes)
         if events is not None:
             events.append(handle.record.index)
         return handle
 
-    def handle_for(self, tensor: torch.Tensor, storage: int) -> Handle:
-        """The handle of ``tensor``'s record, new or (same view of the same bytes) deduplicated."""
+    def handle_for(self, tensor: torch.Tensor, storage: int, nbytes: int) -> Any:
+        """The handle of ``tensor``'s record (under ``keep``: Note [kept as is]), new or (same
+        view of the same bytes) deduplicated."""
         # The storage offset is part of the key: q/k/v views of one fused projection share a
         # storage and must not collide. The version keeps a modified tensor apart.
         key = (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
         handle = self.dedup.get(key)
         if handle is not None:
             self.stats.dedup_hits += 1
+            return handle
+        if self.kept:
+            handle = self.dedup[key] = self._keep(tensor, nbytes)
             return handle
         record = Record(tensor, self, len(self.records), KEEP)
         tokenwise = self.tokenwise
@@ -187,6 +214,36 @@ class ScopeRun:
         handle = Handle(record)
         self.dedup[key] = handle
         return handle
+
+    def _keep(self, tensor: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, int, ScopeRun]:
+        stats = self.stats
+        if not tensor.is_contiguous():
+            nbytes = TensorLayout(tensor).nbytes  # the span it holds, counted as a record's
+        stats.tensors += 1
+        stats.bytes_saved += nbytes
+        stats.bytes_per_tier["keep"] += nbytes
+        return (tensor.detach(), tensor._version, self)
+
+    def reached(self) -> None:
+        """Backward unpacks this run (the runtime's lock held): at its first unpack queue the
+        end-of-backward callback, bring back this run's records and prefetch the previous run's;
+        later, move the previous run's prefetches on."""
+        step = self.step
+        step.backward_started = True
+        if not step.callback_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self.runtime.end_backward(step)
+                )
+                step.callback_queued = True
+            except RuntimeError:
+                pass  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
+        if not self.fetch_issued:
+            self.prefetch()
+            if self.index > 0:
+                step.runs[self.index - 1].prefetch()
+        elif self.index > 0:
+            step.runs[self.index - 1].poll()
 
     def all_records(self) -> tuple[Record, ...]:
         """The run's records and, for a token-wise run, the records of its packed rows."""
@@ -264,9 +321,11 @@ class ScopeRun:
 def serve(record: Record) -> torch.Tensor:
     """The device tensor of ``record`` for compute, from wherever it is now."""
     state = record.state
+    if state is State.RESIDENT:  # the common case first (Note [pack is hot])
+        return record.device_tensor
     if state is State.OFFLOADING and record.device_tensor is None:
         return record.tier.materialize(record)  # its bytes left the device already
-    if state in (State.RESIDENT, State.OFFLOADING, State.READY):
+    if state is State.OFFLOADING or state is State.READY:
         if state is State.OFFLOADING:
             record.run.stats.forwarded += 1
         return record.device_tensor

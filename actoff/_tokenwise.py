@@ -23,6 +23,7 @@ from ._pack import pack_rows, scatter_rows
 from ._plans import ModulePlans, Plan, conditions
 from ._policy import AutoDecision, auto_fractions, budget_share, token_fractions, whole_tier
 from ._record import Record, State
+from ._step import param_like, serve
 from ._tiers import Tier
 from ._tokens import TokenRanges, base_info, token_ranges
 
@@ -108,8 +109,6 @@ class TokenwiseRun(Tier):
     def keep_whole(self, value: Any) -> Any:
         """A record (stored whole, held by actoff) for a block input or mixer output tensor, or
         the value itself when actoff would not offload it (small, a parameter, not a tensor)."""
-        from ._step import param_like
-
         if not isinstance(value, torch.Tensor):
             return value
         run = self.run
@@ -124,7 +123,7 @@ class TokenwiseRun(Tier):
             or value.numel() * value.element_size() < run.config.min_bytes
         ):
             return value.detach()
-        handle = run.handle_for(value, storage)
+        handle = run.handle_for(value, storage, value.numel() * value.element_size())
         handle.record.whole = True
         self.owned.append(handle)
         return handle.record
@@ -233,10 +232,10 @@ class TokenwiseRun(Tier):
     # ------------------------------------------------------------------ the tier of split records
     def materialize(self, record: Record) -> torch.Tensor:
         """A split record again: stored rows scattered back, dropped rows recomputed."""
-        run, layout, runtime = self.run, record.layout, self.run.runtime
+        run, layout = self.run, record.layout
         if self.replay_rows is None:
             for child in self.children:
-                runtime.materialize(child)
+                serve(child)
             start, stop = self.ranges.recompute
             watch = run.backend.stopwatch().start()
             self.replay_rows = _replay.replay(self, start, stop) if stop > start else {}

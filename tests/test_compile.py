@@ -252,7 +252,7 @@ def test_dynamo_never_traces_actoff(monkeypatch):
 
         monkeypatch.setattr(cls, name, watched)
 
-    for name in ("enter_scope", "_seal", "_place", "unpack", "release", "_end_backward"):
+    for name in ("enter_scope", "_seal", "_place", "unpack", "_release", "end_backward"):
         spy(Runtime, name)
     spy(ScopeRun, "pack")
     model = actoff.offload_(make_model(), block_cls=Block, policy="cpu", min_bytes=0)

@@ -3,6 +3,7 @@
 import copy
 import os
 import textwrap
+import weakref
 from typing import ClassVar
 
 import pytest
@@ -12,7 +13,8 @@ from _helpers import assert_same_history, baseline_and_offloaded, make_model, ru
 import actoff
 import actoff._step
 from actoff._record import State
-from actoff._runtime import get_runtime
+from actoff._runtime import Runtime, get_runtime
+from actoff._step import ScopeRun
 from actoff.reference import Block
 
 
@@ -74,6 +76,55 @@ def test_same_tensor_saved_twice_is_one_record():
     torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=0, atol=0)
     block = actoff.stats().blocks["square"]
     assert block.tensors == 1 and block.dedup_hits == 1
+
+
+def test_keep_counts_its_tensors_as_records_kept_on_the_device_are_counted():
+    # Note [kept as is]: keep runs make no records, yet their figures must be the records'
+    # (non-contiguous saves included: the attention's transposed views count their span).
+    # Under cpu with keep_last as large as the model, every run is records on the keep tier.
+    figures = {}
+    for policy, keep_last in (("keep", 0), ("cpu", 2)):
+        actoff.reset()
+        model = make_model()
+        actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, keep_last=keep_last)
+        train(model, 1)
+        blocks = actoff.stats().blocks
+        figures[policy] = {
+            name: (b.tensors, b.bytes_saved, b.bytes_per_tier, b.dedup_hits, b.skipped_param_bytes)
+            for name, b in blocks.items()
+        }
+    assert figures["keep"]["layers.0"][0] > 0
+    assert figures["keep"] == figures["cpu"]
+
+
+@pytest.mark.sim_device  # copies that take time: the prefetch must be asked for early
+def test_a_kept_block_after_an_offloaded_one_prefetches_it_and_trains_exactly(monkeypatch):
+    # A keep run's first unpack must still tell the runtime that backward reached it
+    # (ScopeRun.reached): the end-of-backward callback, and the prefetch of the run before.
+    events = []
+    real_prefetch, real_unpack = ScopeRun.prefetch, Runtime.unpack
+
+    def prefetch(self):
+        events.append(("prefetch", self.name))
+        real_prefetch(self)
+
+    def unpack(self, record):
+        events.append(("unpack", record.run.name))
+        return real_unpack(self, record)
+
+    monkeypatch.setattr(ScopeRun, "prefetch", prefetch)
+    monkeypatch.setattr(Runtime, "unpack", unpack)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    actoff.offload(model.layers[0], name="layers.0", policy="cpu", min_bytes=0)
+    actoff.offload(model.layers[1], name="layers.1", policy="keep", min_bytes=0)
+    assert_same_history(train(reference, 2), train(model, 2))
+    stats = actoff.stats()
+    assert stats.steps == 2
+    assert stats.blocks["layers.0"].bytes_offloaded > 0 and stats.blocks["layers.1"].bytes_offloaded == 0
+    last = events[events.index(("prefetch", "layers.1"), len(events) // 2) :]  # the second backward
+    assert last.index(("prefetch", "layers.0")) < last.index(("unpack", "layers.0"))
+    assert ("unpack", "layers.1") not in events  # kept as is: no record to serve
 
 
 def test_parameters_are_never_offloaded(monkeypatch):
@@ -426,11 +477,21 @@ def test_unusual_saved_tensors_come_back_exactly(policy, nvme_dir):
 @pytest.mark.parametrize(
     ("policy", "min_bytes"), [("keep", 0), ("cpu", 0), ("nvme", 0), ("recompute", 0), ("recompute", "64KiB")]
 )
-def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, nvme_dir):
+def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, nvme_dir, monkeypatch):
     # No reference cycle may run through autograd (Note [no cycle through autograd]): the
-    # records go the moment the graph goes, without waiting for the cycle collector.
+    # records go the moment the graph goes, without waiting for the cycle collector. Under
+    # keep there are no records (Note [kept as is]): the tensors kept must go then.
     import gc
 
+    kept = []
+    real_keep = ScopeRun._keep
+
+    def keep(self, tensor, nbytes):
+        packed = real_keep(self, tensor, nbytes)
+        kept.append(weakref.ref(packed[0]))
+        return packed
+
+    monkeypatch.setattr(ScopeRun, "_keep", keep)
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=min_bytes, nvme_dir=nvme_dir)
     gc.disable()
@@ -438,10 +499,13 @@ def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, n
         loss = model.loss(torch.randint(0, 256, (2, 33)))
         runs = get_runtime().step.runs
         records = [r for run in runs for r in run.records]
-        if min_bytes == 0:
+        if policy == "keep":
+            assert kept and all(alias() is not None for alias in kept) and not records
+        elif min_bytes == 0:
             assert records and any(r.state is not State.RELEASED for r in records)
         del loss
         assert all(r.state is State.RELEASED for r in records)
+        assert all(alias() is None for alias in kept)
         # Inputs and mixer outputs kept directly (under min_bytes) hold no graph either.
         states = [run.tokenwise for run in runs if run.tokenwise is not None]
         held = [v for state in states for v in (*state.inputs, *(m for m, *_ in state.mixer_outputs))]
