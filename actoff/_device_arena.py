@@ -1,18 +1,18 @@
-"""Device arena: the device buffers actoff allocates in backward, served from one buffer at
-planned offsets.
+"""Device arena: the device buffers actoff allocates in backward, served at planned offsets from
+a few buffers of planned sizes.
 
 What it serves, on backends with streams (CUDA, the simulated device): the destinations of
 copies back (actoff._tiers, actoff._tier_nvme; packed token rows included) and the tensors a
 token-wise run rebuilds (actoff._tokenwise). Every step is traced: each request's key (which
 run, what, which record), size, and lifetime on a logical clock that ticks at every request and
 every death. After a step the planner lays the trace out (actoff._layout); from then on a
-request whose key the plan knows, at the planned size, is served at its offset in one buffer,
-held only while backward needs it (Note [the arena between backwards]).
+request whose key the plan knows, at the planned size, is served at its offset in its run's
+buffer, held only while that run needs it (Note [a buffer per run]).
 
 A request the plan does not know (another key or size: a new length or batch) is a divergence,
 and the step it happened in becomes the next plan. A planned range still held (a tenant that
 lives longer than in the traced step: an NVMe read that landed late), or a request that is
-usually not made (`expect`), is a fallback: served from a free gap of the buffer, else by a new
+usually not made (`expect`), is a fallback: served from a free gap of its run's buffer, else by a new
 allocation; two steps in a row with fallbacks are planned again. Either way a request never
 gets bytes that a live tenant holds.
 
@@ -30,18 +30,27 @@ request on another stream is a fallback with a new allocation. Tensors of the ar
 ``record_stream`` (their memory is not the caching allocator's): code that hands a fetched
 activation to another stream must keep it referenced until that stream is done with it.
 
-Note [the arena between backwards]: the buffer is taken from the device's allocator at a step's
-first planned request and given back (`give_back`) when the step's last record is released, or
-at the next step's start. Held through forward, the loss and the optimizer step, it would add its
-whole size to their peaks, where actoff needs none of it (per-request tensors, the planner off,
-come and go): on the simulated device that made the planned run's peak 15-47% higher than the
-unplanned one's. Given back, it is one allocation of one size per step, not one per request: on
-CUDA the caching allocator hands the same cached block back. Its tenants still alive keep it
-through their storages (Note [device tenants]), so giving it back never frees bytes in use.
+Note [a buffer per run]: the plan is MEMO's bi-level one, with a run's (block's) fetches and its
+rebuilds as the groups: each laid out together, then placed as rectangles in one address space.
+Each group's range (its hull) is a buffer of its own, taken from the device's allocator at the
+group's first planned request (fetches at the prefetch, rebuilds at the run's first unpack) and
+given back when the run's records are all released (`run_done`), when every planned request of it
+was made and its tenants are dead, or at the step's end. The first design took one buffer of the
+whole plan at the step's first request and held it through backward: at the step's peak it held
+the ranges of runs not fetched yet. That peak is often early in backward (the last block, where
+the gradients are largest) while the plan's own peak comes later (two whole blocks at once): on
+the simulated device at 2048 tokens (cpu, tiles, chunked loss) the one buffer held 6-14 MiB more
+than the tenants alive at the step's peak, and the longest sequence was 3200 tokens against 3968
+with the planner off (3840 per run); held through forward too, the peak was 15-47% over the
+unplanned run's. Per run, the arena holds what the runs being worked on need: a fixed set of
+sizes allocated in the same order every step, which the caching allocator serves from the same
+cached blocks (MEMO's two buffers alternating between even and odd blocks, where blocks are
+alike). A buffer's tenants still alive keep it through their storages (Note [device tenants]),
+so giving it back never frees bytes in use.
 
-Its start has the alignment of any fresh allocation of the device (512 bytes on CUDA, 64 on the
-CPU) and offsets are multiples of ALIGNMENT, so a tenant is aligned as well as a tensor of its
-own would be, and kernels that pick a path by alignment pick the same one.
+A buffer's start has the alignment of any fresh allocation of the device (512 bytes on CUDA, 64
+on the CPU) and offsets in it are multiples of ALIGNMENT, so a tenant is aligned as well as a
+tensor of its own would be, and kernels that pick a path by alignment pick the same one.
 """
 
 from __future__ import annotations
@@ -68,9 +77,24 @@ ALIGNMENT = 512
 _GENERATIONS = itertools.count()  # trace generations, unique in the process
 
 
+class _RunBuffer:
+    """The buffer of one group's hull (a run's fetches or its rebuilds: Note [a buffer per run])
+    and its tenants alive."""
+
+    __slots__ = ("buffer", "ident", "live", "low", "pending", "stream")
+
+    def __init__(self, buffer: torch.Tensor, ident: int, low: int, pending: int, stream: Any) -> None:
+        self.buffer = buffer  # (hull size,) uint8
+        self.ident = ident  # unique in the process: deaths of an older buffer's tenants are ignored
+        self.low = low  # the hull's start in the plan's address space
+        self.pending = pending  # planned requests of the group not made yet this step
+        self.stream = stream  # the stream it was allocated on (Note [device arena reuse])
+        self.live: dict[int, int] = {}  # offset -> end (in the buffer) of its tenants alive
+
+
 class DeviceArena:
-    """One device buffer of a step's planned size, handed out as tenants at planned offsets, held
-    through backward only.
+    """Buffers of the planned sizes, one per run being worked on (Note [a buffer per run]),
+    handed out as tenants at planned offsets.
 
     Thread-safe: tenants die on autograd's threads and in the garbage collector.
 
@@ -99,13 +123,16 @@ class DeviceArena:
     def __init__(self, backend: Any) -> None:
         self.backend = backend  # an actoff._device.StreamBackend
         self.streams = backend.streams
-        self.buffer: torch.Tensor | None = None  # (capacity,) uint8, held through backward only
-        self.buffer_id = 0  # tells tenants of a replaced buffer apart
-        self.stream: Any = None  # the stream the buffer was allocated on (Note [device arena reuse])
-        self.num_allocations = 0  # buffers ever taken (one per step: Note [the arena between backwards])
-        self.size = 0  # bytes of the last buffer taken (shown in stats)
-        # The plan: key -> (size, offset), and the layout it came from (shown in stats).
+        self.buffers: dict[tuple, _RunBuffer] = {}  # part (see `hulls`) -> its buffer now
+        self.num_allocations = 0  # buffers ever taken (Note [a buffer per run])
+        self.size = 0  # most bytes of buffers held at once in the last step (shown in stats)
+        self._held = 0  # bytes of the buffers held now
+        # The plan: key -> (size, offset), each group's hull in the plan's address space (part ->
+        # (low, high); a part is a run's fetches or its rebuilds: a key's first two items) and
+        # how many planned requests it has, and the layout (in stats).
         self.plan: dict[tuple, tuple[int, int]] | None = None
+        self.hulls: dict[tuple, tuple[int, int]] = {}
+        self._planned: dict[tuple, int] = {}
         self.layout: Layout | None = None
         # This step: requests by key (a key asked twice gets an occurrence number), those served
         # as planned, divergences and fallbacks (see the module docstring); over the process.
@@ -115,7 +142,6 @@ class DeviceArena:
         self.last_fallbacks = 0  # the previous step's, under the same plan
         self._new_plan = False
         self.total_divergences = self.total_fallbacks = 0
-        self._live: dict[int, int] = {}  # offset -> end of tenants in the current buffer
         self._lock = threading.Lock()
         # Note [frees from the collector] (actoff._arena): a tenant dies on any thread, inside
         # any allocation; its death is only queued, and handled under the lock before the next
@@ -135,33 +161,44 @@ class DeviceArena:
 
     @property
     def capacity(self) -> int:
-        """Bytes of the device buffer (0 before the first plan is used)."""
-        return 0 if self.buffer is None else self.buffer.numel()
+        """Bytes of the buffers held now."""
+        return self._held
 
     @property
-    def live_ranges(self) -> dict[int, int]:
-        """Offset -> end of the tenants alive in the buffer now."""
+    def live_ranges(self) -> dict[tuple[Any, int], int]:
+        """(part, offset in the plan's address space) -> end, of the tenants alive now."""
         with self._locked():
-            return dict(self._live)
+            return {
+                (part, held.low + offset): held.low + end
+                for part, held in self.buffers.items()
+                for offset, end in held.live.items()
+            }
 
     def give_back(self) -> None:
-        """The step's backward is over: drop the buffer (Note [the arena between backwards]); the
-        next planned request takes one again."""
+        """The step's backward is over: drop the buffers still held (Note [a buffer per run]);
+        the next planned requests take them again."""
         with self._locked():
-            self.buffer = None
-            self.buffer_id += 1  # deaths of its tenants no longer concern the ranges handed out
-            self._live = {}
-            self.stream = None
+            self.buffers = {}
+            self._held = 0
+
+    def run_done(self, run: Any) -> None:
+        """``run``'s records are all released: its buffer is given back (its tenants still alive
+        keep it until they die, Note [device tenants]); a planned request it did not make (a
+        record served from the device this step) will not come now."""
+        with self._locked():
+            for part in [part for part in self.buffers if part[0] == run]:
+                self._held -= self.buffers.pop(part).buffer.numel()
 
     def begin_step(self) -> None:
-        """A new step: keys count from zero and a new trace starts; a buffer still held (a step
-        whose records did not all come back) is given back."""
+        """A new step: keys count from zero and a new trace starts; buffers still held (a step
+        whose records did not all come back) are given back."""
         self.give_back()
         with self._locked():
             self.seen.clear()
             self.last_fallbacks = 0 if self._new_plan else self.fallbacks
             self._new_plan = False
             self.requests = self.served = self.divergences = self.fallbacks = 0
+            self.size = 0
             self._new_trace()
 
     def wants_plan(self) -> bool:
@@ -169,12 +206,16 @@ class DeviceArena:
         return self.plan is None or bool(self.divergences) or bool(self.fallbacks and self.last_fallbacks)
 
     def install_plan(self, keys: Sequence[tuple], sizes: Sequence[int], layout: Layout) -> None:
-        """Serve the next steps' requests for ``keys`` (of ``sizes``) at ``layout.offsets``; the
-        buffer is (re)allocated at the first request that needs more than it has."""
+        """Serve the next steps' requests for ``keys`` (of ``sizes``; a key's first item is its
+        run, its first two items its group) at ``layout.offsets``, each group's from a buffer of
+        its hull."""
         with self._locked():
-            self.plan = {
-                key: (size, offset) for key, size, offset in zip(keys, sizes, layout.offsets, strict=True)
-            }
+            self.plan, self.hulls, self._planned = {}, {}, collections.Counter()
+            for key, size, offset in zip(keys, sizes, layout.offsets, strict=True):
+                self.plan[key] = (size, offset)
+                low, high = self.hulls.get(key[:2], (offset, offset + size))
+                self.hulls[key[:2]] = (min(low, offset), max(high, offset + size))
+                self._planned[key[:2]] += 1
             self.layout = layout
             self._new_plan = True
 
@@ -186,13 +227,13 @@ class DeviceArena:
         with self._locked():
             key = self._occurrence(key)
             self.requests += 1
-            offset = self._place(key, size)
-            if offset is None:
+            held, offset = self._place(key, size)
+            if held is None:
                 tenant = self.backend.device_empty(numel, dtype)  # on the compute stream
             else:  # Note [device tenants]
-                self._live[offset] = offset + size
-                tenant = from_dlpack(to_dlpack(self.buffer[offset : offset + nbytes])).view(dtype)
-            self._trace(size, key, tag, tenant.untyped_storage(), offset)
+                held.live[offset] = offset + size
+                tenant = from_dlpack(to_dlpack(held.buffer[offset : offset + nbytes])).view(dtype)
+            self._trace(size, key, tag, tenant.untyped_storage(), held, offset)
         return tenant
 
     def expect(self, key: tuple) -> None:
@@ -208,55 +249,68 @@ class DeviceArena:
         self.seen[key] = occurrence + 1
         return (*key, occurrence)
 
-    def _trace(self, size: int, key: tuple, tag: Any, holder: object, offset: int | None) -> None:
+    def _trace(
+        self, size: int, key: tuple, tag: Any, holder: object, held: _RunBuffer | None, offset: int
+    ) -> None:
         self.clock += 1
         self.trace.append([size, self.clock, None, key, tag])
         death = (
-            self.buffer_id if offset is not None else -1,
+            key[:2],
+            held.ident if held is not None else -1,
             offset,
             len(self.trace) - 1,
             self.trace_generation,
         )
         weakref.finalize(holder, self._returned.append, death)
 
-    def _place(self, key: tuple, size: int) -> int | None:
-        """The offset of a request in the buffer, or None for a new allocation."""
+    def _place(self, key: tuple, size: int) -> tuple[_RunBuffer | None, int]:
+        """The buffer and offset of a request, or (None, 0) for a new allocation."""
         planned = self.plan.get(key) if self.plan is not None else None
-        if planned is not None and planned[0] == size and self._usable() and self._free(planned[1], size):
-            self.served += 1
-            return planned[1]
+        if planned is not None and planned[0] == size:
+            held = self._buffer(key[:2])
+            if held is not None:
+                held.pending -= 1
+                offset = planned[1] - held.low
+                if _free(held.live, offset, size):
+                    self.served += 1
+                    return held, offset
         if (planned is not None and planned[0] == size) or key in self.expected:
             self.fallbacks += 1
             self.total_fallbacks += 1
         elif self.plan is not None:
             self.divergences += 1
             self.total_divergences += 1
-        # Not as planned: a free gap of the buffer, if any, rather than more memory.
-        if self.buffer is not None and self.streams.current() == self.stream:
-            return first_fit(self._live, size, self.capacity)
-        return None
+        # Not as planned: a free gap of the run's buffer, if it holds one, rather than more memory.
+        held = self.buffers.get(key[:2])
+        if held is not None and held.stream == self.streams.current():
+            offset = first_fit(held.live, size, held.buffer.numel())
+            if offset is not None:
+                return held, offset
+        return None, 0
 
-    def _usable(self) -> bool:
-        """The buffer holds the plan and serves the current stream; taken if need be."""
-        current, peak = self.streams.current(), self.layout.peak
-        if self.buffer is not None and self.capacity >= peak:
-            return current == self.stream
-        # Tenants of the old buffer keep it alive through their storages until they die.
-        self.buffer = self.backend.device_empty(peak, torch.uint8)
-        self.size = peak
-        self.buffer_id += 1
+    def _buffer(self, part: tuple) -> _RunBuffer | None:
+        """The buffer of ``run``'s hull for the current stream, taken if need be (None: it is
+        held for another stream)."""
+        current = self.streams.current()
+        held = self.buffers.get(part)
+        if held is not None:
+            return held if held.stream == current else None
+        low, high = self.hulls[part]
+        # The previous buffer's tenants keep it alive through their storages until they die.
+        buffer = self.backend.device_empty(high - low, torch.uint8)
+        held = self.buffers[part] = _RunBuffer(buffer, next(_GENERATIONS), low, self._planned[part], current)
         self.num_allocations += 1
-        self.stream = current
-        self._live = {}
-        return True
+        self._held += high - low
+        self.size = max(self.size, self._held)
+        return held
 
-    def _free(self, offset: int, size: int) -> bool:
-        end = offset + size
-        return all(end <= low or high <= offset for low, high in self._live.items())
-
-    def _died(self, buffer_id: int, offset: int | None, index: int, generation: int) -> None:
-        if offset is not None and buffer_id == self.buffer_id:
-            self._live.pop(offset, None)
+    def _died(self, part: tuple, ident: int, offset: int, index: int, generation: int) -> None:
+        held = self.buffers.get(part)
+        if held is not None and held.ident == ident:
+            held.live.pop(offset, None)
+            if held.pending <= 0 and not held.live:  # the run is done with it: give it back
+                del self.buffers[part]
+                self._held -= held.buffer.numel()
         if generation == self.trace_generation:
             self.clock += 1
             self.trace[index][2] = self.clock
@@ -276,8 +330,8 @@ class DeviceArena:
         self.trace_generation = next(_GENERATIONS)
 
     def stats(self) -> dict[str, Any]:
-        """Figures for ``actoff.stats()``: buffer bytes, the plan's peak and lower bound, solve
-        time, method, buffers allocated, divergences and fallbacks."""
+        """Figures for ``actoff.stats()``: the most buffer bytes held at once, the plan's peak and
+        lower bound, solve time, method, buffers allocated, divergences and fallbacks."""
         layout = self.layout
         return {
             "bytes": self.size,
@@ -289,6 +343,11 @@ class DeviceArena:
             "divergences": self.total_divergences,
             "fallbacks": self.total_fallbacks,
         }
+
+
+def _free(live: dict[int, int], offset: int, size: int) -> bool:
+    end = offset + size
+    return all(end <= low or high <= offset for low, high in live.items())
 
 
 def first_fit(live: dict[int, int], size: int, capacity: int) -> int | None:

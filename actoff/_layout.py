@@ -71,11 +71,17 @@ class Arenas(dict):
     def records_back(self, device: torch.device, current: bool) -> None:
         """A step's records on ``device`` are all back: its host arena merges empty chunks, and,
         if it is the ``current`` step (an older one's says nothing of the current backward),
-        its device arena gives its buffer back (Note [the arena between backwards])."""
+        its device arena gives back the buffers it still holds (Note [a buffer per run])."""
         self.consolidate(device)
         arena = self.on_device.get(device)
         if current and arena is not None:
             arena.give_back()
+
+    def run_done(self, device: torch.device, run: int) -> None:
+        """Run ``run``'s records on ``device`` are all back: its device buffer goes."""
+        arena = self.on_device.get(device)
+        if arena is not None:
+            arena.run_done(run)
 
     def plan(self, config: Config, plans: dict[str, Layout]) -> None:
         """After a step whose buffers are all back: every arena laid out (`plan_arena`)."""
@@ -110,14 +116,14 @@ def plan_arena(arena: HostArena, config: Config, plans: dict[str, Layout]) -> No
 def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layout]) -> None:
     """After a step whose buffers are all back: a device arena whose step kept to its plan keeps
     it; otherwise (`DeviceArena.wants_plan`) the step just traced becomes the plan (MEMO's
-    bi-level solve, the blocks as groups), so a new length or batch is planned from its own
-    first step."""
+    bi-level solve, the blocks as groups, each block's range apart: Note [a buffer per run]), so
+    a new length or batch is planned from its own first step."""
     trace = arena.take_trace()
     if not trace or config.planner == "off" or not arena.wants_plan():
         return
     origin = min(start for _, start, _, _, _ in trace)
     buffers = [Buffer(size, start - origin, end - origin) for size, start, end, _, _ in trace]
-    groups = [tag for *_, tag in trace]
+    groups = [key[:2] for _, _, _, key, _ in trace]  # a run's fetches, its rebuilds: apart
     layout = _layout(arena.kind, buffers, groups, config, plans, arena.alignment)
     arena.install_plan([key for _, _, _, key, _ in trace], [b.size for b in buffers], layout)
 
@@ -134,7 +140,8 @@ def _layout(
     or solved now; bi-level when ``groups`` names each buffer's block."""
     traced = [dataclasses.astuple(b) for b in buffers]
     # The host arena's signature predates the device arena's: kept, so cached plans stay valid.
-    text = repr(traced) if groups is None else repr((kind, traced, groups))
+    # The device arena's names its blocks kept apart: its plans before per-run buffers were not.
+    text = repr(traced) if groups is None else repr((kind, traced, groups, "blocks apart"))
     signature = hashlib.sha256(text.encode()).hexdigest()
     if groups is not None:
         signature = f"{kind}:{signature}"  # in ``plans`` beside the host arena's
@@ -149,7 +156,9 @@ def _layout(
             layout = solve(buffers, method=method, time_limit_s=30.0, alignment=alignment)
         else:  # "auto": the MIP wherever greedy misses the lower bound, never worse than greedy
             method = "auto" if config.planner == "mip" else "greedy"
-            layout = solve_bilevel(buffers, groups, method=method, time_limit_s=30.0, alignment=alignment)
+            layout = solve_bilevel(
+                buffers, groups, method=method, time_limit_s=30.0, alignment=alignment, blocks_apart=True
+            )
         if cache is not None:
             cache.put(key, buffers, layout)
     plans[signature] = layout

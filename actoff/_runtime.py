@@ -258,6 +258,7 @@ class Runtime:
         record.state = State.RELEASED  # from any other state (the transitions allow it)
         step = record.run.step
         step.live -= 1
+        record.run.released()
         if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
             # Nothing of the step can be rebuilt now: let go of the forwards token-wise runs
             # would re-run, which hold their modules (a deleted model is freed at once).

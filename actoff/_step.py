@@ -151,6 +151,7 @@ class ScopeRun:
         self.dedup: dict[tuple, Handle] = {}
         self.stats = BlockStats(name, calls=1)
         self.kept = config.policy == "keep"  # Note [kept as is]
+        self.live = 0  # records not yet released
         self.fetch_issued = False
         self.fetching: list[Record] = []  # records the prefetch left FETCHING, for `poll`
         # Token-wise state (actoff._tokenwise.TokenwiseRun) while the run may be split by
@@ -211,6 +212,7 @@ class ScopeRun:
             tokenwise.classify(record, tensor)
         self.records.append(record)
         self.step.live += 1
+        self.live += 1
         handle = Handle(record)
         self.dedup[key] = handle
         return handle
@@ -244,6 +246,13 @@ class ScopeRun:
                 step.runs[self.index - 1].prefetch()
         elif self.index > 0:
             step.runs[self.index - 1].poll()
+
+    def released(self) -> None:
+        """One of the run's records was released (the runtime's lock held): at the last, the
+        device arena gives back the run's buffer (Note [a buffer per run])."""
+        self.live -= 1
+        if self.live == 0 and self.step is self.runtime.step:  # not an older step's run
+            self.runtime.arenas.run_done(self.device, self.index)
 
     def all_records(self) -> tuple[Record, ...]:
         """The run's records and, for a token-wise run, the records of its packed rows."""

@@ -209,6 +209,7 @@ class TokenwiseRun(Tier):
             # Negative indices tell the packed records apart (their device arena keys).
             child = Record(buffer, run, -1 - len(self.children), tiers["keep"])
             run.step.live += 1
+            run.live += 1
             self.children.append(child)
             self.bundles[tier] = (child, offsets, (low, high))
             tiers[tier].place(child)

@@ -264,12 +264,20 @@ def solve_bilevel(
     method: str = "auto",
     time_limit_s: float = 10.0,
     alignment: int = 1,
+    blocks_apart: bool = False,
 ) -> Layout:
     """MEMO's bi-level plan: ``blocks[i]`` names the block buffer ``i`` belongs to.
 
     Each block's buffers are solved once per distinct shape (same sizes and relative
     lifetimes: all layers of a model share one solve), then the step is solved with each
-    block as one rectangle. The answer is never worse than flat greedy.
+    block as one rectangle. The answer is never worse than flat greedy, unless
+    ``blocks_apart``: then each block's buffers stay within one range of their own (the
+    device arena allocates each block's range apart: Note [a buffer per run]).
+
+    >>> buffers = [Buffer(4, 0, 2), Buffer(4, 1, 3), Buffer(4, 4, 6)]
+    >>> layout = solve_bilevel(buffers, ["a", "a", "b"], blocks_apart=True)
+    >>> layout.offsets, layout.peak, layout.method
+    ((0, 4, 0), 8, 'bilevel')
     """
     if len(blocks) != len(buffers):
         raise ValueError(f"solve_bilevel: {len(blocks)} block ids for {len(buffers)} buffers")
@@ -296,7 +304,7 @@ def solve_bilevel(
     peak = validate(buffers, offsets, alignment)
     bound = lower_bound(buffers, alignment)
     flat = solve(buffers, method="greedy", alignment=alignment)
-    if flat.peak < peak:
+    if flat.peak < peak and not blocks_apart:
         return dataclasses.replace(flat, solve_s=time.perf_counter() - started)
     return Layout(tuple(offsets), peak, bound, "bilevel", peak == bound, time.perf_counter() - started)
 
