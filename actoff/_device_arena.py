@@ -210,6 +210,9 @@ class DeviceArena:
         run, its first two items its group) at ``layout.offsets``, each group's from a buffer of
         its hull."""
         with self._locked():
+            # Buffers still held were cut to the old plan's hulls, which the new offsets do not
+            # fit: let them go (their tenants keep them, Note [device tenants]).
+            self.buffers, self._held = {}, 0
             self.plan, self.hulls, self._planned = {}, {}, collections.Counter()
             for key, size, offset in zip(keys, sizes, layout.offsets, strict=True):
                 self.plan[key] = (size, offset)
@@ -271,7 +274,7 @@ class DeviceArena:
             if held is not None:
                 held.pending -= 1
                 offset = planned[1] - held.low
-                if _free(held.live, offset, size):
+                if 0 <= offset <= held.buffer.numel() - size and _free(held.live, offset, size):
                     self.served += 1
                     return held, offset
         if (planned is not None and planned[0] == size) or key in self.expected:

@@ -364,3 +364,20 @@ def test_a_group_goes_when_its_requests_are_made_and_dead_or_when_its_run_is_don
     arena.run_done(0)
     assert arena.buffers == {} and arena.capacity == 0
     del other
+
+
+def test_a_new_plan_never_serves_a_range_of_a_buffer_cut_to_the_old_one(arena):
+    """A buffer still held when a new plan comes (a step whose backward is not the current one:
+    gradient accumulation, two forwards before their backwards) was cut to the old plan's hull:
+    the new plan's offsets do not fit it. Served there, a request got bytes counted back from
+    the buffer's end, where a live tenant was (found in review: a silently wrong gradient)."""
+    keys = [(0, "fetch", 0, 0), (0, "fetch", 1, 0)]
+    arena.install_plan(keys, [1024, 1024], planner.Layout((2048, 3072), 4096, 2048, "test", False))
+    arena.begin_step()
+    first = arena.empty(256, torch.float32, (0, "fetch", 0), tag=0).fill_(1.0)  # its buffer: [2048, 4096)
+    arena.install_plan(keys, [1024, 1024], planner.Layout((0, 1024), 2048, 2048, "test", True))
+    second = arena.empty(256, torch.float32, (0, "fetch", 1), tag=0).fill_(2.0)
+    assert second.numel() == 256
+    low, high = first.data_ptr(), first.data_ptr() + 1024
+    assert second.data_ptr() + 1024 <= low or high <= second.data_ptr()
+    assert bool((first == 1.0).all()) and bool((second == 2.0).all())

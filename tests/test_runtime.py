@@ -127,6 +127,23 @@ def test_a_kept_block_after_an_offloaded_one_prefetches_it_and_trains_exactly(mo
     assert ("unpack", "layers.1") not in events  # kept as is: no record to serve
 
 
+def test_a_kept_tensor_unpacked_before_backward_still_ends_the_backward():
+    # Reading a saved tensor outside backward (grad_fn._saved_self) unpacks it where autograd's
+    # final callback cannot be queued. Under keep the first unpack of a run is the one that
+    # queues it (Note [kept as is]): that one must not count, or the backward never ends for
+    # actoff (no steps counted, no figures, no agreement between ranks). Found in review.
+    @actoff.offload(policy="keep", min_bytes=0, name="one")
+    def block(x):
+        return (x * 2.0).sin()
+
+    x = torch.randn(64, requires_grad=True)
+    out = block(x)
+    assert torch.equal(out.grad_fn._saved_self, (x * 2.0).detach())
+    out.sum().backward()
+    assert actoff.stats().steps == 1
+    torch.testing.assert_close(x.grad, 2.0 * (x * 2.0).cos().detach(), rtol=0, atol=0)
+
+
 def test_parameters_are_never_offloaded(monkeypatch):
     model = make_model()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
