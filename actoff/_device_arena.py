@@ -126,7 +126,6 @@ class DeviceArena:
         self.buffers: dict[tuple, _RunBuffer] = {}  # part (see `hulls`) -> its buffer now
         self.num_allocations = 0  # buffers ever taken (Note [a buffer per run])
         self.size = 0  # most bytes of buffers held at once in the last step (shown in stats)
-        self._held = 0  # bytes of the buffers held now
         # The plan: key -> (size, offset), each group's hull in the plan's address space (part ->
         # (low, high); a part is a run's fetches or its rebuilds: a key's first two items) and
         # how many planned requests it has, and the layout (in stats).
@@ -162,24 +161,13 @@ class DeviceArena:
     @property
     def capacity(self) -> int:
         """Bytes of the buffers held now."""
-        return self._held
-
-    @property
-    def live_ranges(self) -> dict[tuple[Any, int], int]:
-        """(part, offset in the plan's address space) -> end, of the tenants alive now."""
-        with self._locked():
-            return {
-                (part, held.low + offset): held.low + end
-                for part, held in self.buffers.items()
-                for offset, end in held.live.items()
-            }
+        return sum(held.buffer.numel() for held in list(self.buffers.values()))
 
     def give_back(self) -> None:
         """The step's backward is over: drop the buffers still held (Note [a buffer per run]);
         the next planned requests take them again."""
         with self._locked():
             self.buffers = {}
-            self._held = 0
 
     def run_done(self, run: Any) -> None:
         """``run``'s records are all released: its buffer is given back (its tenants still alive
@@ -187,7 +175,7 @@ class DeviceArena:
         record served from the device this step) will not come now."""
         with self._locked():
             for part in [part for part in self.buffers if part[0] == run]:
-                self._held -= self.buffers.pop(part).buffer.numel()
+                del self.buffers[part]
 
     def begin_step(self) -> None:
         """A new step: keys count from zero and a new trace starts; buffers still held (a step
@@ -212,7 +200,7 @@ class DeviceArena:
         with self._locked():
             # Buffers still held were cut to the old plan's hulls, which the new offsets do not
             # fit: let them go (their tenants keep them, Note [device tenants]).
-            self.buffers, self._held = {}, 0
+            self.buffers = {}
             self.plan, self.hulls, self._planned = {}, {}, collections.Counter()
             for key, size, offset in zip(keys, sizes, layout.offsets, strict=True):
                 self.plan[key] = (size, offset)
@@ -303,8 +291,7 @@ class DeviceArena:
         buffer = self.backend.device_empty(high - low, torch.uint8)
         held = self.buffers[part] = _RunBuffer(buffer, next(_GENERATIONS), low, self._planned[part], current)
         self.num_allocations += 1
-        self._held += high - low
-        self.size = max(self.size, self._held)
+        self.size = max(self.size, self.capacity)
         return held
 
     def _died(self, part: tuple, ident: int, offset: int, index: int, generation: int) -> None:
@@ -313,7 +300,6 @@ class DeviceArena:
             held.live.pop(offset, None)
             if held.pending <= 0 and not held.live:  # the run is done with it: give it back
                 del self.buffers[part]
-                self._held -= held.buffer.numel()
         if generation == self.trace_generation:
             self.clock += 1
             self.trace[index][2] = self.clock

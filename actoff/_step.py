@@ -250,7 +250,7 @@ class ScopeRun:
 
     def released(self) -> None:
         """One of the run's records was released (the runtime's lock held): at the last, the
-        device arena gives back the run's buffer (Note [a buffer per run])."""
+        device arena gives back the run's buffers (Note [a buffer per run])."""
         self.live -= 1
         if self.live == 0 and self.step is self.runtime.step:  # not an older step's run
             self.runtime.arenas.run_done(self.device, self.index)
