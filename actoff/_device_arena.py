@@ -6,14 +6,15 @@ copies back (actoff._tiers, actoff._tier_nvme; packed token rows included) and t
 token-wise run rebuilds (actoff._tokenwise). Every step is traced: each request's key (which
 run, what, which record), size, and lifetime on a logical clock that ticks at every request and
 every death. After a step the planner lays the trace out (actoff._layout); from then on a
-request whose key the plan knows, at the planned size, is served at its offset in its run's
-buffer, held only while that run needs it (Note [a buffer per run]).
+request whose key the plan knows, at the planned size, is served at its offset in its part's
+buffer, held only while its tenants live (Note [a buffer per wave]).
 
 A request the plan does not know (another key or size: a new length or batch) is a divergence,
 and the step it happened in becomes the next plan. A planned range still held (a tenant that
 lives longer than in the traced step: an NVMe read that landed late), or a request that is
-usually not made (`expect`), is a fallback: served from a free gap of its run's buffer, else by a new
-allocation; two steps in a row with fallbacks are planned again. Either way a request never
+usually not made (`expect`), is a fallback: served by a new allocation, as PyTorch would (a free
+gap of a part's buffer is kept for the part's requests still to come, and a tenant there would
+keep the buffer alive past its wave); two steps in a row with fallbacks are planned again. Either way a request never
 gets bytes that a live tenant holds.
 
 Note [device tenants]: a request gets a tensor with a storage of its own that points into the
@@ -30,27 +31,41 @@ request on another stream is a fallback with a new allocation. Tensors of the ar
 ``record_stream`` (their memory is not the caching allocator's): code that hands a fetched
 activation to another stream must keep it referenced until that stream is done with it.
 
-Note [a buffer per run]: the plan is MEMO's bi-level one, with a run's (block's) fetches and its
-rebuilds as the groups: each laid out together, then placed as rectangles in one address space.
-Each group's range (its hull) is a buffer of its own, taken from the device's allocator at the
-group's first planned request (fetches at the prefetch, rebuilds at the run's first unpack) and
-given back when the run's records are all released (`run_done`), when every planned request of it
-was made and its tenants are dead, or at the step's end. The first design took one buffer of the
-whole plan at the step's first request and held it through backward: at the step's peak it held
-the ranges of runs not fetched yet. That peak is often early in backward (the last block, where
-the gradients are largest) while the plan's own peak comes later (two whole blocks at once): on
-the simulated device at 2048 tokens (cpu, tiles, chunked loss) the one buffer held 6-14 MiB more
-than the tenants alive at the step's peak, and the longest sequence was 3200 tokens against 3968
-with the planner off (3840 per run); held through forward too, the peak was 15-47% over the
-unplanned run's. Per run, the arena holds what the runs being worked on need: a fixed set of
-sizes allocated in the same order every step, which the caching allocator serves from the same
-cached blocks (MEMO's two buffers alternating between even and odd blocks, where blocks are
-alike). A buffer's tenants still alive keep it through their storages (Note [device tenants]),
-so giving it back never frees bytes in use.
+Note [a buffer per wave]: the plan is MEMO's bi-level one, with parts as its groups: a part is
+a wave of one run's fetches or of its rebuilds, the requests whose tenants died between the same
+two unpacks of the traced step (autograd frees what a node saved together, after the node's
+backward, and the next node unpacks before it runs; `DeviceArena.unpacked` counts them). Each
+part is laid out, then placed as a rectangle in one address space. Each part's range is a buffer
+of its own, taken from the device's allocator at the part's first planned request (fetches at the
+prefetch, rebuilds at the run's first unpack) and let go at its last: from then on only its
+tenants hold it (Note [device tenants]) and it goes with the last of them, as the tensors would
+go in PyTorch. A part with requests still to come is let go when the run's records are all
+released (`run_done`) or at the step's end. Beyond PyTorch allocating each tensor alone, a part
+holds only the ranges of its requests still to come (a wave of rebuilds is requested over a
+node's unpacks) and its layout's gap over its lower bound (on the test model and the benchmark,
+the peaks are equal: `test_peak_device_memory_is_at_most_the_unplanned_runs`); what it changes is
+that a step's device buffers are a fixed list of sizes, taken in the same order every step and
+each returned whole.
 
-A buffer's start has the alignment of any fresh allocation of the device (512 bytes on CUDA, 64
-on the CPU) and offsets in it are multiples of ALIGNMENT, so a tenant is aligned as well as a
-tensor of its own would be, and kernels that pick a path by alignment pick the same one.
+How it got here, on the simulated device (live bytes, no fragmentation: a byte held past its
+tenant is sequence length lost; cpu, tiles, chunked loss, 3968 tokens trained with the planner
+off): one buffer of the whole plan held through backward trained 3200 tokens (at the step's early
+peak it held the ranges of runs not fetched yet); a buffer per run's fetches (MEMO's two buffers
+for even and odd blocks) 3840, as a run's fetched tensors die one by one in its backward (131.09
+MiB against 126.52 at 3968 tokens; `tokenwise` 0.97% over on the test model). A wave is as coarse
+as a part gets without holding a dead byte. What the caching allocator does around the buffers is
+the GPU's to measure; the replay allocator (actoff._replay) plans every allocation.
+
+Note [skipped requests]: records still being copied out when backward starts are served from the
+device (Note [forward what is still on the device], actoff._step); how many of the last block's
+varies with the copies' timing (13 of 14 fetched in the step planned, 5 or 6 later). The prefetch
+`expect`s those before it fetches the rest, and a part's buffer spans only the requests that will
+come. The planner stacks requests live at once in the order they came, so the records forwarded
+(the last placed) are the top of a range: the buffer is as short as what is fetched (the whole
+range held 7.75 MiB more at that step's peak).
+
+A buffer starts aligned as any fresh allocation (512 bytes on CUDA, 64 on the CPU), offsets are
+multiples of ALIGNMENT: kernels that pick a path by alignment pick the one a tensor's would.
 """
 
 from __future__ import annotations
@@ -69,7 +84,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from ._arena import align_up
 from .planner import Layout
 
-__all__ = ["ALIGNMENT", "DeviceArena", "first_fit"]
+__all__ = ["ALIGNMENT", "DeviceArena"]
 
 #: Offsets and sizes are multiples of this: the caching allocator's granularity, which keeps the
 #: 256-byte alignment a rebuilt tensor needs (actoff._record.TensorLayout).
@@ -77,24 +92,56 @@ ALIGNMENT = 512
 _GENERATIONS = itertools.count()  # trace generations, unique in the process
 
 
-class _RunBuffer:
-    """The buffer of one group's hull (a run's fetches or its rebuilds: Note [a buffer per run])
-    and its tenants alive."""
+class _PartBuffer:
+    """The buffer of one part's range (Note [a buffer per wave]) and its tenants alive."""
 
-    __slots__ = ("buffer", "ident", "live", "low", "pending", "stream")
+    __slots__ = ("buffer", "ident", "live", "low", "nbytes", "part", "pending", "stream")
 
-    def __init__(self, buffer: torch.Tensor, ident: int, low: int, pending: int, stream: Any) -> None:
-        self.buffer = buffer  # (hull size,) uint8
-        self.ident = ident  # unique in the process: deaths of an older buffer's tenants are ignored
-        self.low = low  # the hull's start in the plan's address space
-        self.pending = pending  # planned requests of the group not made yet this step
+    def __init__(self, buffer: torch.Tensor, part: tuple, low: int, pending: int, stream: Any) -> None:
+        self.buffer: torch.Tensor | None = buffer  # (range size,) uint8; None once let go
+        self.nbytes = buffer.numel()
+        self.part = part
+        self.ident = next(_GENERATIONS)  # unique in the process: tells buffers of a part apart
+        self.low = low  # the range's start in the plan's address space
+        self.pending = pending  # planned requests of the part not made yet this step
         self.stream = stream  # the stream it was allocated on (Note [device arena reuse])
         self.live: dict[int, int] = {}  # offset -> end (in the buffer) of its tenants alive
 
 
+class _Trace:
+    """A step's requests, ``[size, start, end or None, key, tag, epoch at death]``, on a clock
+    that ticks at every request and every death; tenants of an older generation are not traced."""
+
+    __slots__ = ("clock", "entries", "generation")
+
+    def __init__(self) -> None:
+        self.new()
+
+    def new(self) -> None:
+        self.clock, self.entries, self.generation = 0, [], next(_GENERATIONS)
+
+    def request(self, size: int, key: tuple, tag: Any) -> tuple[int, int]:
+        """Trace a request; its index and generation, for its death."""
+        self.clock += 1
+        self.entries.append([size, self.clock, None, key, tag, None])
+        return len(self.entries) - 1, self.generation
+
+    def died(self, index: int, generation: int, epoch: int) -> None:
+        if generation == self.generation:
+            self.clock += 1
+            self.entries[index][2] = self.clock
+            self.entries[index][5] = epoch
+
+    def take(self) -> list[tuple[int, int, int, tuple, Any, int]]:
+        """The requests whose tenants have died; starts a new generation."""
+        entries = self.entries
+        self.new()
+        return [tuple(entry) for entry in entries if entry[2] is not None]
+
+
 class DeviceArena:
-    """Buffers of the planned sizes, one per run being worked on (Note [a buffer per run]),
-    handed out as tenants at planned offsets.
+    """Buffers of the planned sizes, one per part (Note [a buffer per wave]), handed out as
+    tenants at planned offsets.
 
     Thread-safe: tenants die on autograd's threads and in the garbage collector.
 
@@ -107,7 +154,7 @@ class DeviceArena:
     >>> x = arena.empty(256, torch.float32, key=(0, "fetch", 0), tag=0)  # no plan: a new tensor
     >>> del x
     >>> trace = arena.take_trace(); trace
-    [(1024, 1, 2, (0, 'fetch', 0, 0), 0)]
+    [(1024, 1, 2, (0, 'fetch', 0, 0), 0, 0)]
     >>> layout = solve([Buffer(*entry[:3]) for entry in trace])
     >>> arena.install_plan([entry[3] for entry in trace], [entry[0] for entry in trace], layout)
     >>> arena.begin_step()
@@ -123,20 +170,20 @@ class DeviceArena:
     def __init__(self, backend: Any) -> None:
         self.backend = backend  # an actoff._device.StreamBackend
         self.streams = backend.streams
-        self.buffers: dict[tuple, _RunBuffer] = {}  # part (see `hulls`) -> its buffer now
-        self.num_allocations = 0  # buffers ever taken (Note [a buffer per run])
-        self.size = 0  # most bytes of buffers held at once in the last step (shown in stats)
-        # The plan: key -> (size, offset), each group's hull in the plan's address space (part ->
-        # (low, high); a part is a run's fetches or its rebuilds: a key's first two items) and
-        # how many planned requests it has, and the layout (in stats).
-        self.plan: dict[tuple, tuple[int, int]] | None = None
-        self.hulls: dict[tuple, tuple[int, int]] = {}
-        self._planned: dict[tuple, int] = {}
+        self.buffers: dict[tuple, _PartBuffer] = {}  # part -> its buffer, while it has requests to come
+        self.draining: dict[int, _PartBuffer] = {}  # ident -> a buffer let go, its tenants alive
+        self.num_allocations = 0  # buffers ever taken (Note [a buffer per wave])
+        self.size = 0  # most bytes of buffers alive at once in the last step (shown in stats)
+        # The plan: key -> (size, offset in the plan's address space, part); each part's keys;
+        # the layout (in stats). A part is a wave of a run's fetches or of its rebuilds.
+        self.plan: dict[tuple, tuple[int, int, tuple]] | None = None
+        self.parts: dict[tuple, list[tuple]] = {}
         self.layout: Layout | None = None
         # This step: requests by key (a key asked twice gets an occurrence number), those served
         # as planned, divergences and fallbacks (see the module docstring); over the process.
         self.seen: dict[tuple, int] = {}
         self.expected: set[tuple] = set()  # keys `expect`ed in a step so far
+        self.skipped: set[tuple] = set()  # keys `expect`ed this step: their requests will not come
         self.requests = self.served = self.divergences = self.fallbacks = 0
         self.last_fallbacks = 0  # the previous step's, under the same plan
         self._new_plan = False
@@ -146,10 +193,8 @@ class DeviceArena:
         # any allocation; its death is only queued, and handled under the lock before the next
         # request, so the trace keeps the order of deaths and requests.
         self._returned: collections.deque[tuple] = collections.deque()
-        # The trace: [size, start, end or None, key, tag] on the clock (`take_trace`).
-        self.clock = 0
-        self.trace: list[list] = []
-        self.trace_generation = next(_GENERATIONS)
+        self.trace = _Trace()  # `take_trace`
+        self._epoch = [0]  # unpacks so far (`unpacked`), read as each tenant dies
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -160,59 +205,82 @@ class DeviceArena:
 
     @property
     def capacity(self) -> int:
-        """Bytes of the buffers held now."""
-        return sum(held.buffer.numel() for held in list(self.buffers.values()))
+        """Bytes of the buffers alive now: held for requests to come, or kept by tenants."""
+        held = [*self.buffers.values(), *self.draining.values()]
+        return sum(part_buffer.nbytes for part_buffer in held)
+
+    def unpacked(self) -> None:
+        """Backward unpacked a saved tensor: the tenants that die before the next unpack are one
+        wave (Note [a buffer per wave]). Called under the runtime's lock; a death read on another
+        thread without it may land in a neighbouring wave, which only joins two waves."""
+        self._epoch[0] += 1
 
     def give_back(self) -> None:
-        """The step's backward is over: drop the buffers still held (Note [a buffer per run]);
-        the next planned requests take them again."""
+        """The step's backward is over: let go of the buffers still held (Note [a buffer per
+        wave]); the next planned requests take them again."""
         with self._locked():
-            self.buffers = {}
+            for held in list(self.buffers.values()):
+                self._let_go(held)
 
     def run_done(self, run: Any) -> None:
-        """``run``'s records are all released: its buffer is given back (its tenants still alive
-        keep it until they die, Note [device tenants]); a planned request it did not make (a
-        record served from the device this step) will not come now."""
+        """``run``'s records are all released: its buffers are let go; a planned request it did
+        not make (a record served from the device this step) will not come now."""
         with self._locked():
-            for part in [part for part in self.buffers if part[0] == run]:
-                del self.buffers[part]
+            for held in [held for part, held in self.buffers.items() if part[0] == run]:
+                self._let_go(held)
+
+    def _let_go(self, held: _PartBuffer) -> None:
+        """The arena needs ``held`` no more: its tenants alive keep its memory until they die
+        (Note [device tenants]), so it goes with the last of them."""
+        if self.buffers.get(held.part) is held:
+            del self.buffers[held.part]
+        held.buffer = None
+        if held.live:
+            self.draining[held.ident] = held
 
     def begin_step(self) -> None:
         """A new step: keys count from zero and a new trace starts; buffers still held (a step
-        whose records did not all come back) are given back."""
+        whose records did not all come back) are let go."""
         self.give_back()
         with self._locked():
             self.seen.clear()
+            self.skipped.clear()
             self.last_fallbacks = 0 if self._new_plan else self.fallbacks
             self._new_plan = False
             self.requests = self.served = self.divergences = self.fallbacks = 0
-            self.size = 0
-            self._new_trace()
+            self.size = self.capacity
+            self.trace.new()
 
     def wants_plan(self) -> bool:
         """After a step: no plan yet, a divergence, or fallbacks two steps in a row."""
         return self.plan is None or bool(self.divergences) or bool(self.fallbacks and self.last_fallbacks)
 
-    def install_plan(self, keys: Sequence[tuple], sizes: Sequence[int], layout: Layout) -> None:
-        """Serve the next steps' requests for ``keys`` (of ``sizes``; a key's first item is its
-        run, its first two items its group) at ``layout.offsets``, each group's from a buffer of
-        its hull."""
+    def install_plan(
+        self,
+        keys: Sequence[tuple],
+        sizes: Sequence[int],
+        layout: Layout,
+        parts: Sequence[tuple] | None = None,
+    ) -> None:
+        """Serve the next steps' requests for ``keys`` (of ``sizes``) at ``layout.offsets``, each
+        part's from a buffer of its range. ``parts[i]`` names key ``i``'s part; a part's first
+        item is its run. By default a key's first two items (a run's fetches, its rebuilds)."""
         with self._locked():
-            # Buffers still held were cut to the old plan's hulls, which the new offsets do not
-            # fit: let them go (their tenants keep them, Note [device tenants]).
-            self.buffers = {}
-            self.plan, self.hulls, self._planned = {}, {}, collections.Counter()
-            for key, size, offset in zip(keys, sizes, layout.offsets, strict=True):
-                self.plan[key] = (size, offset)
-                low, high = self.hulls.get(key[:2], (offset, offset + size))
-                self.hulls[key[:2]] = (min(low, offset), max(high, offset + size))
-                self._planned[key[:2]] += 1
+            # Buffers still held were cut to the old plan's ranges, which the new offsets do not
+            # fit: let them go.
+            for held in list(self.buffers.values()):
+                self._let_go(held)
+            self.plan, self.parts = {}, {}
+            parts = parts if parts is not None else [key[:2] for key in keys]
+            for key, size, offset, part in zip(keys, sizes, layout.offsets, parts, strict=True):
+                self.plan[key] = (size, offset, part)
+                self.parts.setdefault(part, []).append(key)
             self.layout = layout
             self._new_plan = True
 
     def empty(self, numel: int, dtype: torch.dtype, key: tuple, tag: Any = None) -> torch.Tensor:
         """A 1-D device tensor of ``numel`` elements of ``dtype`` for the request ``key`` (the same
-        in every step: run, what, record); ``tag`` (the run) groups requests for the planner."""
+        in every step: run, what, record); ``tag`` (the run) is kept in the trace."""
         nbytes = numel * dtype.itemsize
         size = align_up(max(nbytes, 1), ALIGNMENT)
         with self._locked():
@@ -224,6 +292,8 @@ class DeviceArena:
             else:  # Note [device tenants]
                 held.live[offset] = offset + size
                 tenant = from_dlpack(to_dlpack(held.buffer[offset : offset + nbytes])).view(dtype)
+                if held.pending <= 0:  # the part's last planned request: its tenants keep it
+                    self._let_go(held)
             self._trace(size, key, tag, tenant.untyped_storage(), held, offset)
         return tenant
 
@@ -233,7 +303,9 @@ class DeviceArena:
         step its copy may be over by then and it is fetched. That request is a fallback, not a
         divergence: the plan keeps no room for what is rarely fetched."""
         with self._locked():
-            self.expected.add(self._occurrence(key))
+            key = self._occurrence(key)
+            self.expected.add(key)
+            self.skipped.add(key)
 
     def _occurrence(self, key: tuple) -> tuple:
         occurrence = self.seen.get(key, 0)
@@ -241,93 +313,82 @@ class DeviceArena:
         return (*key, occurrence)
 
     def _trace(
-        self, size: int, key: tuple, tag: Any, holder: object, held: _RunBuffer | None, offset: int
+        self, size: int, key: tuple, tag: Any, holder: object, held: _PartBuffer | None, offset: int
     ) -> None:
-        self.clock += 1
-        self.trace.append([size, self.clock, None, key, tag])
-        death = (
-            key[:2],
-            held.ident if held is not None else -1,
-            offset,
-            len(self.trace) - 1,
-            self.trace_generation,
+        index, generation = self.trace.request(size, key, tag)
+        part, ident = (held.part, held.ident) if held is not None else (None, -1)
+        # Not a bound method: a tenant alive (a graph kept) must not keep the arena alive.
+        weakref.finalize(
+            holder, _queue_death, self._returned, self._epoch, (part, ident, offset, index, generation)
         )
-        weakref.finalize(holder, self._returned.append, death)
 
-    def _place(self, key: tuple, size: int) -> tuple[_RunBuffer | None, int]:
+    def _place(self, key: tuple, size: int) -> tuple[_PartBuffer | None, int]:
         """The buffer and offset of a request, or (None, 0) for a new allocation."""
         planned = self.plan.get(key) if self.plan is not None else None
         if planned is not None and planned[0] == size:
-            held = self._buffer(key[:2])
+            held = self._buffer(planned[2])
             if held is not None:
                 held.pending -= 1
                 offset = planned[1] - held.low
-                if 0 <= offset <= held.buffer.numel() - size and _free(held.live, offset, size):
+                if 0 <= offset <= held.nbytes - size and _free(held.live, offset, size):
                     self.served += 1
                     return held, offset
+                if held.pending <= 0:
+                    self._let_go(held)
         if (planned is not None and planned[0] == size) or key in self.expected:
             self.fallbacks += 1
             self.total_fallbacks += 1
         elif self.plan is not None:
             self.divergences += 1
             self.total_divergences += 1
-        # Not as planned: a free gap of the run's buffer, if it holds one, rather than more memory.
-        held = self.buffers.get(key[:2])
-        if held is not None and held.stream == self.streams.current():
-            offset = first_fit(held.live, size, held.buffer.numel())
-            if offset is not None:
-                return held, offset
         return None, 0
 
-    def _buffer(self, part: tuple) -> _RunBuffer | None:
-        """The buffer of ``run``'s hull for the current stream, taken if need be (None: it is
-        held for another stream)."""
+    def _buffer(self, part: tuple) -> _PartBuffer | None:
+        """The buffer of ``part``'s range for the current stream, taken if need be (None: it is
+        held for another stream). Note [skipped requests]: it spans the planned ranges of the
+        requests this step will make, not those `expect`ed instead."""
         current = self.streams.current()
         held = self.buffers.get(part)
         if held is not None:
             return held if held.stream == current else None
-        low, high = self.hulls[part]
-        # The previous buffer's tenants keep it alive through their storages until they die.
+        ranges = [self.plan[key][:2] for key in self.parts[part] if key not in self.skipped]
+        low = min(offset for _, offset in ranges)
+        high = max(offset + size for size, offset in ranges)
+        # A buffer let go before lives on in its tenants until they die (Note [device tenants]).
         buffer = self.backend.device_empty(high - low, torch.uint8)
-        held = self.buffers[part] = _RunBuffer(buffer, next(_GENERATIONS), low, self._planned[part], current)
+        held = self.buffers[part] = _PartBuffer(buffer, part, low, len(ranges), current)
         self.num_allocations += 1
         self.size = max(self.size, self.capacity)
         return held
 
-    def _died(self, part: tuple, ident: int, offset: int, index: int, generation: int) -> None:
-        held = self.buffers.get(part)
-        if held is not None and held.ident == ident:
+    def _died(
+        self, part: tuple | None, ident: int, offset: int, index: int, generation: int, epoch: int
+    ) -> None:
+        held = self.buffers.get(part) if part is not None else None
+        if held is None or held.ident != ident:
+            held = self.draining.get(ident)
+        if held is not None:
             held.live.pop(offset, None)
-            if held.pending <= 0 and not held.live:  # the run is done with it: give it back
-                del self.buffers[part]
-        if generation == self.trace_generation:
-            self.clock += 1
-            self.trace[index][2] = self.clock
+            if held.buffer is None and not held.live:  # the last tenant of a buffer let go
+                del self.draining[ident]
+        self.trace.died(index, generation, epoch)
 
-    def take_trace(self) -> list[tuple[int, int, int, tuple, Any]]:
+    def take_trace(self) -> list[tuple[int, int, int, tuple, Any, int]]:
         """The requests traced since the step began whose tenants have died, as ``(size, start,
-        end, key, tag)``; starts a new trace."""
+        end, key, tag, epoch)`` (``epoch``: unpacks before the death); starts a new trace."""
         with self._locked():
-            done = [
-                (size, start, end, key, tag) for size, start, end, key, tag in self.trace if end is not None
-            ]
-            self._new_trace()
-            return done
-
-    def _new_trace(self) -> None:
-        self.trace = []  # tenants still live belong to the old generation: not traced on
-        self.trace_generation = next(_GENERATIONS)
+            return self.trace.take()
 
     def stats(self) -> dict[str, Any]:
-        """Figures for ``actoff.stats()``: the most buffer bytes held at once, the plan's peak and
-        lower bound, solve time, method, buffers allocated, divergences and fallbacks."""
-        layout = self.layout
+        """Figures for ``actoff.stats()``: the most buffer bytes alive at once, the plan's peak
+        and lower bound, solve time, method, buffers allocated, divergences and fallbacks."""
+        layout = self.layout if self.layout is not None else Layout((), 0, 0, "none", False)
         return {
             "bytes": self.size,
-            "plan_bytes": layout.peak if layout is not None else 0,
-            "lower_bound": layout.lower_bound if layout is not None else 0,
-            "solve_s": layout.solve_s if layout is not None else 0.0,
-            "method": layout.method if layout is not None else "none",
+            "plan_bytes": layout.peak,
+            "lower_bound": layout.lower_bound,
+            "solve_s": layout.solve_s,
+            "method": layout.method,
             "allocations": self.num_allocations,
             "divergences": self.total_divergences,
             "fallbacks": self.total_fallbacks,
@@ -335,22 +396,9 @@ class DeviceArena:
 
 
 def _free(live: dict[int, int], offset: int, size: int) -> bool:
-    end = offset + size
-    return all(end <= low or high <= offset for low, high in live.items())
+    return all(offset + size <= low or high <= offset for low, high in live.items())
 
 
-def first_fit(live: dict[int, int], size: int, capacity: int) -> int | None:
-    """The lowest offset where ``size`` bytes fit between the ``live`` ranges (offset -> end)
-    below ``capacity``, or None.
-
-    >>> first_fit({0: 512, 1024: 2048}, 512, 4096)
-    512
-    >>> first_fit({0: 4096}, 512, 4096) is None
-    True
-    """
-    cursor = 0
-    for low in sorted(live):
-        if low - cursor >= size:
-            return cursor
-        cursor = max(cursor, live[low])
-    return cursor if capacity - cursor >= size else None
+def _queue_death(returned: collections.deque, epoch: list[int], death: tuple) -> None:
+    """A tenant died (on any thread, maybe inside the collector): queue it with the unpacks so far."""
+    returned.append((*death, epoch[0]))

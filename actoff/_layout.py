@@ -71,7 +71,7 @@ class Arenas(dict):
     def records_back(self, device: torch.device, current: bool) -> None:
         """A step's records on ``device`` are all back: its host arena merges empty chunks, and,
         if it is the ``current`` step (an older one's says nothing of the current backward),
-        its device arena gives back the buffers it still holds (Note [a buffer per run])."""
+        its device arena lets go of the buffers it still holds (Note [a buffer per wave])."""
         self.consolidate(device)
         arena = self.on_device.get(device)
         if current and arena is not None:
@@ -115,17 +115,35 @@ def plan_arena(arena: HostArena, config: Config, plans: dict[str, Layout]) -> No
 
 def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layout]) -> None:
     """After a step whose buffers are all back: a device arena whose step kept to its plan keeps
-    it; otherwise (`DeviceArena.wants_plan`) the step just traced becomes the plan (MEMO's
-    bi-level solve, the blocks as groups, each block's range apart: Note [a buffer per run]), so
-    a new length or batch is planned from its own first step."""
+    it; otherwise (`DeviceArena.wants_plan`) the step just traced becomes the plan, so a new
+    length or batch is planned from its own first step. MEMO's bi-level solve, with each wave of
+    a block's fetches or rebuilds a group in a range apart (Note [a buffer per wave],
+    actoff._device_arena)."""
     trace = arena.take_trace()
     if not trace or config.planner == "off" or not arena.wants_plan():
         return
-    origin = min(start for _, start, _, _, _ in trace)
-    buffers = [Buffer(size, start - origin, end - origin) for size, start, end, _, _ in trace]
-    groups = [key[:2] for _, _, _, key, _ in trace]  # a run's fetches, its rebuilds: apart
-    layout = _layout(arena.kind, buffers, groups, config, plans, arena.alignment)
-    arena.install_plan([key for _, _, _, key, _ in trace], [b.size for b in buffers], layout)
+    origin = min(entry[1] for entry in trace)
+    buffers = [Buffer(size, start - origin, end - origin) for size, start, end, *_ in trace]
+    parts = waves(trace)
+    layout = _layout(arena.kind, buffers, parts, config, plans, arena.alignment)
+    arena.install_plan([entry[3] for entry in trace], [b.size for b in buffers], layout, parts)
+
+
+def waves(trace: list[tuple]) -> list[tuple]:
+    """The part of each traced request (Note [a buffer per wave], actoff._device_arena): its
+    run's fetches or rebuilds (a key's first two items) and the wave it died in, numbered from 0
+    in the order the waves died.
+
+    >>> trace = [(512, 1, 4, (0, "fetch", 0, 0), 0, 7), (512, 2, 3, (0, "fetch", 1, 0), 0, 5),
+    ...          (512, 5, 6, (1, "fetch", 0, 0), 1, 7)]
+    >>> waves(trace)
+    [(0, 'fetch', 1), (0, 'fetch', 0), (1, 'fetch', 0)]
+    """
+    epochs: dict[tuple, set[int]] = {}
+    for entry in trace:
+        epochs.setdefault(entry[3][:2], set()).add(entry[5])
+    order = {group: sorted(seen) for group, seen in epochs.items()}
+    return [(*entry[3][:2], order[entry[3][:2]].index(entry[5])) for entry in trace]
 
 
 def _layout(

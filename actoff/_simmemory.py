@@ -16,7 +16,7 @@ saved no device memory at all.
 Note [block sizes]: a storage counts as many bytes as CUDA's caching allocator would take for it:
 its size rounded up to a multiple of 512 (nothing for an empty one). Counted exactly, a run
 of many small tensors would look smaller than the same bytes in one buffer, which a GPU rounds
-the same way (actoff's device arena, Note [a buffer per run]).
+the same way (actoff's device arena, Note [a buffer per wave]).
 """
 
 from __future__ import annotations

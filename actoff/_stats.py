@@ -61,10 +61,11 @@ class Stats:
     auto: dict = field(default_factory=dict)  # block -> actoff._tokenwise.AutoDecision
     host_plan: str = "none"  # the host arena's plan: "greedy:...", "mip", "cache", "rank 0 (...)"
     #: The device arena (actoff._device_arena; none on a plain CPU device or with the planner
-    #: off): most bytes of its buffers held at once in the last step, the bytes its plan's address
-    #: space spans, the plan's lower bound (most bytes live at once in the traced step), solve
-    #: time, method ("bilevel", "cache", ...), buffers taken (one per run and step: Note [a buffer
-    #: per run]), and requests not served as planned.
+    #: off): most bytes of its buffers alive at once in the last step (those of the step before
+    #: that still had tenants at its start included), the bytes its plan's
+    #: address space spans, the plan's lower bound (most bytes live at once in the traced step),
+    #: solve time, method ("bilevel", "cache", ...), buffers taken (one per wave of a block's
+    #: tensors and step: Note [a buffer per wave]), and requests not served as planned.
     device_arena_bytes: int = 0
     device_plan_bytes: int = 0
     device_lower_bound: int = 0
@@ -153,7 +154,7 @@ class Stats:
             gap = self.device_plan_bytes / self.device_lower_bound - 1 if self.device_lower_bound else 0.0
             lines.append(
                 f"device arena: {format_bytes(self.device_arena_bytes)} held at most, in buffers taken "
-                f"{self.device_allocations} time(s) (one per block and backward), plan "
+                f"{self.device_allocations} time(s) (one per wave of a block's tensors and backward), plan "
                 f"{format_bytes(self.device_plan_bytes)} = lower bound "
                 f"{format_bytes(self.device_lower_bound)} + {gap:.1%} ({self.device_plan}, solved in "
                 f"{self.device_solve_s * 1e3:.1f} ms), {self.device_divergences} divergence(s), "

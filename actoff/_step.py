@@ -233,6 +233,9 @@ class ScopeRun:
         later, move the previous run's prefetches on."""
         step = self.step
         step.backward_started = True
+        arena = self.runtime.arenas.on_device.get(self.device)
+        if arena is not None:
+            arena.unpacked()  # the tenants that die from now to the next unpack are a wave
         if not step.callback_queued:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(
@@ -250,7 +253,7 @@ class ScopeRun:
 
     def released(self) -> None:
         """One of the run's records was released (the runtime's lock held): at the last, the
-        device arena gives back the run's buffers (Note [a buffer per run])."""
+        device arena lets go of the run's buffers (Note [a buffer per wave])."""
         self.live -= 1
         if self.live == 0 and self.step is self.runtime.step:  # not an older step's run
             self.runtime.arenas.run_done(self.device, self.index)
@@ -271,15 +274,20 @@ class ScopeRun:
         """
         self.fetch_issued = True
         self.fetching = []
+        fetched = []
         for record in self.all_records():
             if record.state is State.OFFLOADING:
                 record.tier.settle(record)  # a staged write that has ended since: finish it
             if record.state is State.OFFLOADED and record.live_source() is None:
-                record.tier.fetch(record)
-                if record.state is State.FETCHING:
-                    self.fetching.append(record)
+                fetched.append(record)
             elif record.state is State.OFFLOADING and record.device_tensor is not None:
                 self._expect_device_buffer(record)
+        # The device arena hears of every record forwarded before the first fetch: it sizes the
+        # run's buffers to what is fetched (Note [skipped requests], actoff._device_arena).
+        for record in fetched:
+            record.tier.fetch(record)
+            if record.state is State.FETCHING:
+                self.fetching.append(record)
 
     def poll(self) -> None:
         """Move this run's prefetches on without waiting (see `Tier.poll`). Called at every

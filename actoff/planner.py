@@ -115,10 +115,15 @@ def validate(buffers: Sequence[Buffer], offsets: Sequence[int], alignment: int =
     return max((offsets[i] + sizes[i] for i in range(len(buffers))), default=0)
 
 
+# Greedy's orders, tried in turn; on a tie the first wins (for every arena: any of them is as good
+# there). Start order first: when every buffer is live at once (a block's records fetched
+# together) it stacks them as they were requested, so the first requested lie lowest and a step
+# that skips the last ones needs only the low part of the range (the device arena takes a
+# shorter buffer then: Note [skipped requests], actoff._device_arena).
 _ORDERS = {
+    "start": lambda b: (b.start, -b.size),
     "size": lambda b: (-b.size, b.start),
     "size_x_lifetime": lambda b: (-b.size * (b.end - b.start), b.start),
-    "start": lambda b: (b.start, -b.size),
 }
 
 
@@ -237,7 +242,7 @@ def solve(
     started = time.perf_counter()
     bound = lower_bound(buffers, alignment)
     if not buffers:
-        return Layout((), 0, 0, "greedy:size", True)
+        return Layout((), 0, 0, "greedy:start", True)
     offsets, peak, order = _best_greedy(buffers, alignment)
     layout = Layout(
         tuple(offsets), peak, bound, f"greedy:{order}", peak == bound, time.perf_counter() - started
@@ -272,7 +277,7 @@ def solve_bilevel(
     lifetimes: all layers of a model share one solve), then the step is solved with each
     block as one rectangle. The answer is never worse than flat greedy, unless
     ``blocks_apart``: then each block's buffers stay within one range of their own (the
-    device arena allocates each block's range apart: Note [a buffer per run]).
+    device arena allocates each block's range apart: Note [a buffer per wave]).
 
     >>> buffers = [Buffer(4, 0, 2), Buffer(4, 1, 3), Buffer(4, 4, 6)]
     >>> layout = solve_bilevel(buffers, ["a", "a", "b"], blocks_apart=True)

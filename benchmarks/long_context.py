@@ -1379,7 +1379,7 @@ def where_memory_goes(record: dict) -> list[str]:
         f"{mib(record['act_keep_bytes'])}; off it: cpu {mib(record['act_cpu_bytes'])}, nvme "
         f"{mib(record['act_nvme_bytes'])}, recomputed in backward {mib(record['act_recompute_bytes'])}",
         f"   actoff's device arena (its backward buffers: fetched and rebuilt activations) "
-        f"{mib(record['device_arena_bytes'])} at most at once (a buffer per block, while backward works on it)",
+        f"{mib(record['device_arena_bytes'])} at most at once (a buffer per wave of a block's tensors, alive while they are)",
         "   per phase, over the step's start (weights, gradients, tokens):",
     ]
     peak = max(phase_peak for _, _, phase_peak in record["phases"])

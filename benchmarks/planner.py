@@ -6,9 +6,10 @@ several sequence lengths and layer counts; random instances are the hard, unstru
 
 The device arena's traces (the buffers actoff allocates on the device in backward, under
 ``cpu`` and ``tokenwise``) are recorded on the simulated device, which takes the CUDA paths on
-a CPU: the arena's size against its lower bound for greedy, bi-level and MEMO's two buffers
-alternating between even and odd blocks, and the simulated device's peak with the planner off
-and on (it has no fragmentation: what the arena wins there is nothing, what it costs shows).
+a CPU: the arena's size against its lower bound for greedy, bi-level (the arena's: each wave of
+a block's fetches or rebuilds in a range apart) and MEMO's two buffers alternating between even
+and odd blocks, and the simulated device's peak with the planner off and on (it has no
+fragmentation: what the arena wins there is nothing, what it costs shows).
 
     python benchmarks/planner.py --json planner.json
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import format_table, print_header, system_header, write_json
 
+from actoff._layout import waves
 from actoff.planner import Buffer, lower_bound, solve, solve_bilevel, validate
 
 DEVICE_ALIGNMENT = 512  # actoff._device_arena.ALIGNMENT
@@ -60,9 +62,12 @@ def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[
     return [Buffer(size, start, end) for size, start, end, _ in trace], [tag for *_, tag in trace]
 
 
-def device_trace(seq: int, layers: int, policy: str) -> tuple[list[Buffer], list[int], dict[str, int]]:
-    """One step's device-arena requests (and their blocks) from the reference model on the
-    simulated device, and the device's peak in steady steps with the planner off and on."""
+def device_trace(
+    seq: int, layers: int, policy: str
+) -> tuple[list[Buffer], list[int], list[tuple], dict[str, int]]:
+    """One step's device-arena requests, their blocks and their parts (the arena's waves) from
+    the reference model on the simulated device, and the device's peak in steady steps with the
+    planner off and on."""
     import torch
 
     import actoff
@@ -97,10 +102,10 @@ def device_trace(seq: int, layers: int, policy: str) -> tuple[list[Buffer], list
     finally:
         DeviceArena.take_trace = real_take
         actoff.reset()
-    trace = next(t for t in reversed(traces) if t)  # the last step's
-    origin = min(start for _, start, _, _, _ in trace)
-    buffers = [Buffer(size, start - origin, end - origin) for size, start, end, _, _ in trace]
-    return buffers, [tag for *_, tag in trace], peaks
+    trace = next(t for t in reversed(traces) if t)  # the last step's: (size, start, end, key, tag, epoch)
+    origin = min(entry[1] for entry in trace)
+    buffers = [Buffer(size, start - origin, end - origin) for size, start, end, *_ in trace]
+    return buffers, [entry[4] for entry in trace], waves(trace), peaks
 
 
 def memo_two_buffers(buffers: list[Buffer], blocks: list[int], alignment: int) -> int | None:
@@ -128,11 +133,12 @@ def device_section(args: argparse.Namespace, records: list[dict]) -> None:
     for layers in (int(x) for x in args.layers.split(",")):
         for seq in (int(x) for x in args.seq.split(",")):
             for policy in ("cpu", "tokenwise"):
-                buffers, blocks, peaks = device_trace(seq, layers, policy)
+                buffers, blocks, parts, peaks = device_trace(seq, layers, policy)
                 bound = lower_bound(buffers, DEVICE_ALIGNMENT)
                 greedy = solve(buffers, method="greedy", alignment=DEVICE_ALIGNMENT)
-                bilevel = solve_bilevel(buffers, blocks, method="auto", time_limit_s=args.time_limit,
-                                        alignment=DEVICE_ALIGNMENT)  # fmt: skip
+                # The arena's plan: each wave of a block's fetches or rebuilds in a range apart.
+                bilevel = solve_bilevel(buffers, parts, method="auto", time_limit_s=args.time_limit,
+                                        alignment=DEVICE_ALIGNMENT, blocks_apart=True)  # fmt: skip
                 memo = memo_two_buffers(buffers, blocks, DEVICE_ALIGNMENT)
                 row = {
                     "instance": f"device {policy} seq={seq} layers={layers}", "arena": "device",

@@ -129,7 +129,7 @@ def test_bad_arguments():
         Buffer(4, 3, 3)
     with pytest.raises(ValueError, match="method='best'"):
         solve([Buffer(1, 0, 1)], method="best")
-    assert solve([]) == Layout((), 0, 0, "greedy:size", True)
+    assert solve([]) == Layout((), 0, 0, "greedy:start", True)
 
 
 def test_cache_hit_miss_stale_and_corrupt(tmp_path):
