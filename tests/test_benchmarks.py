@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_long_context_smoke(tmp_path):
     out_json, out_png = tmp_path / "lc.json", tmp_path / "lc.png"
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--preset", "cpu",
-               "--seq", "64", "--layers", "1", "--steps", "1", "--warmup", "0",
+               "--seq", "64", "--layers", "2", "--steps", "1", "--warmup", "0",
                "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -46,7 +46,9 @@ def test_long_context_smoke(tmp_path):
     assert by_policy["cpu"]["act_cpu_bytes"] > 0 and by_policy["nvme"]["act_nvme_bytes"] > 0
     assert by_policy["recompute"]["act_recompute_bytes"] > 0 and by_policy["recompute"]["recompute_share"] > 0
     assert by_policy["tokenwise:0.25:0.25"]["act_nvme_bytes"] > 0
-    # The host tier leaves the device: under cpu the activation peak is below keep's.
+    # The host tier leaves the device: under cpu the activation peak is below keep's. Two layers:
+    # the first block's copies are finished by the second's start whatever the machine's load; a
+    # single block's may all still be under way at backward (served from the device: no lower).
     assert by_policy["cpu"]["activation_peak_bytes"] < by_policy["keep"]["activation_peak_bytes"]
     whats = sorted(line["what"] for line in data["summary"])
     assert [what.split(" (")[0] for what in whats] == ["cpu / save_on_cpu", "cpu activation peak / keep's",
