@@ -59,9 +59,10 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ._config import Config
+from ._handles import unpack
 from ._policy import TOKENWISE_POLICIES, whole_tier
 from ._runtime import find_device, get_runtime
-from ._step import ScopeRun, unpack
+from ._step import ScopeRun
 
 __all__ = ["ScopeSpec", "compiled_scope", "eager_scope"]
 

@@ -34,6 +34,7 @@ from ._arena import HostArena
 from ._config import Config
 from ._device import backend_for
 from ._distributed import agree_with_rank0, local_world_size
+from ._handles import unpack
 from ._layout import Arenas
 from ._mixers import CaptureMode, CollectiveWatch
 from ._nvme import StoreRegistry
@@ -43,7 +44,7 @@ from ._record import Record, State
 from ._runtime_lock import RuntimeLock
 from ._simdevice import settings_for
 from ._stats import BlockStats, Stats, collect, snapshot
-from ._step import ScopeRun, Step, serve, unpack
+from ._step import ScopeRun, Step, serve
 from ._tier_nvme import NVME
 from ._tiers import HOST, KEEP, Tier
 from ._tokenwise import TokenwiseRun, decide_auto
@@ -175,6 +176,7 @@ class Runtime:
         # are released when the partial graph holding their handles is freed.
         with self.lock:
             run.dedup.clear()
+            run.spans.clear()
             if run.tokenwise is not None:
                 run.tokenwise.owned.clear()
             run.step.aborted = True
@@ -183,6 +185,7 @@ class Runtime:
     def _seal(self, run: ScopeRun) -> None:
         with self.lock:
             run.dedup.clear()  # Note [pack is hot]: the handles now live in autograd only
+            run.spans.clear()
             if run.tokenwise is not None:
                 run.tokenwise.prepare(self)
             step = run.step

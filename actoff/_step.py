@@ -2,7 +2,7 @@
 
 A `Step` is the scope runs of one forward pass, in order, until its backward ends. A
 `ScopeRun` is one call of an offload scope: its pack hook turns each saved tensor into a
-`Handle` to a `Record` (or passes it through), and it gives the tiers what they need from
+`Handle` to a `Record` (actoff._handles; or passes it through), and it gives the tiers what they need from
 the run: the arena, the NVMe store, the statistics. Placement, fetching and release are the
 runtime's and the tiers' (actoff._runtime, actoff._tiers).
 """
@@ -10,65 +10,19 @@ runtime's and the tiers' (actoff._runtime, actoff._tiers).
 from __future__ import annotations
 
 import collections
-import sys
+import weakref
 from typing import Any
 
 import torch
 
 from ._config import Config
 from ._device import DeviceBackend, Ticket
-from ._record import Record, State, TensorLayout, modified_error
+from ._handles import AliasHandle, Handle
+from ._record import Record, State, TensorLayout
 from ._stats import BlockStats
 from ._tiers import KEEP
 
-__all__ = ["Handle", "ScopeRun", "Step", "param_like", "serve", "unpack"]
-
-_finalizing = sys.is_finalizing
-
-
-class Handle:
-    """What autograd stores instead of a saved tensor. Dropping it releases the record."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: Record) -> None:
-        self.record = record
-
-    def __del__(self) -> None:
-        # At interpreter shutdown module globals may be gone: nothing is left to return then.
-        if _finalizing is not None and not _finalizing():
-            self.record.run.runtime.lock.release_when_safe(self.record)
-
-
-def unpack(packed: Any) -> torch.Tensor:
-    """The unpack hook: a handle's tensor from the runtime, a kept tensor checked, anything
-    else as it is."""
-    kind = type(packed)
-    if kind is Handle:
-        record = packed.record
-        return record.run.runtime.unpack(record)
-    if kind is tuple:
-        return _unpack_kept(*packed)
-    return packed
-
-
-# Note [kept as is]: under the ``keep`` policy a run's saved tensors never move, so they need
-# no Record, Handle or release (the state machine, the runtime's lock at every unpack and
-# release: most of what actoff cost per saved tensor). Its pack hook returns a tuple of a
-# detached alias (Note [no cycle through autograd]), the version it was saved at and the run;
-# autograd frees it with the graph like any saved tensor. Unpack checks the version (Note
-# [version check]) and, at the run's first unpack of a backward, tells the runtime backward has
-# reached the run (`ScopeRun.reached`: the end-of-backward callback, the previous run's prefetch).
-# Statistics count the tensor at pack. Runs kept for other reasons (``keep_last``, no room)
-# are records on the keep tier: they can still be placed.
-def _unpack_kept(alias: torch.Tensor, version: int, run: ScopeRun) -> torch.Tensor:
-    if alias._version != version:
-        raise modified_error(alias.shape, alias.dtype, run.name, alias._version, version)
-    step = run.step  # a first unpack outside backward (grad_fn._saved_self) queued nothing
-    if not run.fetch_issued or not step.callback_queued or (run.index and step.runs[run.index - 1].fetching):
-        with run.runtime.lock:
-            run.reached()
-    return alias
+__all__ = ["ScopeRun", "Step", "param_like", "serve"]
 
 
 class Step:
@@ -149,7 +103,10 @@ class ScopeRun:
         self.device = backend.device
         self.param_storages = param_storages
         self.records: list[Record] = []
-        self.dedup: dict[tuple, Handle] = {}
+        self.dedup: dict[tuple, tuple[Any, weakref.ref]] = {}  # key -> (packed, its tensor's root)
+        # Note [views of one storage]: (storage, dtype, version) -> the first record of it in
+        # the run, its span in the storage and the tensor its view is of (weakly).
+        self.spans: dict[tuple, tuple[Handle, int, int, weakref.ref]] = {}
         self.stats = BlockStats(name, calls=1)
         self.kept = config.policy == "keep"  # Note [kept as is]
         self.live = 0  # records not yet released
@@ -195,36 +152,77 @@ class ScopeRun:
         return handle
 
     def handle_for(self, tensor: torch.Tensor, storage: int, nbytes: int) -> Any:
-        """The handle of ``tensor``'s record (under ``keep``: Note [kept as is]), new or (same
-        view of the same bytes) deduplicated."""
+        """The handle of ``tensor``'s record (under ``keep``: Note [kept as is]), new or
+        deduplicated: the same view of the same bytes, or a view inside a record's span (Note
+        [views of one storage]), of the same tensor (one version counter)."""
         # The storage offset is part of the key: q/k/v views of one fused projection share a
-        # storage and must not collide. The version keeps a modified tensor apart.
+        # storage and must not collide. The version keeps a modified tensor apart; the root
+        # keeps apart tensors that share bytes but not a version counter (``set_``).
         key = (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
-        handle = self.dedup.get(key)
-        if handle is not None:
+        root = tensor._base if tensor._base is not None else tensor
+        found = self.dedup.get(key)
+        if found is not None and found[1]() is root:
             self.stats.dedup_hits += 1
-            return handle
-        if self.kept:
-            handle = self.dedup[key] = self._keep(tensor, nbytes)
-            return handle
-        record = Record(tensor, self, len(self.records), KEEP)
+            return found[0]
         tokenwise = self.tokenwise
+        inside = self._inside(tensor, storage, root) if tokenwise is None else None
+        if self.kept:  # counted as records would be: a view inside a span is a dedup hit
+            packed = self._keep(tensor, nbytes, storage, root, inside is not None)
+            self.dedup[key] = (packed, weakref.ref(root))
+            return packed
+        if inside is not None:
+            self.stats.dedup_hits += 1
+            alias = AliasHandle(*inside, tensor)
+            self.dedup[key] = (alias, weakref.ref(root))
+            return alias
+        record = Record(tensor, self, len(self.records), KEEP)
         if tokenwise is not None:
             tokenwise.classify(record, tensor)
         self.records.append(record)
         self.step.live += 1
         self.live += 1
         handle = Handle(record)
-        self.dedup[key] = handle
+        self.dedup[key] = (handle, weakref.ref(root))
+        if tokenwise is None and not record.layout.compact:
+            self._note_span(tensor, storage, root, handle, record.layout.span)
         return handle
 
-    def _keep(self, tensor: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, int, ScopeRun]:
+    def _note_span(
+        self, tensor: torch.Tensor, storage: int, root: torch.Tensor, handle: Any, span: int
+    ) -> None:
+        start = tensor.storage_offset()
+        entry = (handle, start, start + span, weakref.ref(root))
+        self.spans.setdefault((storage, tensor.dtype, tensor._version), entry)
+
+    def _inside(self, tensor: torch.Tensor, storage: int, root: torch.Tensor) -> tuple[Any, int] | None:
+        """Note [views of one storage]: the handle of a record of this run whose span holds
+        ``tensor`` (a view of ``root``, as the record's is) and where in it, or None."""
+        found = self.spans.get((storage, tensor.dtype, tensor._version))
+        if found is None:
+            return None
+        handle, start, end, its_root = found
+        offset = tensor.storage_offset()
+        last = offset + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        if start <= offset and last < end and its_root() is root:
+            return handle, offset - start
+        return None
+
+    def _keep(
+        self, tensor: torch.Tensor, nbytes: int, storage: int, root: torch.Tensor, inside: bool
+    ) -> tuple[torch.Tensor, int, ScopeRun]:
         stats = self.stats
-        if not tensor.is_contiguous():
-            nbytes = TensorLayout(tensor).nbytes  # the span it holds, counted as a record's
-        stats.tensors += 1
-        stats.bytes_saved += nbytes
-        stats.bytes_per_tier["keep"] += nbytes
+        if inside:
+            stats.dedup_hits += 1
+        else:
+            span, compact = tensor.numel(), False
+            if not tensor.is_contiguous():
+                layout = TensorLayout(tensor)
+                span, compact, nbytes = layout.span, layout.compact, layout.nbytes  # as a record's
+            if not compact:
+                self._note_span(tensor, storage, root, None, span)
+            stats.tensors += 1
+            stats.bytes_saved += nbytes
+            stats.bytes_per_tier["keep"] += nbytes
         return (tensor.detach(), tensor._version, self)
 
     def reached(self) -> None:

@@ -457,6 +457,7 @@ def test_a_run_partly_served_from_the_device_takes_a_buffer_of_what_it_fetches(m
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     assert_same_history(expected, actual)
+
     def taken_for_last(buffers):  # bytes of the buffers taken for the last block's waves
         return sum(size for run, size in buffers if run == last)
 

@@ -78,6 +78,70 @@ def test_same_tensor_saved_twice_is_one_record():
     assert block.tensors == 1 and block.dedup_hits == 1
 
 
+def _attend(scores, v):
+    """Attention's core as PyTorch's math backend runs it: the weights are saved twice, as the
+    softmax's output and as a view of it for the matrix product."""
+    weights = scores.softmax(-1)  # softmax saves its output
+    return torch.bmm(weights.view(-1, *weights.shape[-2:]), v)  # bmm saves the view (and v)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "nvme"])
+def test_views_of_one_storage_are_one_record_and_train_exactly(policy, nvme_dir):
+    """Note [views of one storage]: a view saved inside the span of a record of the same tensor
+    is served from that record, bit for bit; its bytes are not copied again."""
+    scores = torch.randn(2, 4, 32, 32, requires_grad=True)
+    v = torch.randn(8, 32, 16, requires_grad=True)
+    _attend(scores, v * 1.0).square().sum().backward()  # v * 1.0: saved, not a leaf
+    expected = scores.grad.clone(), v.grad.clone()
+    scores.grad = v.grad = None
+    extra = {"nvme_dir": nvme_dir} if policy == "nvme" else {}
+    attend = actoff.offload(policy=policy, min_bytes=0, name="attend", **extra)(_attend)
+    attend(scores, v * 1.0).square().sum().backward()
+    torch.testing.assert_close(scores.grad, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(v.grad, expected[1], rtol=0, atol=0)
+    block = actoff.stats().blocks["attend"]
+    assert block.tensors == 2 and block.dedup_hits == 1  # the weights once, and v
+    assert block.bytes_offloaded == (2 * 4 * 32 * 32 + 8 * 32 * 16) * 4
+
+
+def test_a_view_saved_then_changed_in_place_is_caught():
+    """The view served from another record's bytes shares its version counter: a change through
+    either is caught at unpack."""
+
+    @actoff.offload(policy="cpu", min_bytes=0, name="attend_then_change")
+    def attend_then_change(scores, v):
+        weights = scores.softmax(-1)
+        out = torch.bmm(weights.view(-1, *weights.shape[-2:]), v)
+        weights.mul_(2.0)
+        return out
+
+    scores = torch.randn(2, 4, 32, 32, requires_grad=True)
+    v = torch.randn(8, 32, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        attend_then_change(scores, v).sum().backward()
+
+
+def test_a_tensor_sharing_a_storage_but_not_a_view_is_its_own_record():
+    """Two tensors can share a storage without sharing a version counter (``set_``): served from
+    the other's record, a change to one would go unseen, where PyTorch raises."""
+
+    @actoff.offload(policy="cpu", min_bytes=0, name="twin")
+    def twin(x, y):
+        a = x * 2.0
+        a.add_(0.0)  # version 1, as b's after its `set_`: storage, dtype and version all agree
+        out = a.sin()  # saves a
+        b = torch.empty(0).set_(a.untyped_storage(), a.storage_offset(), a.shape, a.stride())
+        out = out + b * y  # saves b (same bytes as a, its own version counter) and y
+        b.add_(1.0)
+        return out
+
+    x = torch.randn(64, requires_grad=True)
+    y = torch.randn(64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        twin(x, y).sum().backward()
+    assert actoff.stats().blocks["twin"].dedup_hits == 0
+
+
 def test_keep_counts_its_tensors_as_records_kept_on_the_device_are_counted():
     # Note [kept as is]: keep runs make no records, yet their figures must be the records'
     # (non-contiguous saves included: the attention's transposed views count their span).
@@ -503,8 +567,8 @@ def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, n
     kept = []
     real_keep = ScopeRun._keep
 
-    def keep(self, tensor, nbytes):
-        packed = real_keep(self, tensor, nbytes)
+    def keep(self, tensor, *args):
+        packed = real_keep(self, tensor, *args)
         kept.append(weakref.ref(packed[0]))
         return packed
 
