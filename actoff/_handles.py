@@ -44,7 +44,10 @@ class Handle:
 # copy, the same bytes (there: 1692 MiB, 0.87). One root means one version counter, so the
 # record's version check sees a change through either. Kept apart: tensors that share bytes but
 # not a counter (``set_``: exact dedup checks the root too), views outside the span (q, k, v of
-# one fused projection), gappy (compact) records and token-wise runs (records split by tokens).
+# one fused projection), gappy (compact) records and token-wise runs (records split by tokens);
+# views with a lazy conjugate bit are never records (Note [lazy bits], actoff._step). The
+# reference block saves its attention output twice too: SDPA's output, and a view of it as the
+# output projection's input.
 class AliasHandle:
     """What autograd stores for another view of a record's bytes (Note [views of one storage]):
     the record's handle (kept alive by it) and the view's place in the record's span."""

@@ -117,6 +117,11 @@ class ScopeRun:
         self.tokenwise: Any = None
 
     # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
+    # Note [lazy bits]: a view with PyTorch's lazy conjugate or negation bit (``k.mH``) holds
+    # values that are not its bytes: a record of it would share the key of the tensor it views
+    # (dedup served that one), and the NVMe tier wrote its raw bytes. Such a view is left to
+    # autograd as it is (it holds the storage it views anyway). Found in review: wrong gradients
+    # for complex attention under every policy that deduplicates, and under `nvme`.
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.runtime.thread.disabled:
             return tensor
@@ -129,6 +134,8 @@ class ScopeRun:
             or tensor.is_quantized
             or tensor.device != self.device
             or nbytes == 0
+            or tensor.is_conj()  # Note [lazy bits]
+            or tensor.is_neg()
         ):
             if isinstance(tensor, torch.nn.Parameter):
                 self.stats.skipped_param_bytes += nbytes
@@ -165,9 +172,10 @@ class ScopeRun:
             self.stats.dedup_hits += 1
             return found[0]
         tokenwise = self.tokenwise
-        inside = self._inside(tensor, storage, root) if tokenwise is None else None
+        plain = tokenwise is None  # may share a span (Note [views of one storage])
+        inside = self._inside(tensor, storage, root) if plain else None
         if self.kept:  # counted as records would be: a view inside a span is a dedup hit
-            packed = self._keep(tensor, nbytes, storage, root, inside is not None)
+            packed = self._keep(tensor, nbytes, storage, root, inside is not None, plain)
             self.dedup[key] = (packed, weakref.ref(root))
             return packed
         if inside is not None:
@@ -183,7 +191,7 @@ class ScopeRun:
         self.live += 1
         handle = Handle(record)
         self.dedup[key] = (handle, weakref.ref(root))
-        if tokenwise is None and not record.layout.compact:
+        if plain and not record.layout.compact:
             self._note_span(tensor, storage, root, handle, record.layout.span)
         return handle
 
@@ -208,7 +216,7 @@ class ScopeRun:
         return None
 
     def _keep(
-        self, tensor: torch.Tensor, nbytes: int, storage: int, root: torch.Tensor, inside: bool
+        self, tensor: torch.Tensor, nbytes: int, storage: int, root: torch.Tensor, inside: bool, plain: bool
     ) -> tuple[torch.Tensor, int, ScopeRun]:
         stats = self.stats
         if inside:
@@ -218,7 +226,7 @@ class ScopeRun:
             if not tensor.is_contiguous():
                 layout = TensorLayout(tensor)
                 span, compact, nbytes = layout.span, layout.compact, layout.nbytes  # as a record's
-            if not compact:
+            if plain and not compact:
                 self._note_span(tensor, storage, root, None, span)
             stats.tensors += 1
             stats.bytes_saved += nbytes

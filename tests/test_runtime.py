@@ -121,6 +121,33 @@ def test_a_view_saved_then_changed_in_place_is_caught():
         attend_then_change(scores, v).sum().backward()
 
 
+@pytest.mark.parametrize("policy", ["cpu", "nvme"])
+def test_a_conjugate_view_is_never_served_from_the_tensor_s_record(policy, nvme_dir):
+    """Note [lazy bits]: ``k.mH`` and ``k.conj()`` are views of k's bytes with a lazy conjugate
+    bit. Served from k's record (``k.conj()`` has k's very key) they came back unconjugated, and
+    as records of their own the NVMe tier wrote their raw bytes: silently wrong gradients for
+    complex attention (found in review; both predate the views served from records)."""
+
+    def block(x, q):
+        k = x * 1.0
+        a = k.sin()  # saves k
+        s = q @ k.mH  # saves k.mH: inside k's span
+        t = q * k.conj()  # saves k.conj(): k's storage, offset, shape and stride
+        return a.abs().sum() + (s.abs() ** 2).sum() + (t.abs() ** 2).sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
+    q = torch.randn(4, 4, dtype=torch.complex64, requires_grad=True)
+    block(x, q).backward()
+    expected = x.grad.clone(), q.grad.clone()
+    x.grad = q.grad = None
+    extra = {"nvme_dir": nvme_dir} if policy == "nvme" else {}
+    actoff.offload(policy=policy, min_bytes=0, name="conj", **extra)(block)(x, q).backward()
+    torch.testing.assert_close(x.grad, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(q.grad, expected[1], rtol=0, atol=0)
+    assert actoff.stats().blocks["conj"].skipped_other_bytes == 2 * 4 * 4 * 8  # the two views
+
+
 def test_a_tensor_sharing_a_storage_but_not_a_view_is_its_own_record():
     """Two tensors can share a storage without sharing a version counter (``set_``): served from
     the other's record, a change to one would go unseen, where PyTorch raises."""
