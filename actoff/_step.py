@@ -172,16 +172,16 @@ class ScopeRun:
             self.stats.dedup_hits += 1
             return found[0]
         tokenwise = self.tokenwise
-        plain = tokenwise is None  # may share a span (Note [views of one storage])
-        inside = self._inside(tensor, storage, root) if plain else None
-        if self.kept:  # counted as records would be: a view inside a span is a dedup hit
-            packed = self._keep(tensor, nbytes, storage, root, inside is not None, plain)
-            self.dedup[key] = (packed, weakref.ref(root))
+        inside = self._inside(tensor, storage, root) if tokenwise is None else None
+        ref = weakref.ref(root)
+        if self.kept:  # (never token-wise) counted as records would be: a view inside a span is a hit
+            packed = self._keep(tensor, nbytes, storage, ref, inside is not None)
+            self.dedup[key] = (packed, ref)
             return packed
         if inside is not None:
             self.stats.dedup_hits += 1
             alias = AliasHandle(*inside, tensor)
-            self.dedup[key] = (alias, weakref.ref(root))
+            self.dedup[key] = (alias, ref)
             return alias
         record = Record(tensor, self, len(self.records), KEEP)
         if tokenwise is not None:
@@ -190,17 +190,16 @@ class ScopeRun:
         self.step.live += 1
         self.live += 1
         handle = Handle(record)
-        self.dedup[key] = (handle, weakref.ref(root))
-        if plain and not record.layout.compact:
-            self._note_span(tensor, storage, root, handle, record.layout.span)
+        self.dedup[key] = (handle, ref)
+        if tokenwise is None and not record.layout.compact:  # Note [views of one storage]
+            self._note_span(tensor, storage, ref, handle, record.layout.span)
         return handle
 
     def _note_span(
-        self, tensor: torch.Tensor, storage: int, root: torch.Tensor, handle: Any, span: int
+        self, tensor: torch.Tensor, storage: int, ref: weakref.ref, handle: Any, span: int
     ) -> None:
         start = tensor.storage_offset()
-        entry = (handle, start, start + span, weakref.ref(root))
-        self.spans.setdefault((storage, tensor.dtype, tensor._version), entry)
+        self.spans.setdefault((storage, tensor.dtype, tensor._version), (handle, start, start + span, ref))
 
     def _inside(self, tensor: torch.Tensor, storage: int, root: torch.Tensor) -> tuple[Any, int] | None:
         """Note [views of one storage]: the handle of a record of this run whose span holds
@@ -216,7 +215,7 @@ class ScopeRun:
         return None
 
     def _keep(
-        self, tensor: torch.Tensor, nbytes: int, storage: int, root: torch.Tensor, inside: bool, plain: bool
+        self, tensor: torch.Tensor, nbytes: int, storage: int, ref: weakref.ref, inside: bool
     ) -> tuple[torch.Tensor, int, ScopeRun]:
         stats = self.stats
         if inside:
@@ -226,8 +225,8 @@ class ScopeRun:
             if not tensor.is_contiguous():
                 layout = TensorLayout(tensor)
                 span, compact, nbytes = layout.span, layout.compact, layout.nbytes  # as a record's
-            if plain and not compact:
-                self._note_span(tensor, storage, root, None, span)
+            if not compact:
+                self._note_span(tensor, storage, ref, None, span)
             stats.tensors += 1
             stats.bytes_saved += nbytes
             stats.bytes_per_tier["keep"] += nbytes
