@@ -309,6 +309,22 @@ def arena():
     streams.close()
 
 
+def test_a_tenant_alive_does_not_keep_its_arena_alive():
+    """A tenant's death is queued by a finalizer; through a bound method it held the arena, so a
+    graph kept after `actoff.reset()` kept the arena, its plan and its backend (found in review)."""
+    import gc
+
+    streams = SimStreams(SimSettings(seed=20))
+    arena = DeviceArena(StreamBackend(torch.device("cpu"), streams))
+    tenant = arena.empty(256, torch.float32, (0, "fetch", 0), tag=0)
+    gone = weakref.ref(arena)
+    del arena
+    gc.collect()
+    assert gone() is None and tenant.numel() == 256
+    del tenant
+    streams.close()
+
+
 def _plan(arena: DeviceArena, *requests) -> None:
     """Trace ``requests`` ((key, elements, alive-with-the-next)) as one step and install its plan."""
     held = []
