@@ -10,12 +10,13 @@ request whose key the plan knows, at the planned size, is served at its offset i
 buffer, held only while its tenants live (Note [a buffer per wave]).
 
 A request the plan does not know (another key or size: a new length or batch) is a divergence,
-and the step it happened in becomes the next plan. A planned range still held (a tenant that
-lives longer than in the traced step: an NVMe read that landed late), or a request that is
-usually not made (`expect`), is a fallback: served by a new allocation, as PyTorch would (a free
-gap of a part's buffer is kept for the part's requests still to come, and a tenant there would
-keep the buffer alive past its wave); two steps in a row with fallbacks are planned again. Either way a request never
-gets bytes that a live tenant holds.
+and its step becomes the next plan; plans of the last shapes are kept, and a shape that comes
+back is served by its own (Note [a plan per shape], actoff._device_plans). A planned range still
+held (a tenant that lives longer than in the traced step: an NVMe read that landed late), or a
+request usually not made (`expect`), is a fallback: a new allocation, as PyTorch would make (a
+free gap of a part's buffer is kept for the part's requests to come, and a tenant there would
+keep the buffer alive past its wave); two steps in a row with fallbacks are planned again.
+Either way a request never gets bytes that a live tenant holds.
 
 Note [device tenants]: a request gets a tensor with a storage of its own that points into the
 buffer (a DLPack round trip of a view of it). Its range is free again when that storage dies:
@@ -75,13 +76,14 @@ import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ._arena import align_up
+from ._device_plans import DevicePlan, DevicePlans
 from .planner import Layout
 
 __all__ = ["ALIGNMENT", "DeviceArena"]
@@ -148,6 +150,7 @@ class DeviceArena:
     >>> import torch
     >>> from actoff._device import StreamBackend
     >>> from actoff._simdevice import SimSettings, SimStreams
+    >>> from actoff._device_plans import DevicePlan
     >>> from actoff.planner import Buffer, solve
     >>> streams = SimStreams(SimSettings())
     >>> arena = DeviceArena(StreamBackend(torch.device("cpu"), streams))
@@ -156,7 +159,7 @@ class DeviceArena:
     >>> trace = arena.take_trace(); trace
     [(1024, 1, 2, (0, 'fetch', 0, 0), 0, 0)]
     >>> layout = solve([Buffer(*entry[:3]) for entry in trace])
-    >>> arena.install_plan([entry[3] for entry in trace], [entry[0] for entry in trace], layout)
+    >>> arena.install_plan(DevicePlan([entry[3] for entry in trace], [entry[0] for entry in trace], layout))
     >>> arena.begin_step()
     >>> y = arena.empty(256, torch.float32, key=(0, "fetch", 0), tag=0)  # at its planned offset
     >>> arena.served, arena.num_allocations, arena.capacity
@@ -174,19 +177,20 @@ class DeviceArena:
         self.draining: dict[int, _PartBuffer] = {}  # ident -> a buffer let go, its tenants alive
         self.num_allocations = 0  # buffers ever taken (Note [a buffer per wave])
         self.size = 0  # most bytes of buffers alive at once in the last step (shown in stats)
-        # The plan: key -> (size, offset in the plan's address space, part); each part's keys;
-        # the layout (in stats). A part is a wave of a run's fetches or of its rebuilds.
+        # The plan in force: key -> (size, offset in the plan's address space, part); each part's
+        # keys; the layout (in stats). A part is a wave of a run's fetches or of its rebuilds.
+        # Those of the last shapes of step are kept (Note [a plan per shape]).
         self.plan: dict[tuple, tuple[int, int, tuple]] | None = None
         self.parts: dict[tuple, list[tuple]] = {}
         self.layout: Layout | None = None
+        self.plans = DevicePlans()  # `plans.current` is the plan in force
         # This step: requests by key (a key asked twice gets an occurrence number), those served
         # as planned, divergences and fallbacks (see the module docstring); over the process.
         self.seen: dict[tuple, int] = {}
+        self.asked: list[tuple[tuple, int]] = []  # this step's requests, (key, size)
         self.expected: set[tuple] = set()  # keys `expect`ed in a step so far
         self.skipped: set[tuple] = set()  # keys `expect`ed this step: their requests will not come
         self.requests = self.served = self.divergences = self.fallbacks = 0
-        self.last_fallbacks = 0  # the previous step's, under the same plan
-        self._new_plan = False
         self.total_divergences = self.total_fallbacks = 0
         self._lock = threading.Lock()
         # Note [frees from the collector] (actoff._arena): a tenant dies on any thread, inside
@@ -210,14 +214,12 @@ class DeviceArena:
         return sum(part_buffer.nbytes for part_buffer in held)
 
     def unpacked(self) -> None:
-        """Backward unpacked a saved tensor: the tenants that die before the next unpack are one
-        wave (Note [a buffer per wave]). Called under the runtime's lock; a death read on another
-        thread without it may land in a neighbouring wave, which only joins two waves."""
+        """Backward unpacked a saved tensor: tenants dying before the next unpack are one wave (Note
+        [a buffer per wave]); a death on another thread may join two neighbouring waves."""
         self._epoch[0] += 1
 
     def give_back(self) -> None:
-        """The step's backward is over: let go of the buffers still held (Note [a buffer per
-        wave]); the next planned requests take them again."""
+        """Backward is over: the buffers still held are let go (Note [a buffer per wave])."""
         with self._locked():
             for held in list(self.buffers.values()):
                 self._let_go(held)
@@ -244,39 +246,30 @@ class DeviceArena:
         self.give_back()
         with self._locked():
             self.seen.clear()
+            self.asked.clear()
             self.skipped.clear()
-            self.last_fallbacks = 0 if self._new_plan else self.fallbacks
-            self._new_plan = False
+            self.plans.begin_step(self.fallbacks)
             self.requests = self.served = self.divergences = self.fallbacks = 0
             self.size = self.capacity
             self.trace.new()
 
     def wants_plan(self) -> bool:
         """After a step: no plan yet, a divergence, or fallbacks two steps in a row."""
-        return self.plan is None or bool(self.divergences) or bool(self.fallbacks and self.last_fallbacks)
+        return self.plan is None or bool(self.divergences) or self.plans.fell_back_twice(self.fallbacks)
 
-    def install_plan(
-        self,
-        keys: Sequence[tuple],
-        sizes: Sequence[int],
-        layout: Layout,
-        parts: Sequence[tuple] | None = None,
-    ) -> None:
-        """Serve the next steps' requests for ``keys`` (of ``sizes``) at ``layout.offsets``, each
-        part's from a buffer of its range. ``parts[i]`` names key ``i``'s part; a part's first
-        item is its run. By default a key's first two items (a run's fetches, its rebuilds)."""
+    def install_plan(self, plan: DevicePlan) -> None:
+        """Serve the next steps' requests from ``plan``, each part's from a buffer of its range;
+        the plan is kept (Note [a plan per shape])."""
         with self._locked():
-            # Buffers still held were cut to the old plan's ranges, which the new offsets do not
-            # fit: let them go.
-            for held in list(self.buffers.values()):
-                self._let_go(held)
-            self.plan, self.parts = {}, {}
-            parts = parts if parts is not None else [key[:2] for key in keys]
-            for key, size, offset, part in zip(keys, sizes, layout.offsets, parts, strict=True):
-                self.plan[key] = (size, offset, part)
-                self.parts.setdefault(part, []).append(key)
-            self.layout = layout
-            self._new_plan = True
+            self.plans.install(plan, self.fallbacks)
+            self._use(plan)
+
+    def _use(self, plan: DevicePlan) -> None:
+        """Serve from ``plan`` from now on. Buffers still held were cut to the old plan's ranges,
+        which the new offsets do not fit: they are let go."""
+        for held in list(self.buffers.values()):
+            self._let_go(held)
+        self.plan, self.parts, self.layout = plan.offsets, plan.parts, plan.layout
 
     def empty(self, numel: int, dtype: torch.dtype, key: tuple, tag: Any = None) -> torch.Tensor:
         """A 1-D device tensor of ``numel`` elements of ``dtype`` for the request ``key`` (the same
@@ -325,6 +318,12 @@ class DeviceArena:
     def _place(self, key: tuple, size: int) -> tuple[_PartBuffer | None, int]:
         """The buffer and offset of a request, or (None, 0) for a new allocation."""
         planned = self.plan.get(key) if self.plan is not None else None
+        if planned is None or planned[0] != size:  # Note [a plan per shape]
+            other = self.plans.pick(key, size, self.asked)
+            if other is not None:
+                self._use(other)
+                planned = other.offsets[key]
+        self.asked.append((key, size))
         if planned is not None and planned[0] == size:
             held = self._buffer(planned[2])
             if held is not None:
@@ -381,7 +380,8 @@ class DeviceArena:
 
     def stats(self) -> dict[str, Any]:
         """Figures for ``actoff.stats()``: the most buffer bytes alive at once, the plan's peak
-        and lower bound, solve time, method, buffers allocated, divergences and fallbacks."""
+        and lower bound, solve time, method, buffers allocated, divergences, fallbacks and plans
+        kept."""
         layout = self.layout if self.layout is not None else Layout((), 0, 0, "none", False)
         return {
             "bytes": self.size,
@@ -392,6 +392,7 @@ class DeviceArena:
             "allocations": self.num_allocations,
             "divergences": self.total_divergences,
             "fallbacks": self.total_fallbacks,
+            "plans": len(self.plans),
         }
 
 

@@ -17,6 +17,7 @@ from ._arena import ALIGNMENT, HostArena
 from ._config import Config
 from ._device import DeviceBackend
 from ._device_arena import DeviceArena
+from ._device_plans import DevicePlan
 from .planner import Buffer, Layout, PlanCache, solve, solve_bilevel
 
 __all__ = ["Arenas", "plan_arena", "plan_device_arena"]
@@ -126,7 +127,7 @@ def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layou
     buffers = [Buffer(size, start - origin, end - origin) for size, start, end, *_ in trace]
     parts = waves(trace)
     layout = _layout(arena.kind, buffers, parts, config, plans, arena.alignment)
-    arena.install_plan([entry[3] for entry in trace], [b.size for b in buffers], layout, parts)
+    arena.install_plan(DevicePlan([entry[3] for entry in trace], [b.size for b in buffers], layout, parts))
 
 
 def waves(trace: list[tuple]) -> list[tuple]:

@@ -65,7 +65,8 @@ class Stats:
     #: that still had tenants at its start included), the bytes its plan's
     #: address space spans, the plan's lower bound (most bytes live at once in the traced step),
     #: solve time, method ("bilevel", "cache", ...), buffers taken (one per wave of a block's
-    #: tensors and step: Note [a buffer per wave]), and requests not served as planned.
+    #: tensors and step: Note [a buffer per wave]), requests not served as planned, and plans
+    #: kept (one per shape of step: Note [a plan per shape]).
     device_arena_bytes: int = 0
     device_plan_bytes: int = 0
     device_lower_bound: int = 0
@@ -74,6 +75,7 @@ class Stats:
     device_allocations: int = 0
     device_divergences: int = 0
     device_fallbacks: int = 0  # planned ranges still held: served elsewhere
+    device_plans: int = 0
 
     @property
     def total_bytes_saved(self) -> int:
@@ -158,7 +160,7 @@ class Stats:
                 f"{format_bytes(self.device_plan_bytes)} = lower bound "
                 f"{format_bytes(self.device_lower_bound)} + {gap:.1%} ({self.device_plan}, solved in "
                 f"{self.device_solve_s * 1e3:.1f} ms), {self.device_divergences} divergence(s), "
-                f"{self.device_fallbacks} fallback(s)"
+                f"{self.device_fallbacks} fallback(s), {self.device_plans} plan(s) kept"
             )
         for name, decision in self.auto.items():
             lines.append(
@@ -232,4 +234,5 @@ def _device_arena_figures(device_arenas: Any) -> dict[str, Any]:
         "device_allocations": sum(f["allocations"] for f in figures),
         "device_divergences": sum(f["divergences"] for f in figures),
         "device_fallbacks": sum(f["fallbacks"] for f in figures),
+        "device_plans": sum(f["plans"] for f in figures),
     }

@@ -12,6 +12,7 @@ import actoff
 from actoff import planner
 from actoff._device import StreamBackend
 from actoff._device_arena import DeviceArena
+from actoff._device_plans import DevicePlan
 from actoff._runtime import get_runtime
 from actoff._simdevice import RaceError, SimSettings, SimStreams
 from actoff.reference import Block
@@ -47,19 +48,24 @@ def _arena() -> DeviceArena:
     return arena
 
 
-def _steps(model, device, lengths) -> list[tuple[int, int, int, int] | None]:
+def _steps(model, device, lengths, history=None) -> list[tuple[int, int, int, int] | None]:
     """One SGD step per sequence length, the copies out held back during forward (so which
     records backward finds still on the device does not depend on timing); per step the arena's
-    requests, those served as planned, divergences and fallbacks (None without an arena)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    requests, those served as planned, divergences and fallbacks (None without an arena).
+    ``history`` gets each step's loss and gradients. ``model`` may be a list, used in turns."""
+    models = model if isinstance(model, list) else [model]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     generator = torch.Generator().manual_seed(1)
     figures = []
-    for length in lengths:
+    for step, length in enumerate(lengths):
+        model, optimizer = models[step % len(models)], optimizers[step % len(models)]
         tokens = torch.randint(0, 256, (2, length), generator=generator)
         device.drain()  # the previous step's copies: nothing left to force open the hold
         with device.hold(copies=True):
             loss = model.loss(tokens)
         loss.backward()
+        if history is not None:
+            history.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         arenas = list(get_runtime().arenas.on_device.values())
@@ -174,9 +180,10 @@ def test_an_overlap_would_be_caught(monkeypatch):
     live tenants hands out bytes in use, and the poison of the next copy reaches compute."""
     real_install = DeviceArena.install_plan
 
-    def everything_at_zero(self, keys, sizes, layout, parts):  # and one buffer per run
-        at_zero = dataclasses.replace(layout, offsets=(0,) * len(keys))
-        real_install(self, keys, sizes, at_zero, [key[:2] for key in keys])
+    def everything_at_zero(self, plan):  # and one buffer per run
+        keys, sizes = list(plan.offsets), [size for size, *_ in plan.offsets.values()]
+        at_zero = dataclasses.replace(plan.layout, offsets=(0,) * len(keys))
+        real_install(self, DevicePlan(keys, sizes, at_zero, [key[:2] for key in keys]))
 
     monkeypatch.setattr(DeviceArena, "install_plan", everything_at_zero)
     monkeypatch.setattr("actoff._device_arena._free", lambda live, offset, size: True)
@@ -250,13 +257,49 @@ def test_a_new_length_is_planned_from_its_first_step_and_a_known_one_reuses_its_
     assert short[1][0] == short[1][1] and not short[1][2]
     assert long[0][2] > 0  # another length: its requests diverge ...
     assert long[1][0] == long[1][1] and not long[1][2]  # ... and that step is the next plan
-    assert back[0][2] > 0 and back[1][0] == back[1][1] and not back[1][2]
+    # A length seen before is served by its plan kept from its first request (Note [a plan per shape]).
+    assert back[0][0] == back[0][1] > 0 and not back[0][2] and not back[1][2]
     assert arena.plan == short_plan  # the short plan again ...
     assert len(solves) == 2 and len(_device_plans()) == 2  # ... from memory, not solved again
     # Each step takes buffers of its own plan's sizes: the short length's again at the end.
     assert long_size > short_size and arena.size == short_size
     assert arena.num_allocations <= 5 * len(arena.parts)  # a buffer per part and step at most
     assert device.races == []
+
+
+@pytest.mark.parametrize("shapes", ["lengths", "models"])
+def test_shapes_in_turns_are_each_served_by_their_own_plan(shapes, monkeypatch):
+    """Note [a plan per shape]: two lengths (or two models of one family, with the same layer
+    names) in turns. With one plan in force, every step diverged and nothing was served."""
+    made = _device_allocations(monkeypatch)
+    if shapes == "lengths":
+        lengths, plain, offloaded = [33, 65] * 4, make_model(), _offloaded(POLICIES["cpu"])
+    else:
+        lengths = [33] * 8
+        plain = [make_model(), make_model(seed=1, hidden_size=96, intermediate_size=256)]
+        offloaded = [make_model(), make_model(seed=1, hidden_size=96, intermediate_size=256)]
+        for model in offloaded:
+            actoff.offload_(model, block_cls=Block, min_bytes=0, policy="cpu")
+    expected, actual = [], []
+    with simulated_device(seed=21) as device:
+        _steps(plain, device, lengths, expected)
+        figures = _steps(offloaded, device, lengths, actual)
+    assert_same_history(expected, actual)
+    arena = _arena()
+    for requests, served, divergences, fallbacks in figures[2:]:  # each shape planned once
+        assert requests == served > 0 and divergences == fallbacks == 0
+    assert len(arena.plans) == 2 and len(_device_plans()) == 2
+    assert device.races == [] and made
+
+
+def test_the_least_recently_used_plan_goes_past_the_limit(monkeypatch):
+    monkeypatch.setattr("actoff._device_plans.KEPT", 2)
+    model = _offloaded(POLICIES["cpu"])
+    with simulated_device(seed=22) as device:
+        figures = _steps(model, device, [33, 41, 49, 41, 33])
+    assert len(_arena().plans) == 2
+    assert figures[3][1] == figures[3][0] and not figures[3][2]  # 41 still kept
+    assert figures[4][2] > 0  # 33 was the least recently used: it diverges again
 
 
 def test_plans_come_back_from_the_disk_cache(tmp_path):
@@ -298,7 +341,8 @@ def test_stats_report_the_arena_against_its_lower_bound():
     assert stats.device_plan_bytes == arena.layout.peak >= stats.device_lower_bound > 0
     assert stats.device_allocations == arena.num_allocations > 0
     assert stats.device_solve_s >= 0 and stats.device_plan == arena.layout.method
-    assert "device arena:" in str(stats) and "lower bound" in str(stats)
+    assert stats.device_plans == len(arena.plans) == 1
+    assert "device arena:" in str(stats) and "lower bound" in str(stats) and "1 plan(s) kept" in str(stats)
 
 
 # ---------------------------------------------------------------------- the arena alone
@@ -335,7 +379,7 @@ def _plan(arena: DeviceArena, *requests) -> None:
     del held
     trace = arena.take_trace()
     layout = planner.solve([planner.Buffer(*entry[:3]) for entry in trace], alignment=512)
-    arena.install_plan([entry[3] for entry in trace], [entry[0] for entry in trace], layout)
+    arena.install_plan(DevicePlan([entry[3] for entry in trace], [entry[0] for entry in trace], layout))
     arena.begin_step()
 
 
@@ -413,7 +457,7 @@ def test_a_step_that_skips_its_last_requests_takes_a_buffer_of_what_it_makes(are
     trace = arena.take_trace()
     layout = planner.solve([planner.Buffer(*entry[:3]) for entry in trace], alignment=512)
     assert layout.offsets == (0, 1024, 3072) and layout.peak == 6144  # in request order
-    arena.install_plan([entry[3] for entry in trace], [entry[0] for entry in trace], layout)
+    arena.install_plan(DevicePlan([entry[3] for entry in trace], [entry[0] for entry in trace], layout))
     arena.begin_step()
     arena.expect(keys[2])  # still on the device this step: served from there
     first = arena.empty(256, torch.float32, keys[0], tag=0).fill_(1.0)
@@ -507,12 +551,31 @@ def test_a_new_plan_never_serves_a_range_of_a_buffer_cut_to_the_old_one(arena):
     the new plan's offsets do not fit it. Served there, a request got bytes counted back from
     the buffer's end, where a live tenant was (found in review: a silently wrong gradient)."""
     keys = [(0, "fetch", 0, 0), (0, "fetch", 1, 0)]
-    arena.install_plan(keys, [1024, 1024], planner.Layout((2048, 3072), 4096, 2048, "test", False))
+    arena.install_plan(
+        DevicePlan(keys, [1024, 1024], planner.Layout((2048, 3072), 4096, 2048, "test", False))
+    )
     arena.begin_step()
     first = arena.empty(256, torch.float32, (0, "fetch", 0), tag=0).fill_(1.0)  # its buffer: [2048, 4096)
-    arena.install_plan(keys, [1024, 1024], planner.Layout((0, 1024), 2048, 2048, "test", True))
+    arena.install_plan(DevicePlan(keys, [1024, 1024], planner.Layout((0, 1024), 2048, 2048, "test", True)))
     second = arena.empty(256, torch.float32, (0, "fetch", 1), tag=0).fill_(2.0)
     assert second.numel() == 256
     low, high = first.data_ptr(), first.data_ptr() + 1024
     assert second.data_ptr() + 1024 <= low or high <= second.data_ptr()
     assert bool((first == 1.0).all()) and bool((second == 2.0).all())
+
+
+def test_a_request_both_plans_know_does_not_keep_the_wrong_one(arena):
+    """Note [a plan per shape]: two models of one width share some requests (a norm's statistics);
+    a step of the second starting with one of them still picks its own plan at its first request
+    the first plan does not know, and every request is served."""
+    shared, own = ((1, "fetch", 0), 128, False), (1, "fetch", 1)
+    _plan(arena, shared, (own, 256, False))  # model A
+    _plan(arena, shared, (own, 512, False))  # model B, now in force
+    for numel in (256, 512, 256):  # A, B, A in turns
+        first = arena.empty(128, torch.float32, shared[0], tag=1)
+        second = arena.empty(numel, torch.float32, own, tag=1)
+        assert (arena.requests, arena.served, arena.divergences, arena.fallbacks) == (2, 2, 0, 0)
+        assert arena.plan[(*own, 0)][0] == numel * 4
+        del first, second
+        arena.begin_step()
+    assert len(arena.plans) == 2
