@@ -4,7 +4,8 @@ A `TokenwiseRun` is the token-wise state of one scope run (``run.tokenwise``): w
 re-forward needs (inputs kept whole, the function, the RNG state, the mixer's outputs), the
 ranges, the records it splits, and the packed rows it stores. It is also the tier of its
 split records: their `materialize` rebuilds them, stored rows scattered back and dropped
-rows recomputed (actoff._replay). Runs whose policy never splits have no such object.
+rows recomputed (actoff._replay), checked every step against a few rows kept at forward time
+(Note [sentinel rows], actoff._sentinels). Runs whose policy never splits have no such object.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import _replay
+from . import _replay, _sentinels
 from ._distributed import local_world_size
 from ._mixers import autograd_status
 from ._pack import pack_rows, scatter_rows
@@ -64,7 +65,9 @@ class TokenwiseRun(Tier):
         self.split_live = 0
         self.split_pending = 0
         self.replay_rows: dict[int, torch.Tensor] | None = None
-        self.verify_rows: tuple[int, torch.Tensor] | None = None  # ACTOFF_VERIFY's kept copy
+        # Note [sentinel rows] (actoff._sentinels): (record index, rows picked in the range or
+        # None for all of them, the copy kept at forward time).
+        self.checks: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
         self.forward_watch: Any = None  # time of the forward (the auto policy's T_layer)
         self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
@@ -214,14 +217,8 @@ class TokenwiseRun(Tier):
             self.bundles[tier] = (child, offsets, (low, high))
             tiers[tier].place(child)
         start, stop = ranges.recompute
-        if run.config.verify and stop > start and run.step.number % run.config.verify_interval == 0:
-            # Keep one recomputed range: backward checks the re-forward against it.
-            record = self.split_records[0]
-            kept = record.canon.view(record.layout.flat(record.device_tensor.detach()))
-            self.verify_rows = (
-                record.index,
-                kept.narrow(record.canon.dim, start, stop - start).to("cpu", copy=True),
-            )
+        if stop > start:
+            _sentinels.keep(self, start, stop)
         for record in self.split_records:
             record.split = ranges
             record.tier = self
@@ -239,7 +236,7 @@ class TokenwiseRun(Tier):
                 serve(child)
             start, stop = self.ranges.recompute
             watch = run.backend.stopwatch().start()
-            self.replay_rows = _replay.replay(self, start, stop) if stop > start else {}
+            self.replay_rows = _sentinels.checked_replay(self, start, stop) if stop > start else {}
             run.account("recompute_ms", watch.stop())
             self.split_pending = len(self.split_records)
         flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("rebuild", record.index))
@@ -252,15 +249,6 @@ class TokenwiseRun(Tier):
         start, stop = self.ranges.recompute
         if stop > start:
             rows = self.replay_rows.pop(record.index)
-            if self.verify_rows is not None and self.verify_rows[0] == record.index:
-                if not _replay.rows_match(self.verify_rows[1], rows.detach().cpu()):
-                    raise RuntimeError(
-                        f"actoff: recomputed token rows [{start}, {stop}) of a saved activation of block "
-                        f"{run.name!r} differ from the copy kept at forward time (ACTOFF_VERIFY=1): the "
-                        "block computed something else in backward (changed weights or state, "
-                        "nondeterministic ops). The step cannot continue with this activation."
-                    )
-                self.verify_rows = None
             canon.narrow(record.canon.dim, start, stop - start).copy_(rows)
         record.device_tensor = layout.rebuild(flat)
         record.to(State.FETCHING)

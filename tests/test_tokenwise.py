@@ -1,8 +1,9 @@
 """Token-wise recompute: fractions and layouts, fallbacks that warn, partial FLOPs, mixers.
 
 Tolerance: on CPU the recomputed rows are expected bit for bit (the re-forward runs the same
-kernels on fewer rows), and the tests check that; ``RECOMPUTE_TOL`` is what is allowed where
-a backend picks a different kernel for fewer rows (GPU GEMM tiling): float32 reassociation.
+kernels on fewer rows), and the tests check that; ``RECOMPUTE_TOL`` (tests/_helpers.py) is what
+is allowed where a backend picks a different kernel for fewer rows (GPU GEMM tiling): float32
+reassociation.
 """
 
 import copy
@@ -12,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_same_history, make_model, train
+from _helpers import assert_close_history, assert_same_history, make_model, train
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -21,17 +22,7 @@ import actoff._tokenwise
 from actoff._runtime import get_runtime
 from actoff.reference import Block, ModelConfig, RMSNorm, rope_tables
 
-RECOMPUTE_TOL = {"rtol": 1e-5, "atol": 1e-6}
 FRACTIONS = [(0.5, 0.0), (0.3, 0.3), (0.0, 0.0), (1.0, 0.0)]
-
-
-def assert_close_history(expected, actual):
-    for (loss_a, grads_a), (loss_b, grads_b) in zip(expected, actual, strict=True):
-        torch.testing.assert_close(loss_b, loss_a, **RECOMPUTE_TOL)
-        for name in grads_a:
-            torch.testing.assert_close(
-                grads_b[name], grads_a[name], **RECOMPUTE_TOL, msg=lambda m, n=name: f"{n}: {m}"
-            )
 
 
 class SBHModel(nn.Module):

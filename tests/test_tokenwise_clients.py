@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import make_model, train
+from _helpers import RECOMPUTE_TOL, assert_close_history, make_model, train
 from torch import nn
 
 import actoff
@@ -28,7 +28,6 @@ from actoff._step import ScopeRun, Step
 from actoff._tokenwise import TokenwiseRun
 from actoff.reference import Block
 
-RECOMPUTE_TOL = {"rtol": 1e-5, "atol": 1e-6}
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-3}
 
 
@@ -93,18 +92,6 @@ def _no_fallback(run):
         return run()
 
 
-def assert_close_history(expected, actual, tolerance=RECOMPUTE_TOL) -> None:
-    """Losses and every gradient of the parameters both runs have, step by step."""
-    assert len(expected) == len(actual)
-    for step, ((loss_a, grads_a), (loss_b, grads_b)) in enumerate(zip(expected, actual, strict=True)):
-        torch.testing.assert_close(loss_b, loss_a, **tolerance, msg=lambda m, s=step: f"step {s} loss: {m}")
-        assert grads_a.keys() == grads_b.keys()
-        for name in grads_a:
-            torch.testing.assert_close(
-                grads_b[name], grads_a[name], **tolerance, msg=lambda m, s=step, n=name: f"step {s} {n}: {m}"
-            )
-
-
 def _recompute_bytes(block: str = "layers.0") -> int:
     return actoff.stats().blocks[block].bytes_per_tier["recompute"]
 
@@ -150,6 +137,8 @@ def _hf(family: str, attn_implementation: str = "sdpa", **changes):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     }[family]
     if family == "gpt2":
         sizes = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
@@ -241,7 +230,8 @@ def test_mixtral_router_logits_and_aux_loss_count_each_layer_once(policy):
 
 #: Families beyond Llama, Phi-3 and GPT-2, with what sets them apart: q/k norms (Qwen3), sliding
 #: windows (Mistral; Gemma 3 with sandwich norms, one sliding and one full layer), experts routed
-#: per token (Qwen3-MoE), parallel attention and MLP with partial rotary (GPT-NeoX).
+#: per token (Qwen3-MoE), parallel attention and MLP with partial rotary (GPT-NeoX), biases on q,
+#: k and v (Qwen2), norms after attention and MLP and on q and k over all heads (OLMo 2).
 FAMILIES = {
     "qwen3": {"head_dim": 16},
     "mistral": {"sliding_window": 8},
@@ -251,6 +241,8 @@ FAMILIES = {
                   "decoder_sparse_step": 1},
     "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_dropout": 0.0,
                  "attention_dropout": 0.0},
+    "qwen2": {},
+    "olmo2": {},
 }  # fmt: skip
 
 
@@ -265,6 +257,30 @@ def test_more_families_train_as_without_actoff(family, policy):
     if policy == "tokenwise":
         block = "gpt_neox.layers.0" if family == "gpt_neox" else "model.layers.0"
         assert _recompute_bytes(block) > 0
+
+
+def test_a_state_space_model_is_placed_whole_with_one_warning_per_layer():
+    """Mamba's scan carries a state from token to token: a slice of tokens cannot be re-run
+    alone. The probe sees it (its slow path saves per token); the layers are placed whole,
+    each with a warning, and training is bit for bit."""
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    config = transformers.MambaConfig(
+        vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM._from_config(config)
+    reference = copy.deepcopy(model)
+    expected = _hf_train(reference, 2)
+    actoff.offload_(model, block_cls=type(model.backbone.layers[0]), min_bytes=0, policy="tokenwise",
+                    cpu_fraction=0.25)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = _hf_train(model, 2)
+    assert_close_history(expected, actual, {"rtol": 0, "atol": 0})
+    warned = [str(w.message) for w in caught if "cannot be recomputed token-wise" in str(w.message)]
+    assert sorted(m.split("'")[1] for m in warned) == ["backbone.layers.0", "backbone.layers.1"]
+    assert _recompute_bytes("backbone.layers.0") == _recompute_bytes("backbone.layers.1") == 0
 
 
 def test_a_length_equal_to_the_head_dim_is_still_recomputed():

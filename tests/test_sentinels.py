@@ -1,0 +1,103 @@
+"""Sentinel rows (Note [sentinel rows], actoff/_sentinels.py): token-wise recompute checked every
+step against a few rows kept at forward time, so a block whose probe was fooled (a scan over
+tokens behind a gate that was zero then) is caught before a wrong row is used."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from _helpers import assert_close_history, make_model, train
+from torch import nn
+
+import actoff
+from actoff._runtime import get_runtime
+from actoff.reference import Block
+
+
+class GatedScanBlock(Block):
+    """A cumulative sum over tokens, outside any token mixer, through a gate that starts at zero
+    (as gates and adapters often do): at step 0 it adds nothing, so its probe matches."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.gate = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, x, cos, sin):
+        return super().forward(x + torch.cumsum(x * self.gate, dim=1), cos, sin)
+
+
+class ScaledBlock(Block):
+    """A block whose output depends on state the user may change between forward and backward."""
+
+    scale = 1.0
+
+    def forward(self, x, cos, sin):
+        return super().forward(x * ScaledBlock.scale, cos, sin)
+
+
+def _model(block_cls) -> nn.Module:
+    model = make_model()
+    torch.manual_seed(1)
+    model.layers = nn.ModuleList(block_cls(model.config) for _ in model.layers)
+    return model
+
+
+def _recompute_bytes() -> int:
+    return sum(block.bytes_per_tier["recompute"] for block in actoff.stats().blocks.values())
+
+
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+def test_a_scan_behind_a_zero_gate_is_caught_and_its_rows_recomputed_from_the_first_token(policy):
+    """Without sentinels, step 1's gradients were wrong (the rows missed the scan's prefix) and
+    nothing was said. ``recompute`` re-runs every token: nothing is missing, nothing to catch."""
+    model = _model(GatedScanBlock)
+    expected = train(copy.deepcopy(model), 3)
+    actoff.offload_(model, block_cls=GatedScanBlock, policy=policy, cpu_fraction=0.5, min_bytes=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = train(model, 3)
+    assert_close_history(expected, actual)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if policy == "recompute":
+        assert messages == [] and _recompute_bytes() > 0
+    else:
+        assert len(messages) == len(model.layers)  # once per block, at step 1
+        assert all("differed from the forward's though its first step's probe matched" in m for m in messages)
+        assert _recompute_bytes() == 0  # placed whole from then on
+
+
+def test_a_block_changed_before_backward_is_an_error_without_verify():
+    """The rows recomputed from the first token differ too: the block computes something else in
+    backward. Training must not go on with that activation, and ACTOFF_VERIFY is off."""
+    model = _model(ScaledBlock)
+    actoff.offload_(model, block_cls=ScaledBlock, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
+    tokens = torch.randint(0, 256, (2, 33))
+    model.loss(tokens).backward()  # first step: the probe passes
+    loss = model.loss(tokens)
+    ScaledBlock.scale = 1.5
+    try:
+        with pytest.raises(RuntimeError, match="even recomputed from the first token"):
+            loss.backward()
+    finally:
+        ScaledBlock.scale = 1.0
+
+
+def test_three_rows_per_split_record_are_kept_and_go_with_backward():
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
+    train(model, 1)  # the probe's step
+    loss = model.loss(torch.randint(0, 256, (2, 33)))
+    runs = [
+        run for run in get_runtime().step.runs if run.tokenwise is not None and run.tokenwise.split_records
+    ]
+    assert runs
+    for run in runs:
+        tokenwise = run.tokenwise
+        assert len(tokenwise.checks) == len(tokenwise.split_records)
+        for (index, picked, kept), record in zip(tokenwise.checks, tokenwise.split_records, strict=True):
+            start, stop = tokenwise.ranges.recompute
+            assert index == record.index and picked.tolist() == [0, 1, stop - start - 1]
+            assert kept.shape[record.canon.dim] == 3
+    loss.backward()
+    assert all(run.tokenwise.checks == [] for run in runs)
