@@ -254,14 +254,15 @@ class DeviceArena:
             self.trace.new()
 
     def wants_plan(self) -> bool:
-        """After a step: no plan yet, a divergence, or fallbacks two steps in a row."""
+        """After a step: no plan yet, a divergence, or fallbacks in two steps in a row of its plan."""
         return self.plan is None or bool(self.divergences) or self.plans.fell_back_twice(self.fallbacks)
 
     def install_plan(self, plan: DevicePlan) -> None:
         """Serve the next steps' requests from ``plan``, each part's from a buffer of its range;
         the plan is kept (Note [a plan per shape])."""
         with self._locked():
-            self.plans.install(plan, self.fallbacks)
+            # A replan with no divergence is of the same shape: it replaces the plan in force.
+            self.plans.install(plan, self.fallbacks, replaces=not self.divergences)
             self._use(plan)
 
     def _use(self, plan: DevicePlan) -> None:
@@ -318,9 +319,10 @@ class DeviceArena:
     def _place(self, key: tuple, size: int) -> tuple[_PartBuffer | None, int]:
         """The buffer and offset of a request, or (None, 0) for a new allocation."""
         planned = self.plan.get(key) if self.plan is not None else None
-        if planned is None or planned[0] != size:  # Note [a plan per shape]
+        if (planned is None or planned[0] != size) and key not in self.expected:  # Note [a plan per shape]
             other = self.plans.pick(key, size, self.asked)
-            if other is not None:
+            if other is not None:  # the requests made so far will not come again this step
+                self.skipped.update(asked for asked, _ in self.asked)
                 self._use(other)
                 planned = other.offsets[key]
         self.asked.append((key, size))

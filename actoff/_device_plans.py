@@ -12,7 +12,10 @@ often the request that picks it is the step's first fetch, of the last block, wh
 lengths and batches apart; a request both plans know (a norm's statistics of two models of one
 width) does not stop the pick of the right one later. A pick is only a guess: a request the
 picked plan does not know later in the step diverges as before, and its step becomes a plan of
-its own. Ranges served from the plan in force before a switch stay in its buffers. Keeping a
+its own. Ranges served from the plan in force before a switch stay in its buffers; the picked
+plan's buffers leave out the requests already made. A request `expect`ed in some step (a record
+sometimes still on the device at backward) is a fallback, never a reason to switch, and a plan
+made again after fallbacks, with no divergence, replaces the plan in force: one shape, one plan. Keeping a
 plan costs host memory only: its buffers are taken when its requests come (Note [a buffer per
 wave], actoff._device_arena).
 """
@@ -95,9 +98,12 @@ class DevicePlans:
         """After a step with ``fallbacks``: did the step before it under the same plan fall back too?"""
         return bool(fallbacks and self.current is not None and self.current.last_fallbacks)
 
-    def install(self, plan: DevicePlan, fallbacks: int) -> None:
-        """After a step with ``fallbacks``: ``plan`` is kept and in force."""
+    def install(self, plan: DevicePlan, fallbacks: int, replaces: bool = False) -> None:
+        """After a step with ``fallbacks``: ``plan`` is kept and in force; it ``replaces`` the
+        plan in force (a replan of the same shape) or is kept beside it."""
         self._tell(fallbacks)
+        if replaces and self.current is not None:
+            self._plans.pop(self.current.identity, None)
         self.add(plan)
         self.current = plan
 

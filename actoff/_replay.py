@@ -40,6 +40,7 @@ __all__ = [
     "autocast_state",
     "forward_hooks_off",
     "forward_state",
+    "low_precision",
     "probe",
     "replay",
     "rows_differ",
@@ -47,19 +48,23 @@ __all__ = [
 ]
 
 
-def rows_match(original: torch.Tensor, replayed: torch.Tensor) -> bool:
+def rows_match(original: torch.Tensor, replayed: torch.Tensor, half: bool = False) -> bool:
     """Recomputed rows against the real ones: equal for integers; for floats within float32
-    reassociation (1e-5) or half-precision rounding (2e-2), relative to the largest value."""
-    return not rows_differ([(original, replayed)])
+    reassociation (1e-5) or half-precision rounding (2e-2: half-precision tensors, or any when
+    ``half``, as under bf16 autocast), of each value plus the mean magnitude of the rows (a
+    largest value does not hide a difference in the others)."""
+    return not rows_differ([(original, replayed)], half)
 
 
-def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = False) -> bool:
     """Whether any ``(original, replayed)`` pair fails `rows_match`, with one wait for the device
-    for them all (Note [sentinel rows], actoff._tokenwise).
+    for them all (Note [sentinel rows], actoff._sentinels).
 
     >>> rows = torch.ones(2, 4)
     >>> rows_differ([(rows, rows + 1e-7)]), rows_differ([(rows, rows + 1e-3)])
     (False, True)
+    >>> rows_differ([(rows, rows + 1e-3)], half=True)  # under bf16 autocast
+    False
     """
     flags = []
     for original, replayed in pairs:
@@ -70,10 +75,12 @@ def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if not original.is_floating_point():
             flags.append((original != replayed).any())
             continue
-        tolerance = 1e-5 if original.dtype in (torch.float32, torch.float64) else 2e-2
-        original, replayed = original.double(), replayed.double()
+        full = original.dtype in (torch.float32, torch.float64) and not half
+        tolerance = 1e-5 if full else 2e-2
+        dtype = torch.promote_types(original.dtype, torch.float32)
+        original, replayed = original.to(dtype), replayed.to(dtype)
         size = original.abs().nan_to_num(0.0, 0.0, 0.0)  # an infinity matches itself only
-        bound = tolerance * (size.amax().clamp_min(1.0) + size)
+        bound = tolerance * (size.mean() + size)
         near = ((replayed - original).abs() <= bound) | (replayed == original)  # infinities
         flags.append(~(near | (original.isnan() & replayed.isnan())).all())
     return bool(torch.stack([flag.to(pairs[0][0].device) for flag in flags]).any()) if flags else False
@@ -102,6 +109,7 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
             f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}",
         )
     plan: dict[int, Canon] = {}
+    half = low_precision(tokenwise.autocast)  # a float32 value of a bf16 product: a rounding
     for record in candidates:
         replayed = saved.get(record.index)
         if replayed is None:
@@ -113,7 +121,7 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
         original = canon.view(record.layout.flat(record.device_tensor.detach())).narrow(
             canon.dim, start, length
         )
-        if not rows_match(original, replayed.base if canon.on_base else replayed.view):
+        if not rows_match(original, replayed.base if canon.on_base else replayed.view, half):
             return None, (
                 f"saved tensor {record.index} (shape {list(record.layout.size)}) differs after "
                 f"recompute on tokens [{start}, {seq_len}) (attention written out without a "
@@ -180,6 +188,16 @@ def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype, 
     )
 
 
+def low_precision(autocast: tuple) -> bool:
+    """Whether the forward ran under half-precision autocast (`actoff._replay.autocast_state`): a
+    float32 value computed from a bf16 product may be a bf16 rounding off on fewer rows.
+
+    >>> low_precision((("cpu", True, torch.bfloat16, True),))
+    True
+    """
+    return any(enabled and dtype in (torch.bfloat16, torch.float16) for _, enabled, dtype, _ in autocast)
+
+
 @contextlib.contextmanager
 def forward_state(tokenwise: Any) -> Iterator[None]:
     """Note [re-forward state]: run under the grad mode and autocast state of the forward pass.
@@ -198,8 +216,11 @@ def forward_state(tokenwise: Any) -> Iterator[None]:
         yield
 
 
-def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None) -> dict[int, Any]:
-    """Note [token-wise replay]: the block's forward on token rows ``[start, stop)``.
+def replay(
+    tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
+) -> dict[int, Any]:
+    """Note [token-wise replay]: the block's forward on token rows ``[start, stop)``; of each
+    record, the rows from token ``keep_from`` on are kept (a copy, when it is not ``start``).
 
     Returns, per record, its re-forward save: for ``detect``'s records a `Resave` (to find
     the token dimension), else the rows in the record's canonical shape (detached).
@@ -251,6 +272,8 @@ def replay(tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None
                 f"saved tensor {k} has shape {list(tensor.shape)}; the forward's record "
                 f"{record.index} needs {expected} on {length} tokens"
             )
+        if keep_from > start:  # a copy: the rows before it go with the re-forward
+            candidate = candidate.narrow(record.canon.dim, keep_from - start, stop - keep_from).clone()
         rows[record.index] = candidate.detach()
         return None
 

@@ -9,11 +9,16 @@ rows miss what the tokens before them contributed: wrong gradients, with nothing
 step, forward keeps copies of a few recomputed rows of every split record: the first two of the
 range (they lack the most tokens before them) and its last. Backward checks the re-forward
 against them before any row is used: one wait for the device per block and step, and three rows
-per record of memory. On a difference the rows are recomputed from the first token (exact: that
-re-forward has every token the forward had), the block is placed whole under these conditions
-from then on, and a warning says why. If even those rows differ, the block computes something
-else in backward (changed weights or state, nondeterministic operations): an error, since
-training must not go on with a wrong activation. ``ACTOFF_VERIFY`` adds a copy of one whole
+per record of memory. The rows are compared within float32 reassociation of each value plus the
+rows' mean magnitude (a large feature does not hide the others), or within a bf16 rounding when
+the forward ran under half-precision autocast (`actoff._replay.rows_differ`). On a difference
+the rows are recomputed from the first token (exact: that re-forward has every token the forward
+had; only rows ``[start, stop)`` of it are kept), the block is placed whole under these
+conditions from then on, and a warning says why, once per block. It is a sample: a difference
+confined to rows between the kept ones (routing that depends on the data) goes unseen. If the
+rows recomputed from the first token differ too, the block computes something else in backward
+(changed weights or state, nondeterministic operations): an error, since training must not go
+on with a wrong activation. ``ACTOFF_VERIFY`` adds a copy of one whole
 recomputed range every ``verify_interval`` steps, checked the same way.
 
 A range that starts at the first token (``recompute``: every token re-run) lacks nothing and
@@ -38,18 +43,16 @@ def keep(tokenwise: Any, start: int, stop: int) -> None:
     records ``tokenwise`` (an actoff._tokenwise.TokenwiseRun) splits, in ``tokenwise.checks``."""
     run = tokenwise.run
     if start > 0:  # rows re-run without the tokens before them
-        rows = sorted({start, min(start + 1, stop - 1), stop - 1})
-        picked = torch.tensor(rows, device=run.device)
+        picked = tuple(sorted({0, min(1, stop - start - 1), stop - start - 1}))
         for record in tokenwise.split_records:
             kept = record.canon.view(record.layout.flat(record.device_tensor.detach()))
-            copy = kept.index_select(record.canon.dim, picked)
-            tokenwise.checks.append((record.index, picked - start, copy))
+            copy = _rows(kept.narrow(record.canon.dim, start, stop - start), record.canon.dim, picked)
+            tokenwise.checks.append((record.index, picked, copy))
     if run.config.verify and run.step.number % run.config.verify_interval == 0:
         record = tokenwise.split_records[0]  # ACTOFF_VERIFY: one whole range, in host memory
         kept = record.canon.view(record.layout.flat(record.device_tensor.detach()))
-        tokenwise.checks.append(
-            (record.index, None, kept.narrow(record.canon.dim, start, stop - start).cpu())
-        )
+        whole = kept.narrow(record.canon.dim, start, stop - start).to("cpu", copy=True)
+        tokenwise.checks.append((record.index, None, whole))
 
 
 def checked_replay(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Tensor]:
@@ -60,9 +63,8 @@ def checked_replay(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Ten
         tokenwise.checks.clear()
         return rows
     run = tokenwise.run
-    dims = {record.index: record.canon.dim for record in tokenwise.split_records}
-    whole = _replay.replay(tokenwise, 0, stop)
-    rows = {index: tensor.narrow(dims[index], start, stop - start) for index, tensor in whole.items()}
+    del rows  # before the re-forward from the first token, which keeps only rows [start, stop)
+    rows = _replay.replay(tokenwise, 0, stop, keep_from=start)
     if _differ(tokenwise, rows):
         raise RuntimeError(
             f"actoff: recomputed token rows [{start}, {stop}) of a saved activation of block "
@@ -74,18 +76,23 @@ def checked_replay(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Ten
     reason = (
         f"its recomputed token rows [{start}, {stop}) differed from the forward's though its first "
         "step's probe matched: it mixes tokens outside a registered token mixer (a scan, a cumulative "
-        "sum, a convolution over tokens) through weights that were zero then"
+        "sum, a convolution over tokens) through weights that were zero then, or its kernels round "
+        "otherwise on fewer rows"
     )
-    tokenwise.learned.plans.pop(tokenwise.conditions, None)
-    tokenwise.learned.verdicts[tokenwise.conditions] = reason
-    warnings.warn(
-        f"actoff: block {run.name!r}: {reason}. This step recomputed them from the first token; under "
-        f"these conditions the block is placed whole ({whole_tier(run.config)}) from now on. Gradients "
-        "stay exact. To recompute it token-wise, register the function that mixes tokens with "
-        "actoff.register_token_mixer.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+    learned = tokenwise.learned
+    first = tokenwise.conditions not in learned.verdicts  # not already by a run of an earlier step
+    learned.plans.pop(tokenwise.conditions, None)
+    learned.verdicts[tokenwise.conditions] = reason
+    learned.warned = True  # one warning per module: a probe of it that fails later says nothing
+    if first:
+        warnings.warn(
+            f"actoff: block {run.name!r}: {reason}. This step recomputed them from the first token; "
+            f"under these conditions the block is placed whole ({whole_tier(run.config)}) from now "
+            "on. Gradients stay exact. To recompute it token-wise, register the function that mixes "
+            "tokens with actoff.register_token_mixer.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return rows
 
 
@@ -98,5 +105,11 @@ def _differ(tokenwise: Any, rows: dict[int, torch.Tensor]) -> bool:
         if picked is None:  # a whole range, kept in host memory
             pairs.append((kept, replayed.cpu()))
         else:
-            pairs.append((kept, replayed.index_select(dims[index], picked)))
-    return _replay.rows_differ(pairs)
+            pairs.append((kept, _rows(replayed, dims[index], picked)))
+    return _replay.rows_differ(pairs, half=_replay.low_precision(tokenwise.autocast))
+
+
+def _rows(tensor: torch.Tensor, dim: int, picked: tuple[int, ...]) -> torch.Tensor:
+    """Rows ``picked`` of ``tensor`` along ``dim``, copied (no index tensor: nothing to copy to the
+    device, which would wait for it)."""
+    return torch.cat([tensor.narrow(dim, row, 1) for row in picked], dim)

@@ -579,3 +579,34 @@ def test_a_request_both_plans_know_does_not_keep_the_wrong_one(arena):
         del first, second
         arena.begin_step()
     assert len(arena.plans) == 2
+
+
+def test_one_shape_keeps_one_plan_and_a_record_fetched_once_more_is_a_fallback(arena):
+    """Found in review: a replan after fallbacks traced fewer fetches (more records served from
+    the device), so it was kept beside the plan of the same shape; a later step fetching one
+    record more switched plans mid-step and took a second buffer for requests already made."""
+    keys = [(0, "fetch", index) for index in range(8)]
+
+    def one_wave(fetched):
+        held = [arena.empty(256, torch.float32, key, tag=0) for key in fetched]  # alive at once
+        del held
+
+    one_wave(keys)
+    trace = arena.take_trace()
+    layout = planner.solve([planner.Buffer(*entry[:3]) for entry in trace], alignment=512)
+    arena.install_plan(DevicePlan([entry[3] for entry in trace], [entry[0] for entry in trace], layout))
+    arena.begin_step()
+    for key in keys[4:]:  # half the records still on the device at backward
+        arena.expect(key)
+    one_wave(keys[:4])
+    trace = arena.take_trace()  # as the layout does after fallbacks: the step is planned again
+    layout = planner.solve([planner.Buffer(*entry[:3]) for entry in trace], alignment=512)
+    arena.install_plan(DevicePlan([entry[3] for entry in trace], [entry[0] for entry in trace], layout))
+    assert len(arena.plans) == 1  # the same shape: the plan in force was replaced
+    arena.begin_step()
+    for key in keys[5:]:
+        arena.expect(key)
+    alive = [arena.empty(256, torch.float32, key, tag=0) for key in keys[:5]]
+    assert (arena.served, arena.fallbacks, arena.divergences) == (4, 1, 0)
+    assert arena.capacity == 4 * 1024 and arena.num_allocations == 2  # one buffer per plan's step
+    del alive
