@@ -109,7 +109,7 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
             f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}",
         )
     plan: dict[int, Canon] = {}
-    half = low_precision(tokenwise.autocast)  # a float32 value of a bf16 product: a rounding
+    half = low_precision(tokenwise)  # a float32 value of a bf16 product: a rounding
     for record in candidates:
         replayed = saved.get(record.index)
         if replayed is None:
@@ -188,14 +188,22 @@ def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype, 
     )
 
 
-def low_precision(autocast: tuple) -> bool:
-    """Whether the forward ran under half-precision autocast (`actoff._replay.autocast_state`): a
-    float32 value computed from a bf16 product may be a bf16 rounding off on fewer rows.
+_HALF = (torch.bfloat16, torch.float16)
 
-    >>> low_precision((("cpu", True, torch.bfloat16, True),))
-    True
-    """
-    return any(enabled and dtype in (torch.bfloat16, torch.float16) for _, enabled, dtype, _ in autocast)
+
+def low_precision(tokenwise: Any) -> bool:
+    """Whether a token-wise run's block computes in half precision: under half-precision autocast
+    (`autocast_state`), with a half-precision parameter or input. A float32 value computed from
+    a bf16 product (a norm's statistics) may be a bf16 rounding off on fewer rows."""
+    if any(enabled and dtype in _HALF for _, enabled, dtype, _ in tokenwise.autocast):
+        return True
+    module = tokenwise.module
+    if module is not None and any(p.dtype in _HALF for p in module.parameters()):
+        return True
+    dtypes = (
+        v.layout.dtype if isinstance(v, Record) else getattr(v, "dtype", None) for v in tokenwise.inputs
+    )
+    return any(dtype in _HALF for dtype in dtypes)
 
 
 @contextlib.contextmanager

@@ -106,7 +106,7 @@ def _differ(tokenwise: Any, rows: dict[int, torch.Tensor]) -> bool:
             pairs.append((kept, replayed.cpu()))
         else:
             pairs.append((kept, _rows(replayed, dims[index], picked)))
-    return _replay.rows_differ(pairs, half=_replay.low_precision(tokenwise.autocast))
+    return _replay.rows_differ(pairs, half=_replay.low_precision(tokenwise))
 
 
 def _rows(tensor: torch.Tensor, dim: int, picked: tuple[int, ...]) -> torch.Tensor:
