@@ -124,8 +124,9 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
         if not rows_match(original, replayed.base if canon.on_base else replayed.view, half):
             return None, (
                 f"saved tensor {record.index} (shape {list(record.layout.size)}) differs after "
-                f"recompute on tokens [{start}, {seq_len}) (attention written out without a "
-                "registered token mixer, positions computed inside the block, or dropout?)"
+                f"recompute on tokens [{start}, {seq_len}) (tokens mixed outside a registered token "
+                "mixer: attention written out with matmul and softmax, a scan or a convolution over "
+                "tokens; positions computed inside the block; or dropout?)"
             )
         plan[record.index] = canon
     if not plan:
@@ -299,7 +300,10 @@ def replay(
     finally:
         runtime.thread.stack.pop()
     if count[0] != len(events):
-        raise ReplayMismatch(f"the re-forward saved {count[0]} tensors, the forward {len(events)}")
+        raise ReplayMismatch(
+            f"the re-forward saved {count[0]} tensors, the forward {len(events)} (a loop over the "
+            "tokens, as a scan's, or control flow that depends on the length?)"
+        )
     if mode.calls != len(mixer_rows):
         raise ReplayMismatch(
             f"the re-forward called the token mixer {mode.calls} times, the forward {len(mixer_rows)}"
