@@ -4,20 +4,27 @@ import pytest
 from _helpers import make_model, train
 
 import actoff
+from actoff._runtime import get_runtime
 from actoff.reference import Block
 from actoff.testing import simulated_device
 
 
 @pytest.mark.no_sim_device  # its own simulated device, drained before each backward
 def test_stats_add_up_and_print():
-    """On a device with DMA (the host arena shows). The copies out are drained before backward:
-    a record whose copy is still under way at its unpack is served from the device, not
-    fetched, and on a loaded machine that can be every record of a block (seen in CI), leaving
-    its fetch_ms at 0."""
+    """On a device with DMA (the host arena shows). The copies out are drained and seen done
+    before backward: a record whose copy is still under way when backward starts is served from
+    the device, not fetched, and on a loaded machine that can be every record of a block (seen
+    in CI twice, the second time with the copies drained but not yet seen done), leaving its
+    fetch_ms at 0."""
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0, keep_last=1)
     with simulated_device(seed=3) as device:
-        train(model, 2, before_backward=device.drain)
+
+        def copies_landed():  # and seen to have landed: a record still copying is not fetched
+            device.drain()
+            get_runtime().step.progress()
+
+        train(model, 2, before_backward=copies_landed)
     stats = actoff.stats()
     assert stats.steps == 2
     for block in stats.blocks.values():
