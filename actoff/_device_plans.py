@@ -15,9 +15,9 @@ picked plan does not know later in the step diverges as before, and its step bec
 its own. Ranges served from the plan in force before a switch stay in its buffers; the picked
 plan's buffers leave out the requests already made. A request `expect`ed in some step (a record
 sometimes still on the device at backward) is a fallback, never a reason to switch, and a plan
-made again after fallbacks, with no divergence, replaces the plan in force: one shape, one plan. Keeping a
-plan costs host memory only: its buffers are taken when its requests come (Note [a buffer per
-wave], actoff._device_arena).
+made again after fallbacks, with no divergence, replaces the plan in force: one shape, one plan.
+Keeping a plan costs host memory only: its buffers are taken when its requests come (Note [a
+buffer per wave], actoff._device_arena).
 """
 
 from __future__ import annotations

@@ -11,15 +11,16 @@ range (they lack the most tokens before them) and its last. Backward checks the 
 against them before any row is used: one wait for the device per block and step, and three rows
 per record of memory. The rows are compared within float32 reassociation of each value plus the
 rows' mean magnitude (a large feature does not hide the others), or within a bf16 rounding when
-the forward ran under half-precision autocast (`actoff._replay.rows_differ`). On a difference
+the block computes in half precision: autocast, weights or inputs (`actoff._replay.rows_differ`,
+`actoff._replay.low_precision`). On a difference
 the rows are recomputed from the first token (exact: that re-forward has every token the forward
 had; only rows ``[start, stop)`` of it are kept), the block is placed whole under these
 conditions from then on, and a warning says why, once per block. It is a sample: a difference
 confined to rows between the kept ones (routing that depends on the data) goes unseen. If the
 rows recomputed from the first token differ too, the block computes something else in backward
 (changed weights or state, nondeterministic operations): an error, since training must not go
-on with a wrong activation. ``ACTOFF_VERIFY`` adds a copy of one whole
-recomputed range every ``verify_interval`` steps, checked the same way.
+on with a wrong activation. ``ACTOFF_VERIFY`` adds a copy of one whole recomputed range every
+``verify_interval`` steps, checked the same way.
 
 A range that starts at the first token (``recompute``: every token re-run) lacks nothing and
 keeps no sentinels.
