@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._device import DeviceBackend
+from actoff.device.base import DeviceBackend
 
 # Trace generations are unique in the process: a slot freed after actoff.reset() (a graph that
 # outlived it) never matches the new arena's trace.
@@ -98,7 +98,7 @@ class HostArena:
 
     Thread-safe: slots are freed from autograd's backward threads.
 
-    >>> from actoff._device import CpuBackend
+    >>> from actoff.device.base import CpuBackend
     >>> arena = HostArena(CpuBackend())
     >>> slot = arena.alloc(1000)
     >>> slot.nbytes, arena.used
@@ -313,7 +313,7 @@ class HostArena:
     def take_trace(self) -> list[tuple[int, int, int, object]]:
         """The finished buffers traced so far as ``(size, start, end, tag)``; starts a new trace.
 
-        >>> from actoff._device import CpuBackend
+        >>> from actoff.device.base import CpuBackend
         >>> arena = HostArena(CpuBackend())
         >>> arena.tracing = True
         >>> a = arena.alloc(10, tag="block0"); arena.free(a)

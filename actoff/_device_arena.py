@@ -148,8 +148,8 @@ class DeviceArena:
     Thread-safe: tenants die on autograd's threads and in the garbage collector.
 
     >>> import torch
-    >>> from actoff._device import StreamBackend
-    >>> from actoff._simdevice import SimSettings, SimStreams
+    >>> from actoff.device.base import StreamBackend
+    >>> from actoff.device.sim.device import SimSettings, SimStreams
     >>> from actoff._device_plans import DevicePlan
     >>> from actoff.planner import Buffer, solve
     >>> streams = SimStreams(SimSettings())
@@ -171,7 +171,7 @@ class DeviceArena:
     alignment = ALIGNMENT
 
     def __init__(self, backend: Any) -> None:
-        self.backend = backend  # an actoff._device.StreamBackend
+        self.backend = backend  # an actoff.device.base.StreamBackend
         self.streams = backend.streams
         self.buffers: dict[tuple, _PartBuffer] = {}  # part -> its buffer, while it has requests to come
         self.draining: dict[int, _PartBuffer] = {}  # ident -> a buffer let go, its tenants alive

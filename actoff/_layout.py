@@ -13,9 +13,10 @@ import hashlib
 
 import torch
 
+from actoff.device.base import DeviceBackend
+
 from ._arena import ALIGNMENT, HostArena
 from ._config import Config
-from ._device import DeviceBackend
 from ._device_arena import DeviceArena
 from ._device_plans import DevicePlan
 from .planner import Buffer, Layout, PlanCache, solve, solve_bilevel

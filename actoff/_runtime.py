@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
+from actoff.device.base import backend_for
+from actoff.device.sim.device import settings_for
+
 from ._allocator_steps import ReplayDrivers
 from ._arena import HostArena
 from ._config import Config
-from ._device import backend_for
 from ._distributed import agree_with_rank0, local_world_size
 from ._handles import unpack
 from ._layout import Arenas
@@ -42,7 +44,6 @@ from ._plans import ByOwner, ModulePlans
 from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from ._record import Record, State
 from ._runtime_lock import RuntimeLock
-from ._simdevice import settings_for
 from ._stats import BlockStats, Stats, collect, snapshot
 from ._step import ScopeRun, Step, serve
 from ._tier_nvme import NVME

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from actoff.device.base import DeviceBackend, Ticket
+
 from ._config import Config
-from ._device import DeviceBackend, Ticket
 from ._handles import AliasHandle, Handle
 from ._record import Record, State, TensorLayout
 from ._stats import BlockStats

@@ -217,7 +217,7 @@ class InPlaceHostTier(Tier):
     """Note [nothing to copy on the host]: on a plain CPU device the tensor already is in
     host memory. Copying it into the arena would only cost time (``save_on_cpu`` does not copy
     there either: ``tensor.cpu()`` is the tensor itself), so the record keeps it and counts as
-    host bytes. The copy paths are exercised on the simulated device (actoff._simdevice)."""
+    host bytes. The copy paths are exercised on the simulated device (actoff.device.sim.device)."""
 
     name = "cpu"
 

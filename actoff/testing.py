@@ -3,7 +3,7 @@
 The simulated device is a debugging aid like ``CUDA_LAUNCH_BLOCKING``, the other way round:
 it makes a CPU run as asynchronous as a GPU. Copies run late on worker threads, their
 destinations hold NaN until they land, events complete late, and a race checker raises
-`RaceError` where a real GPU could read or reuse memory too early (see actoff._simdevice).
+`RaceError` where a real GPU could read or reuse memory too early (see actoff.device.sim.device).
 ``ACTOFF_SIM_DEVICE=1`` turns it on for every scope on a CPU device; `simulated_device`
 does it for a block of code and hands back the device to inspect.
 
@@ -22,10 +22,11 @@ from collections.abc import Iterator
 
 import torch
 
+from actoff.device.base import backend_for, forget_backend
+from actoff.device.sim.device import RaceError, SimSettings, SimStreams, _override, settings_for
+from actoff.device.sim.memory import DeviceMemory
+
 from ._config import Config, get_config
-from ._device import backend_for, forget_backend
-from ._simdevice import RaceError, SimSettings, SimStreams, _override, settings_for
-from ._simmemory import DeviceMemory
 
 __all__ = ["DeviceMemory", "RaceError", "SimSettings", "SimStreams", "device_memory", "simulated_device"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actoff._arena import ALIGNMENT, HostArena
-from actoff._device import CpuBackend, backend_for
+from actoff.device.base import CpuBackend, backend_for
 
 
 class CountingCpuBackend(CpuBackend):

@@ -7,7 +7,7 @@ import torch
 from _helpers import assert_same_history, make_model, train
 
 import actoff
-from actoff._device import CpuBackend, backend_for
+from actoff.device.base import CpuBackend, backend_for
 from actoff.reference import Block, ModelConfig, Transformer
 
 

@@ -10,11 +10,11 @@ from _helpers import assert_same_history, make_model, train
 
 import actoff
 from actoff import planner
-from actoff._device import StreamBackend
 from actoff._device_arena import DeviceArena
 from actoff._device_plans import DevicePlan
 from actoff._runtime import get_runtime
-from actoff._simdevice import RaceError, SimSettings, SimStreams
+from actoff.device.base import StreamBackend
+from actoff.device.sim.device import RaceError, SimSettings, SimStreams
 from actoff.reference import Block
 from actoff.testing import simulated_device
 

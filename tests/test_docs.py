@@ -10,7 +10,7 @@ import actoff
 
 MODULES = sorted(
     name
-    for _, name, _ in pkgutil.iter_modules(actoff.__path__, "actoff.")
+    for _, name, _ in pkgutil.walk_packages(actoff.__path__, "actoff.")
     # compiled; kernels only (tested in test_pack); a plain C library (its .so suffix fools pkgutil)
     if name not in ("actoff._C", "actoff._pack_triton", "actoff.libactoff_replay")
 )

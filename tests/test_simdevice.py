@@ -14,9 +14,9 @@ import torch
 from _helpers import assert_same_history, make_model, run_without_deadlock, train
 
 import actoff
-from actoff._device import StreamBackend, StreamTicket
-from actoff._simdevice import RaceError, SimSettings, SimStreams
 from actoff._tiers import HostTier
+from actoff.device.base import StreamBackend, StreamTicket
+from actoff.device.sim.device import RaceError, SimSettings, SimStreams
 from actoff.reference import Block
 from actoff.testing import device_memory, simulated_device
 
@@ -309,7 +309,7 @@ def test_a_graph_the_collector_frees_while_the_device_holds_its_lock_is_released
         f"""
         import gc, sys, torch
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-        import actoff, actoff._simdevice
+        import actoff, actoff.device.sim.device
         from _helpers import make_model
         from actoff.reference import Block
         from actoff.testing import simulated_device
@@ -320,13 +320,13 @@ def test_a_graph_the_collector_frees_while_the_device_holds_its_lock_is_released
             cycle = [model.loss(torch.randint(0, 256, (2, 33)))]
             cycle.append(cycle)  # garbage only the collector finds; copies still in flight
             del cycle
-            real_use_count = actoff._simdevice._use_count
+            real_use_count = actoff.device.sim.device._use_count
 
             def collecting_use_count(tensor):
                 gc.collect()  # as if an allocation under the device's lock started the collector
                 return real_use_count(tensor)
 
-            actoff._simdevice._use_count = collecting_use_count
+            actoff.device.sim.device._use_count = collecting_use_count
             device.drain()
         print("drained")
         """
@@ -341,7 +341,7 @@ def test_a_process_that_exits_with_copies_in_flight_exits_cleanly():
     script = textwrap.dedent(
         """
         import sys, time, torch
-        from actoff._simdevice import SimSettings, SimStreams
+        from actoff.device.sim.device import SimSettings, SimStreams
 
         streams = SimStreams(SimSettings(max_delay_s=0.0, max_lag_s=0.0))
         side = streams.new_stream()

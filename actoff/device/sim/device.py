@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from ._simmemory import DeviceMemory, poison
-from ._simstreams import ComputeStream, Gate, SideStream
+from .memory import DeviceMemory, poison
+from .streams import ComputeStream, Gate, SideStream
 
 __all__ = [
     "RaceError",
@@ -101,7 +101,7 @@ class SimEvent:
 
 
 class SimStreams:
-    """The simulated device's stream API (see actoff._device.StreamBackend)."""
+    """The simulated device's stream API (see actoff.device.base.StreamBackend)."""
 
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings

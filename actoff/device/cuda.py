@@ -1,4 +1,4 @@
-"""CUDA's stream API for actoff._device.StreamBackend: torch.cuda streams, events, pinned memory."""
+"""CUDA's stream API for actoff.device.base.StreamBackend: torch.cuda streams, events, pinned memory."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The simulated device's streams: side streams whose queues worker threads run late, and the
 calling thread's compute stream, whose events complete late.
 
-Part of the simulated device (actoff._simdevice), whose `SimStreams` they belong to and call
+Part of the simulated device (actoff.device.sim.device), whose `SimStreams` they belong to and call
 back (ordering, races, holds); the order rules are described there.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from ._simmemory import poison
+from .memory import poison
 
 __all__ = ["ComputeStream", "Copy", "Gate", "SideStream"]
 

@@ -2,7 +2,7 @@
 and peak bytes of the storages a simulated run allocates, with an optional capacity past which
 allocation fails as a GPU's would.
 
-Part of the simulated device (`actoff._simdevice`); `actoff.testing.simulated_device` turns it
+Part of the simulated device (`actoff.device.sim.device`); `actoff.testing.simulated_device` turns it
 on around a block of code, and the long-context benchmark reads its peak on a CPU.
 
 Note [copy sources and the allocator]: a storage counts as long as anything holds it. A copy to

@@ -5,7 +5,7 @@ One small interface, so nothing else in actoff asks "is this CUDA?":
   host-resident device there is nothing to copy: the host tier keeps tensors where they are.
 - `StreamBackend`: host staging buffers, one device-to-host and one host-to-device stream,
   copies ordered after the compute stream by events. It runs over a stream API: CUDA's
-  (actoff._cuda) or the simulated asynchronous device's (actoff._simdevice), which takes
+  (actoff.device.cuda) or the simulated asynchronous device's (actoff.device.sim.device), which takes
   the same code paths on a CPU so that CI sees ordering and lifetime bugs.
 
 Note [capture the compute stream]: the caller's current stream is read *before* work is put
@@ -332,7 +332,7 @@ _backends: dict[tuple, DeviceBackend] = {}
 
 def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
     """The (cached) backend of ``device``: streams for ``cuda`` devices; for a CPU device the
-    simulated asynchronous device when ``simulated`` (an actoff._simdevice.SimSettings) is
+    simulated asynchronous device when ``simulated`` (an actoff.device.sim.device.SimSettings) is
     given, else plain CPU copies.
 
     >>> backend_for(torch.device("cpu")).staged
@@ -344,11 +344,11 @@ def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
     backend = _backends.get(key)
     if backend is None:
         if device.type == "cuda":
-            from ._cuda import CudaStreams
+            from .cuda import CudaStreams
 
             backend = StreamBackend(device, CudaStreams(device))
         elif simulated is not None:
-            from ._simdevice import SimStreams
+            from actoff.device.sim.device import SimStreams
 
             backend = StreamBackend(device, SimStreams(simulated))
         else:
