@@ -16,10 +16,6 @@ Example:
     True
 """
 
-from . import _allocator
-from ._allocator import AllocatorStats
-from ._allocator import install as install_replay_allocator
-from ._allocator import stats as replay_allocator_stats
 from ._config import Config, get_config, parse_size, set_config
 from ._io_kvikio import kvikio_available
 from ._loss import chunked_cross_entropy, chunked_loss_
@@ -29,6 +25,10 @@ from ._scope import no_offload, offload, offload_
 from ._stats import BlockStats, Stats
 from ._tile import tile_
 from ._version import __version__
+from .memory import replay_allocator
+from .memory.replay_allocator import AllocatorStats
+from .memory.replay_allocator import install as install_replay_allocator
+from .memory.replay_allocator import stats as replay_allocator_stats
 
 try:
     from . import _C  # noqa: F401
@@ -39,7 +39,7 @@ except ImportError:
 
 # ACTOFF_ALLOCATOR=replay must swap torch's CUDA allocator before the first CUDA allocation:
 # importing actoff is the earliest point actoff runs. A refusal is raised at the first CUDA step.
-_allocator.install_from_environment()
+replay_allocator.install_from_environment()
 
 __all__ = [
     "HAS_EXTENSION",

@@ -150,7 +150,7 @@ class Record:
         # and done, and unpack. Bytes copied out before a change are the saved ones.
         self.source = weakref.ref(tensor)  # the tensor while it lives (forwarding, too)
         self.saved_version = tensor._version
-        # Set by the tiers (actoff._tiers): a host arena slot (actoff._arena.Slot), an NVMe
+        # Set by the tiers (actoff._tiers): a host arena slot (actoff.memory.host_arena.Slot), an NVMe
         # extent (actoff._nvme.Extent) in its store, and the device tickets of copies in flight.
         self.host_slot: Any = None
         self.extent: Any = None

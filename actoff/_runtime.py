@@ -11,9 +11,9 @@ Data flow of one step (the README's "How it works" has the map of modules):
    previous run's; unpack waits on exactly the record it serves.
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
    evicted, the auto policy decides, ranks agree (actoff._distributed), statistics are
-   published, and the host arena is laid out for the next steps (actoff._layout).
+   published, and the host arena is laid out for the next steps (actoff.memory.arenas).
    Under ``ACTOFF_ALLOCATOR=replay`` a step is also the replay allocator's window, from its
-   first scope to here (actoff._allocator_steps).
+   first scope to here (actoff.memory.replay_steps).
 
 A record is released when autograd drops its handle (after its last use, or when a retained
 graph is freed), so ``retain_graph=True`` and partial backward passes need no special case.
@@ -29,15 +29,9 @@ from typing import Any
 
 import torch
 
-from actoff.device.base import backend_for
-from actoff.device.sim.device import settings_for
-
-from ._allocator_steps import ReplayDrivers
-from ._arena import HostArena
 from ._config import Config
 from ._distributed import agree_with_rank0, local_world_size
 from ._handles import unpack
-from ._layout import Arenas
 from ._mixers import CaptureMode, CollectiveWatch
 from ._nvme import StoreRegistry
 from ._plans import ByOwner, ModulePlans
@@ -49,6 +43,11 @@ from ._step import ScopeRun, Step, serve
 from ._tier_nvme import NVME
 from ._tiers import HOST, KEEP, Tier
 from ._tokenwise import TokenwiseRun, decide_auto
+from .device.base import backend_for
+from .device.sim.device import settings_for
+from .memory.arenas import Arenas
+from .memory.host_arena import HostArena
+from .memory.replay_steps import ReplayDrivers
 from .planner import Layout
 
 __all__ = ["Runtime", "find_device", "get_runtime"]

@@ -60,7 +60,7 @@ class Stats:
     io_backend: str = "none"  # I/O engine of the NVMe tier, once used
     auto: dict = field(default_factory=dict)  # block -> actoff._tokenwise.AutoDecision
     host_plan: str = "none"  # the host arena's plan: "greedy:...", "mip", "cache", "rank 0 (...)"
-    #: The device arena (actoff._device_arena; none on a plain CPU device or with the planner
+    #: The device arena (actoff.memory.device_arena; none on a plain CPU device or with the planner
     #: off): most bytes of its buffers alive at once in the last step (those of the step before
     #: that still had tenants at its start included), the bytes its plan's
     #: address space spans, the plan's lower bound (most bytes live at once in the traced step),

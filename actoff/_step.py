@@ -15,13 +15,12 @@ from typing import Any
 
 import torch
 
-from actoff.device.base import DeviceBackend, Ticket
-
 from ._config import Config
 from ._handles import AliasHandle, Handle
 from ._record import Record, State, TensorLayout
 from ._stats import BlockStats
 from ._tiers import KEEP
+from .device.base import DeviceBackend, Ticket
 
 __all__ = ["ScopeRun", "Step", "param_like", "serve"]
 
@@ -289,7 +288,7 @@ class ScopeRun:
             elif record.state is State.OFFLOADING and record.device_tensor is not None:
                 self._expect_device_buffer(record)
         # The device arena hears of every record forwarded before the first fetch: it sizes the
-        # run's buffers to what is fetched (Note [skipped requests], actoff._device_arena).
+        # run's buffers to what is fetched (Note [skipped requests], actoff.memory.device_arena).
         for record in fetched:
             record.tier.fetch(record)
             if record.state is State.FETCHING:
@@ -306,12 +305,12 @@ class ScopeRun:
 
     # ------------------------------------------------------------------ for the tiers
     def arena(self) -> Any:
-        """The host arena of this run's device (actoff._arena.HostArena)."""
+        """The host arena of this run's device (actoff.memory.host_arena.HostArena)."""
         return self.runtime.arena(self)
 
     def device_buffer(self, numel: int, dtype: torch.dtype, key: tuple) -> torch.Tensor:
         """A 1-D device tensor for a copy back or a token-wise rebuild of ``key`` (what, record
-        index): from the device arena where there is one (actoff._device_arena), else new."""
+        index): from the device arena where there is one (actoff.memory.device_arena), else new."""
         arena = self.runtime.arenas.device_arena(self.backend, self.config)
         if arena is not None:
             return arena.empty(numel, dtype, (self.index, *key), tag=self.index)

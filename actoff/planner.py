@@ -119,7 +119,7 @@ def validate(buffers: Sequence[Buffer], offsets: Sequence[int], alignment: int =
 # there). Start order first: when every buffer is live at once (a block's records fetched
 # together) it stacks them as they were requested, so the first requested lie lowest and a step
 # that skips the last ones needs only the low part of the range (the device arena takes a
-# shorter buffer then: Note [skipped requests], actoff._device_arena).
+# shorter buffer then: Note [skipped requests], actoff.memory.device_arena).
 _ORDERS = {
     "start": lambda b: (b.start, -b.size),
     "size": lambda b: (-b.size, b.start),

@@ -22,11 +22,10 @@ from collections.abc import Iterator
 
 import torch
 
-from actoff.device.base import backend_for, forget_backend
-from actoff.device.sim.device import RaceError, SimSettings, SimStreams, _override, settings_for
-from actoff.device.sim.memory import DeviceMemory
-
 from ._config import Config, get_config
+from .device.base import backend_for, forget_backend
+from .device.sim.device import RaceError, SimSettings, SimStreams, _override, settings_for
+from .device.sim.memory import DeviceMemory
 
 __all__ = ["DeviceMemory", "RaceError", "SimSettings", "SimStreams", "device_memory", "simulated_device"]
 

@@ -1,4 +1,4 @@
-"""The replay allocator's library (actoff/libactoff_replay.so, actoff._allocator): built where
+"""The replay allocator's library (actoff/libactoff_replay.so, actoff.memory.replay_allocator): built where
 nvcc is, exporting its C entry points; nothing thrown across them; install refused with the fix."""
 
 import ctypes
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import actoff
-from actoff import _allocator
+from actoff.memory import replay_allocator
 
 LIBRARY = os.path.join(os.path.dirname(actoff.__file__), "libactoff_replay.so")
 ENTRY_POINTS = [
@@ -77,7 +77,7 @@ def test_entry_points_record_errors_and_never_throw():
 def test_install_refuses_on_a_torch_without_cuda():
     with pytest.raises(RuntimeError, match=r"^ACTOFF_ALLOCATOR=replay: this PyTorch build has no CUDA"):
         actoff.install_replay_allocator()
-    assert not _allocator.installed()
+    assert not replay_allocator.installed()
 
 
 def test_install_refuses_once_cuda_is_initialised(monkeypatch):
@@ -92,7 +92,7 @@ def test_install_refuses_once_cuda_is_initialised(monkeypatch):
 
 def test_install_refuses_without_the_library(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(_allocator, "library_path", lambda: None)
+    monkeypatch.setattr(replay_allocator, "library_path", lambda: None)
     with pytest.raises(
         RuntimeError,
         match=r"actoff/libactoff_replay.so was not built.*nvcc.*python setup.py build_ext --inplace",
@@ -102,7 +102,7 @@ def test_install_refuses_without_the_library(monkeypatch):
 
 def test_install_refuses_without_a_device(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(_allocator, "library_path", lambda: LIBRARY)
+    monkeypatch.setattr(replay_allocator, "library_path", lambda: LIBRARY)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"no CUDA device is visible"):
         actoff.install_replay_allocator()
@@ -120,16 +120,16 @@ def test_install_refuses_when_the_library_cannot_use_the_driver(monkeypatch):
         r"cudaGetDeviceCount failed: .*Update the driver, or rebuild actoff",
     ):
         actoff.install_replay_allocator()
-    assert not _allocator.installed()
-    _allocator.check(_allocator.load_library(LIBRARY))  # the probe's error was taken, not left
+    assert not replay_allocator.installed()
+    replay_allocator.check(replay_allocator.load_library(LIBRARY))  # the probe's error was taken, not left
 
 
 def test_import_with_replay_set_installs_or_keeps_the_refusal_and_never_initialises_cuda():
     code = (
         "import torch, actoff\n"
-        "from actoff import _allocator\n"
-        "print(torch.cuda.is_initialized(), _allocator.installed())\n"
-        "print(_allocator.refusal())\n"
+        "from actoff.memory import replay_allocator\n"
+        "print(torch.cuda.is_initialized(), replay_allocator.installed())\n"
+        "print(replay_allocator.refusal())\n"
     )
     env = {**os.environ, "ACTOFF_ALLOCATOR": "replay"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
@@ -150,9 +150,9 @@ def test_figures_without_the_allocator_are_zero():
 @needs_library
 @pytest.mark.skipif(torch.cuda.is_available(), reason="drives the entry points where there is no CUDA driver")
 def test_the_python_face_of_the_entry_points():
-    library = _allocator.load_library(LIBRARY)
-    _allocator.check(library)  # start clean
-    engine = _allocator.CudaEngine(library, 0)
+    library = replay_allocator.load_library(LIBRARY)
+    replay_allocator.check(library)  # start clean
+    engine = replay_allocator.CudaEngine(library, 0)
     figures = {field for field in actoff.AllocatorStats.__dataclass_fields__}
     assert set(engine.names) <= figures  # every figure the C side reports has its field
     engine.begin_record()
@@ -166,4 +166,4 @@ def test_the_python_face_of_the_entry_points():
         r"cudaGetDevice failed",
     ):
         engine.set_plan([4096], [0], 4096)  # an arena needs the device
-    _allocator.check(library)  # raised once, then cleared
+    replay_allocator.check(library)  # raised once, then cleared

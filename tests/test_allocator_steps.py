@@ -1,4 +1,4 @@
-"""Record, plan and replay per step (actoff._allocator_steps), driven on the host core with
+"""Record, plan and replay per step (actoff.memory.replay_steps), driven on the host core with
 the allocation trace of a real block's forward and backward; the runtime's step hooks."""
 
 import copy
@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import actoff
-from actoff._allocator_steps import GIVE_UP_AFTER, UNPLANNED, Replay, ReplayDrivers, plan_window
+from actoff.memory.replay_steps import GIVE_UP_AFTER, UNPLANNED, Replay, ReplayDrivers, plan_window
 from actoff.reference import Block, ModelConfig, rope_tables
 
 needs_extension = pytest.mark.skipif(not actoff.HAS_EXTENSION, reason="the C++ extension is not built")
@@ -237,13 +237,13 @@ def test_the_runtime_opens_a_window_per_step_and_closes_it_after_backward(monkey
 
 @needs_extension
 def test_the_drivers_record_the_first_cuda_step_and_replay_the_next(monkeypatch):
-    from actoff import _allocator
+    from actoff.memory import replay_allocator
 
     engines = []
-    monkeypatch.setattr(_allocator, "installed", lambda: True)
-    monkeypatch.setattr(_allocator, "check", lambda library=None: None)
+    monkeypatch.setattr(replay_allocator, "installed", lambda: True)
+    monkeypatch.setattr(replay_allocator, "check", lambda library=None: None)
     monkeypatch.setattr(
-        _allocator, "CudaEngine", lambda library, index: engines.append(HostEngine()) or engines[-1]
+        replay_allocator, "CudaEngine", lambda library, index: engines.append(HostEngine()) or engines[-1]
     )
     drivers = ReplayDrivers()
     events, _ = block_trace()
@@ -283,7 +283,7 @@ import sys, torch, actoff
 from actoff.reference import Block
 sys.path.insert(0, {tests!r})
 from _helpers import make_model, train
-assert actoff._allocator.installed() == {replay}
+assert actoff.memory.replay_allocator.installed() == {replay}
 model = make_model().cuda()
 actoff.offload_(model, block_cls=Block, policy={policy!r}, min_bytes=0)
 figures, history = [], []

@@ -9,8 +9,8 @@ import weakref
 import pytest
 import torch
 
-from actoff._arena import ALIGNMENT, HostArena
 from actoff.device.base import CpuBackend, backend_for
+from actoff.memory.host_arena import ALIGNMENT, HostArena
 
 
 class CountingCpuBackend(CpuBackend):

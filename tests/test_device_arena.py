@@ -10,11 +10,11 @@ from _helpers import assert_same_history, make_model, train
 
 import actoff
 from actoff import planner
-from actoff._device_arena import DeviceArena
-from actoff._device_plans import DevicePlan
 from actoff._runtime import get_runtime
 from actoff.device.base import StreamBackend
 from actoff.device.sim.device import RaceError, SimSettings, SimStreams
+from actoff.memory.device_arena import DeviceArena
+from actoff.memory.device_plans import DevicePlan
 from actoff.reference import Block
 from actoff.testing import simulated_device
 
@@ -186,7 +186,7 @@ def test_an_overlap_would_be_caught(monkeypatch):
         real_install(self, DevicePlan(keys, sizes, at_zero, [key[:2] for key in keys]))
 
     monkeypatch.setattr(DeviceArena, "install_plan", everything_at_zero)
-    monkeypatch.setattr("actoff._device_arena._free", lambda live, offset, size: True)
+    monkeypatch.setattr("actoff.memory.device_arena._free", lambda live, offset, size: True)
     expected = train(make_model(), 3)
     model = _offloaded(POLICIES["cpu"])
     with pytest.raises((AssertionError, RaceError)):
@@ -243,7 +243,7 @@ def test_a_new_length_is_planned_from_its_first_step_and_a_known_one_reuses_its_
     solves = []
     real_solve = planner.solve_bilevel
     monkeypatch.setattr(
-        "actoff._layout.solve_bilevel",
+        "actoff.memory.arenas.solve_bilevel",
         lambda *args, **kwargs: solves.append(1) or real_solve(*args, **kwargs),
     )
     model = _offloaded(POLICIES["cpu"])
@@ -293,7 +293,7 @@ def test_shapes_in_turns_are_each_served_by_their_own_plan(shapes, monkeypatch):
 
 
 def test_the_least_recently_used_plan_goes_past_the_limit(monkeypatch):
-    monkeypatch.setattr("actoff._device_plans.KEPT", 2)
+    monkeypatch.setattr("actoff.memory.device_plans.KEPT", 2)
     model = _offloaded(POLICIES["cpu"])
     with simulated_device(seed=22) as device:
         figures = _steps(model, device, [33, 41, 49, 41, 33])

@@ -195,7 +195,7 @@ PLAN_SCRIPT = textwrap.dedent(
     def worker(rank, world, port, case, cache, out):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
         import actoff
-        import actoff._layout as layout_module
+        import actoff.memory.arenas as layout_module
         import actoff._runtime as runtime_module
         from actoff.reference import Block
         from _helpers import make_model, train_ddp

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import actoff
-from actoff._arena import HostArena
 from actoff._io import CppEngine, PythonEngine
 from actoff._nvme import open_engine
 from actoff.device.base import CpuBackend
+from actoff.memory.host_arena import HostArena
 
 ENGINES = ["python"] + (["cpp"] if actoff.HAS_EXTENSION else [])
 

@@ -159,7 +159,7 @@ def test_cache_hit_miss_stale_and_corrupt(tmp_path):
 # ---------------------------------------------------------------------------------- runtime
 def _slot_offsets(monkeypatch):
     """Record (chunk id, offset) of every host slot handed out."""
-    from actoff._arena import HostArena
+    from actoff.memory.host_arena import HostArena
 
     seen = []
     original = HostArena.alloc

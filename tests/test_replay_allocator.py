@@ -162,7 +162,7 @@ def test_buffers_that_outlive_the_window_are_unplanned_and_one_time_ones_skipped
     allocator.deallocate(transient)
     log = allocator.end_record()
     assert [end for _, _, end in log] == [-1, 4, -1]
-    unplanned = HostReplayAllocator.UNPLANNED  # what actoff._allocator_steps.plan_window gives
+    unplanned = HostReplayAllocator.UNPLANNED  # what actoff.memory.replay_steps.plan_window gives
     arena = torch.empty(1024, dtype=torch.uint8)
     allocator.set_plan([8192, 1024, 2048], [unplanned, 0, unplanned], arena.data_ptr(), arena.numel())
     allocator.deallocate(grad)  # zero_grad(set_to_none=True)

@@ -637,7 +637,7 @@ def test_a_graph_the_collector_frees_inside_actoffs_own_locks_is_released_withou
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
         import actoff
         from _helpers import make_model, train
-        from actoff._arena import HostArena
+        from actoff.memory.host_arena import HostArena
         from actoff._record import State
         from actoff._runtime import get_runtime
         from actoff.reference import Block

@@ -15,7 +15,7 @@ turns the wait into a no-op (the torchtitan bug).
 Note [no record_stream]: sources of device-to-host copies stay referenced by their record
 until the copy's event has completed or the compute stream has waited on it; destinations of
 host-to-device copies are allocated on the compute stream (by the caching allocator, or by the
-device arena, actoff._device_arena) and the H2D stream waits for the compute stream first, so
+device arena, actoff.memory.device_arena) and the H2D stream waits for the compute stream first, so
 neither hands their memory to anyone while a copy still touches it.
 """
 
@@ -86,10 +86,10 @@ class DeviceBackend:
     #: to copy (Note [nothing to copy on the host]).
     host_resident: bool = False
     #: Host buffers come from torch's caching pinned allocator, which rounds every request up
-    #: to a power of two and caches freed blocks (Note [pinned footprint] in actoff._arena).
+    #: to a power of two and caches freed blocks (Note [pinned footprint] in actoff.memory.host_arena).
     pinned: bool = False
     #: The device buffers actoff allocates in backward come from a planned device arena
-    #: (actoff._device_arena): a device whose copies are ordered by streams and events, which
+    #: (actoff.memory.device_arena): a device whose copies are ordered by streams and events, which
     #: the arena's reuse relies on (Note [device arena reuse]).
     device_arena: bool = False
 

@@ -3,7 +3,7 @@ layouts: from the buffers a step traced to a plan installed in the arena.
 
 A traced step becomes a plan (from memory, the on-disk cache, or a solve by actoff.planner).
 A host arena that diverged from its plan drops it and traces the next step; a device arena
-traces every step, so the step that diverged is planned at once (actoff._device_arena).
+traces every step, so the step that diverged is planned at once (actoff.memory.device_arena).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import hashlib
 
 import torch
 
+from actoff._config import Config
 from actoff.device.base import DeviceBackend
+from actoff.planner import Buffer, Layout, PlanCache, solve, solve_bilevel
 
-from ._arena import ALIGNMENT, HostArena
-from ._config import Config
-from ._device_arena import DeviceArena
-from ._device_plans import DevicePlan
-from .planner import Buffer, Layout, PlanCache, solve, solve_bilevel
+from .device_arena import DeviceArena
+from .device_plans import DevicePlan
+from .host_arena import ALIGNMENT, HostArena
 
 __all__ = ["Arenas", "plan_arena", "plan_device_arena"]
 
@@ -120,7 +120,7 @@ def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layou
     it; otherwise (`DeviceArena.wants_plan`) the step just traced becomes the plan, so a new
     length or batch is planned from its own first step. MEMO's bi-level solve, with each wave of
     a block's fetches or rebuilds a group in a range apart (Note [a buffer per wave],
-    actoff._device_arena)."""
+    actoff.memory.device_arena)."""
     trace = arena.take_trace()
     if not trace or config.planner == "off" or not arena.wants_plan():
         return
@@ -132,7 +132,7 @@ def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layou
 
 
 def waves(trace: list[tuple]) -> list[tuple]:
-    """The part of each traced request (Note [a buffer per wave], actoff._device_arena): its
+    """The part of each traced request (Note [a buffer per wave], actoff.memory.device_arena): its
     run's fetches or rebuilds (a key's first two items) and the wave it died in, numbered from 0
     in the order the waves died.
 

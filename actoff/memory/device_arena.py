@@ -5,13 +5,13 @@ What it serves, on backends with streams (CUDA, the simulated device): the desti
 copies back (actoff._tiers, actoff._tier_nvme; packed token rows included) and the tensors a
 token-wise run rebuilds (actoff._tokenwise). Every step is traced: each request's key (which
 run, what, which record), size, and lifetime on a logical clock that ticks at every request and
-every death. After a step the planner lays the trace out (actoff._layout); from then on a
+every death. After a step the planner lays the trace out (actoff.memory.arenas); from then on a
 request whose key the plan knows, at the planned size, is served at its offset in its part's
 buffer, held only while its tenants live (Note [a buffer per wave]).
 
 A request the plan does not know (another key or size: a new length or batch) is a divergence,
 and its step becomes the next plan; plans of the last shapes are kept, and a shape that comes
-back is served by its own (Note [a plan per shape], actoff._device_plans). A planned range still
+back is served by its own (Note [a plan per shape], actoff.memory.device_plans). A planned range still
 held (a tenant that lives longer than in the traced step: an NVMe read that landed late), or a
 request usually not made (`expect`), is a fallback: a new allocation, as PyTorch would make (a
 free gap of a part's buffer is kept for the part's requests to come, and a tenant there would
@@ -82,9 +82,10 @@ from typing import Any
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from ._arena import align_up
-from ._device_plans import DevicePlan, DevicePlans
-from .planner import Layout
+from actoff.planner import Layout
+
+from .device_plans import DevicePlan, DevicePlans
+from .host_arena import align_up
 
 __all__ = ["ALIGNMENT", "DeviceArena"]
 
@@ -150,7 +151,7 @@ class DeviceArena:
     >>> import torch
     >>> from actoff.device.base import StreamBackend
     >>> from actoff.device.sim.device import SimSettings, SimStreams
-    >>> from actoff._device_plans import DevicePlan
+    >>> from actoff.memory.device_plans import DevicePlan
     >>> from actoff.planner import Buffer, solve
     >>> streams = SimStreams(SimSettings())
     >>> arena = DeviceArena(StreamBackend(torch.device("cpu"), streams))
@@ -193,7 +194,7 @@ class DeviceArena:
         self.requests = self.served = self.divergences = self.fallbacks = 0
         self.total_divergences = self.total_fallbacks = 0
         self._lock = threading.Lock()
-        # Note [frees from the collector] (actoff._arena): a tenant dies on any thread, inside
+        # Note [frees from the collector] (actoff.memory.host_arena): a tenant dies on any thread, inside
         # any allocation; its death is only queued, and handled under the lock before the next
         # request, so the trace keeps the order of deaths and requests.
         self._returned: collections.deque[tuple] = collections.deque()

@@ -6,7 +6,7 @@ requests freed inside it are laid out in one arena by the greedy planner, and th
 windows serve request k at its planned offset. A window that diverged (another size, more
 requests) is planned again from its own log; after `GIVE_UP_AFTER` such windows in a row the
 device goes back to plain cudaMallocAsync with one warning. Recorded errors are raised at the
-start and the end of every step. The library itself is actoff._allocator.
+start and the end of every step. The library itself is actoff.memory.replay_allocator.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from . import _allocator
-from .planner import Buffer, solve
+from actoff.planner import Buffer, solve
+
+from . import replay_allocator
 
 __all__ = ["ALIGNMENT", "GIVE_UP_AFTER", "UNPLANNED", "Replay", "ReplayDrivers", "ReplayPlan", "plan_window"]
 
@@ -58,7 +59,7 @@ def plan_window(log: Sequence[tuple[int, int, int]]) -> ReplayPlan:
 
 class Replay:
     """Record, plan and replay of one device's windows, over an engine (a
-    `actoff._allocator.CudaEngine` on CUDA; the tests drive the host core through the same
+    `actoff.memory.replay_allocator.CudaEngine` on CUDA; the tests drive the host core through the same
     methods).
 
     Note [the window]: a step opens at its first offload scope and closes at the end of its
@@ -139,13 +140,15 @@ class ReplayDrivers:
                 "ignored (set ACTOFF_ALLOCATOR=caching to silence this)",
             )
             return
-        if not _allocator.installed():
-            raise RuntimeError(_allocator.refusal())
-        _allocator.check()
+        if not replay_allocator.installed():
+            raise RuntimeError(replay_allocator.refusal())
+        replay_allocator.check()
         index = device.index if device.index is not None else torch.cuda.current_device()
         replay = self.by_device.get(index)
         if replay is None:
-            replay = self.by_device[index] = Replay(_allocator.CudaEngine(_allocator.library(), index))
+            replay = self.by_device[index] = Replay(
+                replay_allocator.CudaEngine(replay_allocator.library(), index)
+            )
         self.current = replay
         replay.begin()
 
@@ -156,7 +159,7 @@ class ReplayDrivers:
             message = replay.end()
             if message is not None:
                 warn("replay-allocator-gave-up", message)
-        _allocator.check()
+        replay_allocator.check()
 
     def close(self) -> None:
         """Forget plans (`actoff.reset`): the next step records again; the arena is kept."""

@@ -17,7 +17,7 @@ plan's buffers leave out the requests already made. A request `expect`ed in some
 sometimes still on the device at backward) is a fallback, never a reason to switch, and a plan
 made again after fallbacks, with no divergence, replaces the plan in force: one shape, one plan.
 Keeping a plan costs host memory only: its buffers are taken when its requests come (Note [a
-buffer per wave], actoff._device_arena).
+buffer per wave], actoff.memory.device_arena).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from .planner import Layout
+from actoff.planner import Layout
 
 __all__ = ["KEPT", "DevicePlan", "DevicePlans"]
 

@@ -7,7 +7,7 @@ a custom allocator for every tensor only when it is the process's allocator
 first CUDA allocation: so the allocator is installed when actoff is imported with
 ``ACTOFF_ALLOCATOR=replay`` set (or by `install` called at the start of the program), and the
 runtime refuses a CUDA step under ``replay`` without it. What a step does with it is
-actoff._allocator_steps. The C side records errors and never throws; `check` raises them.
+actoff.memory.replay_steps. The C side records errors and never throws; `check` raises them.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ _install_failure: str | None = None  # why the install on import was refused
 
 
 def library_path() -> str | None:
-    """Path of the built libactoff_replay.so next to this package, or None if it was not built."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY)
+    """Path of the built libactoff_replay.so in the actoff package, or None if it was not built."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # actoff/memory/ -> actoff/
+    path = os.path.join(package, LIBRARY)
     return path if os.path.exists(path) else None
 
 
