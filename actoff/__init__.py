@@ -17,9 +17,7 @@ Example:
 """
 
 from ._config import Config, get_config, parse_size, set_config
-from ._io_kvikio import kvikio_available
 from ._loss import chunked_cross_entropy, chunked_loss_
-from ._mixers import register_token_mixer
 from ._runtime import get_runtime
 from ._scope import no_offload, offload, offload_
 from ._stats import BlockStats, Stats
@@ -29,6 +27,8 @@ from .memory import replay_allocator
 from .memory.replay_allocator import AllocatorStats
 from .memory.replay_allocator import install as install_replay_allocator
 from .memory.replay_allocator import stats as replay_allocator_stats
+from .tiers.nvme.kvikio import kvikio_available
+from .tiers.tokenwise.mixers import register_token_mixer
 
 try:
     from . import _C  # noqa: F401

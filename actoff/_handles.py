@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._record import Record, modified_error
+from .tiers.record import Record, modified_error
 
 __all__ = ["AliasHandle", "Handle", "unpack"]
 

@@ -3,10 +3,10 @@
 Data flow of one step (the README's "How it works" has the map of modules):
 1. Forward inside a scope: `call` opens a `ScopeRun` (actoff._step) whose pack hook turns each
    saved tensor into a `Handle` to a `Record`. A token-wise run also captures what a
-   re-forward needs (actoff._tokenwise). Nothing is copied yet.
+   re-forward needs (actoff.tiers.tokenwise.run). Nothing is copied yet.
 2. Scope exit: the run is sealed and queued; once it is more than ``keep_last`` runs old its
    records are placed (actoff._policy says where) and their tier starts the copies out
-   (actoff._tiers); `_progress` finishes them, MEMO's double buffering.
+   (actoff.tiers.base); `_progress` finishes them, MEMO's double buffering.
 3. Backward: the first unpack in a run fetches all of that run's records and prefetches the
    previous run's; unpack waits on exactly the record it serves.
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
@@ -29,31 +29,30 @@ from typing import Any
 
 import torch
 
+from ._auto import decide_auto
 from ._config import Config
 from ._distributed import agree_with_rank0, local_world_size
 from ._handles import unpack
-from ._mixers import CaptureMode, CollectiveWatch
-from ._nvme import StoreRegistry
-from ._plans import ByOwner, ModulePlans
 from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
-from ._record import Record, State
 from ._runtime_lock import RuntimeLock
 from ._stats import BlockStats, Stats, collect, snapshot
-from ._step import ScopeRun, Step, serve
-from ._tier_nvme import NVME
-from ._tiers import HOST, KEEP, Tier
-from ._tokenwise import TokenwiseRun, decide_auto
+from ._step import ScopeRun, Step
 from .device.base import backend_for
 from .device.sim.device import settings_for
 from .memory.arenas import Arenas
 from .memory.host_arena import HostArena
 from .memory.replay_steps import ReplayDrivers
 from .planner import Layout
+from .tiers.nvme.store import StoreRegistry
+from .tiers.record import Record, State, serve
+from .tiers.registry import TIERS, tier_named
+from .tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
+from .tiers.tokenwise.probes import ByOwner, ModulePlans
+from .tiers.tokenwise.run import TokenwiseRun
 
 __all__ = ["Runtime", "find_device", "get_runtime"]
 
 #: Tier objects by the names policies use.
-TIERS: dict[str, Tier] = {"keep": KEEP, "cpu": HOST, "nvme": NVME}
 
 
 class _ThreadState(threading.local):
@@ -202,7 +201,7 @@ class Runtime:
         splits = tokenwise is not None and bool(tokenwise.split_records)
         if splits:
             tokenwise.place_split(TIERS)
-        tier = TIERS[whole_tier(run.config)]
+        tier = tier_named(whole_tier(run.config))
         for record in run.records:
             if record.state is State.RESIDENT:
                 tier.place(record)

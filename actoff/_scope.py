@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import torch
 
 from ._config import Config, get_config
-from ._plans import ByOwner
 from ._runtime import get_runtime
+from .tiers.tokenwise.probes import ByOwner
 
 __all__ = ["no_offload", "offload", "offload_"]
 

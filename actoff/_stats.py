@@ -58,7 +58,7 @@ class Stats:
     host_allocations: int = 0  # host buffers ever allocated (constant after the first step)
     nvme_file_bytes: int = 0  # size of the NVMe files
     io_backend: str = "none"  # I/O engine of the NVMe tier, once used
-    auto: dict = field(default_factory=dict)  # block -> actoff._tokenwise.AutoDecision
+    auto: dict = field(default_factory=dict)  # block -> actoff.tiers.tokenwise.run.AutoDecision
     host_plan: str = "none"  # the host arena's plan: "greedy:...", "mip", "cache", "rank 0 (...)"
     #: The device arena (actoff.memory.device_arena; none on a plain CPU device or with the planner
     #: off): most bytes of its buffers alive at once in the last step (those of the step before

@@ -4,7 +4,7 @@ A `Step` is the scope runs of one forward pass, in order, until its backward end
 `ScopeRun` is one call of an offload scope: its pack hook turns each saved tensor into a
 `Handle` to a `Record` (actoff._handles; or passes it through), and it gives the tiers what they need from
 the run: the arena, the NVMe store, the statistics. Placement, fetching and release are the
-runtime's and the tiers' (actoff._runtime, actoff._tiers).
+runtime's and the tiers' (actoff._runtime, actoff.tiers.base).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from ._config import Config
 from ._handles import AliasHandle, Handle
-from ._record import Record, State, TensorLayout
 from ._stats import BlockStats
-from ._tiers import KEEP
 from .device.base import DeviceBackend, Ticket
+from .tiers.base import KEEP
+from .tiers.record import Record, State, TensorLayout, param_like
 
-__all__ = ["ScopeRun", "Step", "param_like", "serve"]
+__all__ = ["ScopeRun", "Step"]
 
 
 class Step:
@@ -74,14 +74,6 @@ class Step:
         self.in_flight = still
 
 
-def param_like(tensor: torch.Tensor, storage: int, param_storages: set[int]) -> bool:
-    """Parameters, buffers and their views (by storage), and leaves that require grad."""
-    if storage in param_storages or (tensor.is_leaf and tensor.requires_grad):
-        return True
-    base = tensor._base
-    return base is not None and base.is_leaf and base.requires_grad
-
-
 class ScopeRun:
     """One forward call of an offload scope and the records it made."""
 
@@ -112,7 +104,7 @@ class ScopeRun:
         self.live = 0  # records not yet released
         self.fetch_issued = False
         self.fetching: list[Record] = []  # records the prefetch left FETCHING, for `poll`
-        # Token-wise state (actoff._tokenwise.TokenwiseRun) while the run may be split by
+        # Token-wise state (actoff.tiers.tokenwise.run.TokenwiseRun) while the run may be split by
         # token; None for runs placed whole.
         self.tokenwise: Any = None
 
@@ -324,7 +316,7 @@ class ScopeRun:
             arena.expect((self.index, "fetch", record.index))
 
     def store(self) -> Any:
-        """The NVMe store of this run's settings (actoff._nvme.NvmeStore)."""
+        """The NVMe store of this run's settings (actoff.tiers.nvme.store.NvmeStore)."""
         return self.runtime.stores.get(self.config)
 
     def account(self, what: str, ticket: Ticket | None) -> None:
@@ -339,27 +331,3 @@ class ScopeRun:
     def account_io(self, what: str, future: Any) -> None:
         """Add an NVMe request's time (the engine's, queueing excluded) to the run's figures."""
         setattr(self.stats, what, getattr(self.stats, what) + future.elapsed() * 1e3)
-
-
-def serve(record: Record) -> torch.Tensor:
-    """The device tensor of ``record`` for compute, from wherever it is now."""
-    state = record.state
-    if state is State.RESIDENT:  # the common case first (Note [pack is hot])
-        return record.device_tensor
-    if state is State.OFFLOADING and record.device_tensor is None:
-        return record.tier.materialize(record)  # its bytes left the device already
-    if state is State.OFFLOADING or state is State.READY:
-        if state is State.OFFLOADING:
-            record.run.stats.forwarded += 1
-        return record.device_tensor
-    if state is State.RELEASED:
-        raise RuntimeError(
-            f"actoff internal error: a saved tensor of block {record.run.name!r} was "
-            "unpacked after it was released"
-        )
-    if state is State.OFFLOADED:
-        live = record.live_source()
-        if live is not None:  # forwarding: the original is still alive, serve it
-            record.run.stats.forwarded += 1
-            return live
-    return record.tier.materialize(record)

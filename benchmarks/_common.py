@@ -44,7 +44,7 @@ def io_backend_name(directory: str | None) -> str:
     """What the NVMe tier would use in ``directory``: engine and GDS or compat state."""
     if directory is None:
         return "n/a (no NVMe directory)"
-    from actoff._nvme import open_engine
+    from actoff.tiers.nvme.store import open_engine
 
     path = os.path.join(directory, f".actoff-bench-probe-{os.getpid()}")
     try:
@@ -126,7 +126,7 @@ def system_header(nvme_dir: str | None = None) -> dict:
     """Facts every benchmark prints first, so results can be compared honestly: the device, the
     versions, where the NVMe directory lives (file system, O_DIRECT) and which I/O engine runs
     there (kvikio in GDS or compat mode, or the POSIX engine)."""
-    from actoff._io_kvikio import probe_kvikio
+    from actoff.tiers.nvme.kvikio import probe_kvikio
 
     header = {
         "device": device_name(),

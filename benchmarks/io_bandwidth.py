@@ -27,9 +27,9 @@ import torch
 from _common import JsonLines, format_table, median, print_header, system_header, write_json
 
 import actoff
-from actoff._arena import ALIGNMENT
-from actoff._io import CppEngine, PythonEngine
-from actoff._io_kvikio import KvikioEngine, probe_kvikio
+from actoff.memory.host_arena import ALIGNMENT
+from actoff.tiers.nvme.engines import CppEngine, PythonEngine
+from actoff.tiers.nvme.kvikio import KvikioEngine, probe_kvikio
 
 CHUNK = 4 * 2**20
 

@@ -28,10 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import format_table, print_header, system_header, write_json
 
-from actoff._layout import waves
+from actoff.memory.arenas import waves
 from actoff.planner import Buffer, lower_bound, solve, solve_bilevel, validate
 
-DEVICE_ALIGNMENT = 512  # actoff._device_arena.ALIGNMENT
+DEVICE_ALIGNMENT = 512  # actoff.memory.device_arena.ALIGNMENT
 
 
 def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[Buffer], list[int]]:
@@ -71,7 +71,7 @@ def device_trace(
     import torch
 
     import actoff
-    from actoff._device_arena import DeviceArena
+    from actoff.memory.device_arena import DeviceArena
     from actoff.reference import Block, ModelConfig, Transformer
     from actoff.testing import simulated_device
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import actoff
-from actoff._io import CppEngine, PythonEngine
-from actoff._nvme import open_engine
 from actoff.device.base import CpuBackend
 from actoff.memory.host_arena import HostArena
+from actoff.tiers.nvme.engines import CppEngine, PythonEngine
+from actoff.tiers.nvme.store import open_engine
 
 ENGINES = ["python"] + (["cpp"] if actoff.HAS_EXTENSION else [])
 
@@ -94,7 +94,7 @@ def test_real_write_error_from_a_file_size_limit(kind, tmp_path):
     # SIGXFSZ), a real OS error in the engine's worker thread.
     script = textwrap.dedent(f"""
         import resource, torch
-        from actoff._io import CppEngine, PythonEngine
+        from actoff.tiers.nvme.engines import CppEngine, PythonEngine
         engine = {"CppEngine" if kind == "cpp" else "PythonEngine"}({str(tmp_path / "x.bin")!r}, 2)
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
         try:

@@ -18,9 +18,9 @@ import torch
 from _helpers import assert_same_history, baseline_and_offloaded
 
 import actoff
-from actoff._io_kvikio import KvikioEngine, probe_kvikio
-from actoff._nvme import open_engine
 from actoff.testing import simulated_device
+from actoff.tiers.nvme.kvikio import KvikioEngine, probe_kvikio
+from actoff.tiers.nvme.store import open_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,7 +141,7 @@ def test_real_write_error_names_op_path_offset_and_size(tmp_path):
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import _fake_kvikio
         sys.modules["kvikio"], sys.modules["kvikio.defaults"] = _fake_kvikio.package(), _fake_kvikio.defaults
-        from actoff._nvme import open_engine
+        from actoff.tiers.nvme.store import open_engine
         engine = open_engine({str(tmp_path / "x.bin")!r}, "kvikio")
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
         try:
@@ -293,8 +293,8 @@ def test_real_kvikio_compat_path_with_a_stub_driver(tmp_path):
                    check=True)  # fmt: skip
     script = textwrap.dedent(f"""
         import torch
-        from actoff._io_kvikio import probe_kvikio
-        from actoff._nvme import open_engine
+        from actoff.tiers.nvme.kvikio import probe_kvikio
+        from actoff.tiers.nvme.store import open_engine
         ok, name = probe_kvikio({str(tmp_path)!r})
         assert ok, name
         engine = open_engine({str(tmp_path / "k.bin")!r}, "kvikio")

@@ -14,9 +14,9 @@ import torch
 from _helpers import assert_same_history, baseline_and_offloaded, make_model, train
 
 import actoff
-from actoff._nvme import ExtentAllocator, NvmeStore
 from actoff._runtime import get_runtime
 from actoff.reference import Block
+from actoff.tiers.nvme.store import ExtentAllocator, NvmeStore
 
 pytestmark = pytest.mark.nvme
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -288,7 +288,7 @@ def test_nvme_on_cuda_is_exact(nvme_dir, io_backend):
     """On CUDA: staged through pinned memory (POSIX engine, kvikio in compat mode), or with
     GPUDirect Storage active, kvikio reading and writing the device tensors themselves."""
     if io_backend == "kvikio":
-        from actoff._io_kvikio import probe_kvikio
+        from actoff.tiers.nvme.kvikio import probe_kvikio
 
         ok, why = probe_kvikio(nvme_dir)
         if not ok:
@@ -305,14 +305,16 @@ def test_nvme_on_cuda_is_exact(nvme_dir, io_backend):
 
 
 def _python_engine(monkeypatch):
-    import actoff._io
+    import actoff.tiers.nvme.engines
 
-    monkeypatch.setattr(actoff._io, "_C", None)  # the Python engine, whose workers we can break
+    monkeypatch.setattr(
+        actoff.tiers.nvme.engines, "_C", None
+    )  # the Python engine, whose workers we can break
 
 
 def test_a_write_worker_that_fails_falls_back(monkeypatch, nvme_dir):
     _python_engine(monkeypatch)
-    from actoff._io import PythonEngine
+    from actoff.tiers.nvme.engines import PythonEngine
 
     original = PythonEngine._run
 
@@ -335,7 +337,7 @@ def test_a_hung_read_raises_in_the_training_thread(monkeypatch, nvme_dir):
     _python_engine(monkeypatch)
     import threading
 
-    from actoff._io import PythonEngine
+    from actoff.tiers.nvme.engines import PythonEngine
 
     original = PythonEngine._run
     release = threading.Event()

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from actoff._pack import layout_offsets, pack_rows, scatter_rows
+from actoff.tiers.tokenwise.pack import layout_offsets, pack_rows, scatter_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Everything a saved activation can be: the kernel moves each as the integer of its width.
@@ -72,7 +72,7 @@ def test_layout_offsets_are_aligned():
 
 
 def test_rows_merge_contiguous_dimensions():
-    from actoff._pack import _rows
+    from actoff.tiers.tokenwise.pack import _rows
 
     bsh = torch.empty(3, 40, 24)
     assert _rows(bsh.narrow(1, 10, 17)) == ([1, 1, 3, 408], [0, 0, 960, 1])  # rows of S x H
@@ -86,12 +86,12 @@ def test_triton_kernels_match_torch_in_the_interpreter():
     pytest.importorskip("triton")
     script = textwrap.dedent("""
         import torch
-        from actoff import _pack
-        from actoff._pack import pack_rows, scatter_rows, triton_available
+        from actoff.tiers.tokenwise import pack
+        from actoff.tiers.tokenwise.pack import pack_rows, scatter_rows, triton_available
         assert triton_available()
         launched = []
-        real_launch = _pack._launch
-        _pack._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
+        real_launch = pack._launch
+        pack._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
         import test_pack as t
         for dtype in t.ALL_DTYPES:
             views = t._views(dtype)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from actoff._plans import ByOwner, conditions
-from actoff._replay import autocast_state
+from actoff.tiers.tokenwise.probes import ByOwner, conditions
+from actoff.tiers.tokenwise.reforward import autocast_state
 
 CPU = torch.device("cpu")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actoff._record import Record, RecordStateError, State, TensorLayout
+from actoff.tiers.record import Record, RecordStateError, State, TensorLayout
 
 
 class _Run:

@@ -1,9 +1,9 @@
-"""The comparison of recomputed rows with the real ones (`actoff._replay.rows_differ`), used by
+"""The comparison of recomputed rows with the real ones (`actoff.tiers.tokenwise.reforward.rows_differ`), used by
 the probe, the sentinel rows and ACTOFF_VERIFY."""
 
 import torch
 
-from actoff._replay import rows_differ, rows_match
+from actoff.tiers.tokenwise.reforward import rows_differ, rows_match
 
 
 def test_a_large_value_does_not_hide_a_difference_in_the_others():

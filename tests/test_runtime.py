@@ -12,10 +12,10 @@ from _helpers import assert_same_history, baseline_and_offloaded, make_model, ru
 
 import actoff
 import actoff._step
-from actoff._record import State
 from actoff._runtime import Runtime, get_runtime
 from actoff._step import ScopeRun
 from actoff.reference import Block
+from actoff.tiers.record import State
 
 
 @pytest.mark.parametrize("policy", ["keep", "cpu"])
@@ -310,13 +310,13 @@ def test_records_still_on_the_device_at_backward_are_served_from_it(policy, monk
     """Note [forward what is still on the device]: the last block's copies out are held back
     through forward and done by the time backward starts (a drained device), while its device
     tensors are still held: they are served as they are, not dropped and copied back."""
-    from actoff._tiers import HostTier
     from actoff.testing import simulated_device
+    from actoff.tiers.cpu import CpuTier
 
     fetched = []
-    real_fetch = HostTier.fetch
+    real_fetch = CpuTier.fetch
     monkeypatch.setattr(
-        HostTier, "fetch", lambda self, record: fetched.append(record.run.index) or real_fetch(self, record)
+        CpuTier, "fetch", lambda self, record: fetched.append(record.run.index) or real_fetch(self, record)
     )
     expected = train(make_model(), 2)
     model = make_model()
@@ -638,7 +638,7 @@ def test_a_graph_the_collector_frees_inside_actoffs_own_locks_is_released_withou
         import actoff
         from _helpers import make_model, train
         from actoff.memory.host_arena import HostArena
-        from actoff._record import State
+        from actoff.tiers.record import State
         from actoff._runtime import get_runtime
         from actoff.reference import Block
         from actoff.testing import simulated_device

@@ -1,4 +1,4 @@
-"""Sentinel rows (Note [sentinel rows], actoff/_sentinels.py): token-wise recompute checked every
+"""Sentinel rows (Note [sentinel rows], actoff/tiers/tokenwise/sentinels.py): token-wise recompute checked every
 step against a few rows kept at forward time, so a block whose probe was fooled (a scan over
 tokens behind a gate that was zero then) is caught before a wrong row is used."""
 
@@ -106,10 +106,10 @@ def test_three_rows_per_split_record_are_kept_and_go_with_backward():
 def test_two_forwards_before_one_backward_warn_once_per_block_and_keep_only_the_rows_needed(monkeypatch):
     """Found in review: runs of a block still waiting for backward when the first is caught each
     warned again; the re-forward from the first token kept every record at full length."""
-    from actoff import _replay
+    from actoff.tiers.tokenwise import reforward
 
     recovered = []
-    real_replay = _replay.replay
+    real_replay = reforward.replay
 
     def spy(tokenwise, start, stop, **kwargs):
         rows = real_replay(tokenwise, start, stop, **kwargs)
@@ -117,7 +117,7 @@ def test_two_forwards_before_one_backward_warn_once_per_block_and_keep_only_the_
             recovered.extend(rows.values())
         return rows
 
-    monkeypatch.setattr(_replay, "replay", spy)
+    monkeypatch.setattr(reforward, "replay", spy)
     model = _model(GatedScanBlock)
     reference = copy.deepcopy(model)
     actoff.offload_(model, block_cls=GatedScanBlock, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
@@ -145,7 +145,7 @@ def _two():
 def test_a_block_in_half_precision_is_compared_within_a_half_precision_rounding(half):
     """A float32 save computed from bf16 values (a norm's statistics) may be one bf16 rounding off
     when a kernel picks another order for fewer rows (on a GPU): not a token mixed."""
-    from actoff import _replay
+    from actoff.tiers.tokenwise import reforward
 
     model = make_model()
     if half == "weights":
@@ -156,11 +156,11 @@ def test_a_block_in_half_precision_is_compared_within_a_half_precision_rounding(
     runs = [
         run for run in get_runtime().step.runs if run.tokenwise is not None and run.tokenwise.split_records
     ]
-    assert runs and all(_replay.low_precision(run.tokenwise) for run in runs)
+    assert runs and all(reforward.low_precision(run.tokenwise) for run in runs)
     loss.backward()
     actoff.reset()
     plain = make_model()  # float32, no autocast
     actoff.offload_(plain, block_cls=Block, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
     plain.loss(torch.randint(0, 256, (2, 33)))
     runs = [run for run in get_runtime().step.runs if run.tokenwise is not None]
-    assert runs and not any(_replay.low_precision(run.tokenwise) for run in runs)
+    assert runs and not any(reforward.low_precision(run.tokenwise) for run in runs)

@@ -14,11 +14,11 @@ import torch
 from _helpers import assert_same_history, make_model, run_without_deadlock, train
 
 import actoff
-from actoff._tiers import HostTier
 from actoff.device.base import StreamBackend, StreamTicket
 from actoff.device.sim.device import RaceError, SimSettings, SimStreams
 from actoff.reference import Block
 from actoff.testing import device_memory, simulated_device
+from actoff.tiers.cpu import CpuTier
 
 pytestmark = pytest.mark.no_sim_device  # each test builds the simulated device it needs
 
@@ -255,7 +255,7 @@ def test_graph_dropped_without_backward_frees_its_slots_only_after_the_copies():
 def test_staged_nvme_frees_the_device_before_the_disk_and_never_waits_for_it(nvme_dir, monkeypatch):
     """Problem 3: staged writes kept the device tensor until the disk was done, and the
     forced path waited for the disk in forward (here: for a disk that never finishes)."""
-    from actoff._nvme import NvmeStore
+    from actoff.tiers.nvme.store import NvmeStore
 
     gate = threading.Event()
     real_write = NvmeStore.write
@@ -398,14 +398,14 @@ def test_mutation_ticket_done_early_is_caught(monkeypatch):
 
 
 def test_mutation_copy_source_dropped_early_is_caught(monkeypatch):
-    real_place = HostTier.place
+    real_place = CpuTier.place
 
     def place(self, record):
         real_place(self, record)
         record.copy_source = None
         record.device_tensor = None
 
-    monkeypatch.setattr(HostTier, "place", place)
+    monkeypatch.setattr(CpuTier, "place", place)
     _broken_run_is_caught()
 
 

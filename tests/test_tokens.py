@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from actoff._record import TensorLayout
-from actoff._tokens import Canon, base_info, changed_dim, detect_canon, token_ranges, unique_dim
+from actoff.tiers.record import TensorLayout
+from actoff.tiers.tokenwise.tokens import (
+    Canon,
+    base_info,
+    changed_dim,
+    detect_canon,
+    token_ranges,
+    unique_dim,
+)
 
 
 def test_unique_dim():

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import actoff
-import actoff._tokenwise
+import actoff._auto
 from actoff._runtime import get_runtime
 from actoff.reference import Block, ModelConfig, RMSNorm, rope_tables
 
@@ -297,7 +297,7 @@ def test_auto_decides_after_the_first_step_and_stays_close(monkeypatch):
     # so auto stores little and recomputes the rest from step two on. The forward time is
     # injected (1 ms a block): measured, it grows with the machine's load and so would the
     # stored fraction.
-    monkeypatch.setattr(actoff._tokenwise, "forward_ms", lambda tokenwise: 1.0)
+    monkeypatch.setattr(actoff._auto, "forward_ms", lambda tokenwise: 1.0)
     model = make_model()
     reference = copy.deepcopy(model)
     expected = train(reference, 3)
@@ -358,8 +358,8 @@ def test_rows_served_from_the_device_are_never_written_to_nvme(monkeypatch, nvme
     is skipped. It used to start then if the copy out had ended: a write of bytes nobody
     reads, and an extent more in just those steps, which grew the file after warm-up
     (test_soak[tokenwise] on the simulated device)."""
-    from actoff._nvme import NvmeStore
     from actoff.testing import simulated_device
+    from actoff.tiers.nvme.store import NvmeStore
 
     writes = []
     real_write = NvmeStore.write

@@ -21,12 +21,12 @@ from _helpers import RECOMPUTE_TOL, assert_close_history, make_model, train
 from torch import nn
 
 import actoff
+import actoff._auto
 import actoff._runtime
-import actoff._tokenwise
-from actoff._record import Record
 from actoff._step import ScopeRun, Step
-from actoff._tokenwise import TokenwiseRun
 from actoff.reference import Block
+from actoff.tiers.record import Record
+from actoff.tiers.tokenwise.run import TokenwiseRun
 
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-3}
 
@@ -58,7 +58,7 @@ def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
     # re-forward's graph (Note [probe keeps no graph]), or each step leaks its whole state.
     # Under auto the block's forward time is injected (1 ms): measured on a loaded machine it
     # can be long enough for the link to hide every copy, and then nothing is recomputed.
-    monkeypatch.setattr(actoff._tokenwise, "forward_ms", lambda tokenwise: 1.0)
+    monkeypatch.setattr(actoff._auto, "forward_ms", lambda tokenwise: 1.0)
     already = _live_actoff_objects()  # left by other tests in this process (a mutation test's)
     model = make_model()
     actoff.offload_(model, block_cls=Block, min_bytes=0, **overrides)

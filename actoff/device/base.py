@@ -133,7 +133,7 @@ class DeviceBackend:
         """A ticket that completes once the current (compute) stream has run everything queued
         on it so far: what a host thread waits for before it lets a DMA engine outside the
         streams (GPUDirect Storage) touch device memory (Note [direct device I/O] in
-        actoff._tier_nvme). Complete at once on the CPU, where work runs as it is queued."""
+        actoff.tiers.nvme.tier). Complete at once on the CPU, where work runs as it is queued."""
         return Ticket(0.0)
 
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:

@@ -2,8 +2,8 @@
 a few buffers of planned sizes.
 
 What it serves, on backends with streams (CUDA, the simulated device): the destinations of
-copies back (actoff._tiers, actoff._tier_nvme; packed token rows included) and the tensors a
-token-wise run rebuilds (actoff._tokenwise). Every step is traced: each request's key (which
+copies back (actoff.tiers.base, actoff.tiers.nvme.tier; packed token rows included) and the tensors a
+token-wise run rebuilds (actoff.tiers.tokenwise.run). Every step is traced: each request's key (which
 run, what, which record), size, and lifetime on a logical clock that ticks at every request and
 every death. After a step the planner lays the trace out (actoff.memory.arenas); from then on a
 request whose key the plan knows, at the planned size, is served at its offset in its part's
@@ -55,7 +55,7 @@ peak it held the ranges of runs not fetched yet); a buffer per run's fetches (ME
 for even and odd blocks) 3840, as a run's fetched tensors die one by one in its backward (131.09
 MiB against 126.52 at 3968 tokens; `tokenwise` 0.97% over on the test model). A wave is as coarse
 as a part gets without holding a dead byte. What the caching allocator does around the buffers is
-the GPU's to measure; the replay allocator (actoff._replay) plans every allocation.
+the GPU's to measure; the replay allocator (actoff.tiers.tokenwise.reforward) plans every allocation.
 
 Note [skipped requests]: records still being copied out when backward starts are served from the
 device (Note [forward what is still on the device], actoff._step); how many of the last block's
@@ -90,7 +90,7 @@ from .host_arena import align_up
 __all__ = ["ALIGNMENT", "DeviceArena"]
 
 #: Offsets and sizes are multiples of this: the caching allocator's granularity, which keeps the
-#: 256-byte alignment a rebuilt tensor needs (actoff._record.TensorLayout).
+#: 256-byte alignment a rebuilt tensor needs (actoff.tiers.record.TensorLayout).
 ALIGNMENT = 512
 _GENERATIONS = itertools.count()  # trace generations, unique in the process
 

@@ -30,10 +30,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from ._mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs, with_status
-from ._record import Record
-from ._step import param_like, serve
-from ._tokens import Canon, detect_canon
+from actoff.tiers.record import Record, param_like, serve
+
+from .mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs, with_status
+from .tokens import Canon, detect_canon
 
 __all__ = [
     "Resave",
@@ -58,7 +58,7 @@ def rows_match(original: torch.Tensor, replayed: torch.Tensor, half: bool = Fals
 
 def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = False) -> bool:
     """Whether any ``(original, replayed)`` pair fails `rows_match`, with one wait for the device
-    for them all (Note [sentinel rows], actoff._sentinels).
+    for them all (Note [sentinel rows], actoff.tiers.tokenwise.sentinels).
 
     >>> rows = torch.ones(2, 4)
     >>> rows_differ([(rows, rows + 1e-7)]), rows_differ([(rows, rows + 1e-3)])

@@ -6,7 +6,7 @@ Three paths, by what the device and the I/O engine can do:
   written from there (4 KiB-aligned slot: O_DIRECT-ready);
 - direct from the device (kvikio with GPUDirect Storage active): the engine writes the
   device tensor and reads into a fresh device buffer itself, ordered against the compute
-  stream by a ticket (Note [direct device I/O] in actoff._io_kvikio); no host memory is involved,
+  stream by a ticket (Note [direct device I/O] in actoff.tiers.nvme.kvikio); no host memory is involved,
   and the device tensor is held until the disk has the bytes;
 - host-resident (a plain CPU device): written straight from the tensor.
 Reads come back the same way. A failed write loses nothing: the bytes are still in the
@@ -20,8 +20,9 @@ import errno
 
 import torch
 
-from ._record import Record, State
-from ._tiers import HOST, KEEP, HostTier, checksum, verify
+from actoff.tiers.base import KEEP, checksum, verify
+from actoff.tiers.cpu import CPU, CpuTier
+from actoff.tiers.record import Record, State
 
 __all__ = ["NVME", "NvmeTier"]
 
@@ -30,8 +31,8 @@ def _timed_out(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno == errno.ETIMEDOUT
 
 
-class NvmeTier(HostTier):
-    """A file extent of the run's NVMe store (actoff._nvme), written and read by its engine."""
+class NvmeTier(CpuTier):
+    """A file extent of the run's NVMe store (actoff.tiers.nvme.store), written and read by its engine."""
 
     name = "nvme"
 
@@ -101,7 +102,7 @@ class NvmeTier(HostTier):
             # would cost a write nobody reads back. The slot is the record's home now (a
             # retained graph's second backward reads it from there).
             self._stay_in_slot(record)
-            HOST.drop_forwarded(record)
+            CPU.drop_forwarded(record)
         else:  # the write is under way (or the device tensor is the source: GDS, host-resident)
             self.advance(record, force=True)
 
@@ -138,7 +139,7 @@ class NvmeTier(HostTier):
         record.write_future = None
         record.copy_source = None
         if record.host_slot is not None:
-            record.tier = HOST
+            record.tier = CPU
             if record.state is State.OFFLOADING:
                 record.device_tensor = None
                 record.to(State.OFFLOADED)
@@ -166,7 +167,7 @@ class NvmeTier(HostTier):
         if record.extent is not None:
             record.store.free(record.extent)
             record.extent = None
-        record.tier = HOST
+        record.tier = CPU
 
     def fetch(self, record: Record) -> None:
         run, layout, store = record.run, record.layout, record.store
@@ -204,7 +205,7 @@ class NvmeTier(HostTier):
             if record.state is State.OFFLOADING:
                 if record.write_future is None:
                     self._stay_in_slot(record)  # never written
-                HostTier.fetch(self, record)
+                CpuTier.fetch(self, record)
                 self._arrive(record, prefetched=False)
                 return record.device_tensor
         prefetched = record.state is State.FETCHING
@@ -253,7 +254,7 @@ class NvmeTier(HostTier):
         if record.state is State.READY and record.host_slot is not None:
             if record.write_future is not None:  # served from the slot while the write went on
                 self._finish_write(record)
-            if record.tier is self:  # the file has the bytes (a failed write left it in HOST)
+            if record.tier is self:  # the file has the bytes (a failed write left it in CPU)
                 self._free_slot(record)
         super().evict(record)
 

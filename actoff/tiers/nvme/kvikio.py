@@ -1,4 +1,4 @@
-"""The kvikio adapter: kvikio 26's ``CuFile`` behind actoff's I/O engine interface (actoff._io).
+"""The kvikio adapter: kvikio 26's ``CuFile`` behind actoff's I/O engine interface (actoff.tiers.nvme.engines).
 
 GPUDirect Storage where the system really has it, else kvikio's compat (POSIX) mode; `name`
 says which (``kvikio (GDS)`` or ``kvikio (compat)``), and `probe_kvikio` whether kvikio can do
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._io import ALIGNMENT, FailedFuture, IoEngine, describe_request
+from .engines import ALIGNMENT, FailedFuture, IoEngine, describe_request
 
 __all__ = ["KvikioEngine", "kvikio_available", "kvikio_compat_mode", "probe_kvikio"]
 

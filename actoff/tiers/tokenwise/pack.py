@@ -49,7 +49,7 @@ def triton_available() -> bool:
 
 @functools.cache
 def _kernel():
-    from ._pack_triton import copy_rows  # imports triton: only when a kernel runs
+    from .pack_triton import copy_rows  # imports triton: only when a kernel runs
 
     return copy_rows
 

@@ -21,9 +21,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._tokens import unique_dim
+from .tokens import unique_dim
 
-__all__ = ["ReplayMismatch", "mixer_token_dim", "register_token_mixer"]  # and helpers for actoff._replay
+__all__ = [
+    "ReplayMismatch",
+    "mixer_token_dim",
+    "register_token_mixer",
+]  # and helpers for actoff.tiers.tokenwise.reforward
 
 # Each mixer and the token dimension of its output (None: the unique dimension of length S).
 _MIXERS: dict[Callable[..., Any], int | None] = {F.scaled_dot_product_attention: -2}
@@ -83,7 +87,7 @@ def mixer_token_dim(fn: Callable[..., Any], output: Any, seq_len: int) -> int | 
 class CaptureMode(TorchFunctionMode):
     """Forward pass of a token-wise run: notes each mixer call and keeps its output whole.
 
-    ``run`` is the run's token-wise state (actoff._tokenwise.TokenwiseRun): it counts
+    ``run`` is the run's token-wise state (actoff.tiers.tokenwise.run.TokenwiseRun): it counts
     ``in_mixer``, knows ``seq_len`` and takes ``capture_mixer_output``.
     """
 

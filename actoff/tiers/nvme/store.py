@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from . import _io
-from ._config import Config
-from ._io import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine
-from ._io_kvikio import KvikioEngine, probe_kvikio
+from actoff._config import Config
+
+from . import engines
+from .engines import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine
+from .kvikio import KvikioEngine, probe_kvikio
 
 __all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry", "open_engine"]
 
@@ -102,7 +103,7 @@ def open_engine(path: str, backend: str = "auto", num_threads: int = 4) -> IoEng
     """
     if backend == "kvikio" or (backend == "auto" and probe_kvikio(os.path.dirname(path) or ".")[0]):
         return KvikioEngine(path, num_threads)
-    if _io._C is not None:  # looked up here: tests switch the extension off
+    if engines._C is not None:  # looked up here: tests switch the extension off
         return CppEngine(path, num_threads)
     return PythonEngine(path, num_threads)
 
@@ -169,7 +170,7 @@ class NvmeStore:
         gave), or to a new extent; returns the extent and the request's future.
 
         ``after``: ``buffer`` is device memory, written once that ticket completes (only when
-        `takes_device_buffers`; Note [direct device I/O] in actoff._io_kvikio).
+        `takes_device_buffers`; Note [direct device I/O] in actoff.tiers.nvme.kvikio).
         """
         if extent is None:
             extent, error = self.allocate(nbytes)

@@ -1,4 +1,4 @@
-"""Triton kernel for actoff._pack: strided token rows to and from a contiguous buffer.
+"""Triton kernel for actoff.tiers.tokenwise.pack: strided token rows to and from a contiguous buffer.
 
 Kept in its own module so that importing actoff never imports Triton. The caller hands over
 a view already reduced to rows (see ``_pack._rows``): ``num_rows`` rows, the row index split

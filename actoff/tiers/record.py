@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Record", "RecordStateError", "State", "TensorLayout", "modified_error"]
+__all__ = ["Record", "RecordStateError", "State", "TensorLayout", "modified_error", "param_like", "serve"]
 
 
 class State(enum.Enum):
@@ -135,7 +135,7 @@ class Record:
         self.run = run  # the scope run (actoff._step.ScopeRun) that saved it
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
-        # Where its bytes live: an actoff._tiers.Tier, which owns every move of the record.
+        # Where its bytes live: an actoff.tiers.base.Tier, which owns every move of the record.
         self.tier = tier
         # Note [no cycle through autograd]: a detached alias (same storage, no grad_fn). The
         # tensor itself would link record -> tensor -> grad_fn -> saved variable -> handle ->
@@ -150,8 +150,8 @@ class Record:
         # and done, and unpack. Bytes copied out before a change are the saved ones.
         self.source = weakref.ref(tensor)  # the tensor while it lives (forwarding, too)
         self.saved_version = tensor._version
-        # Set by the tiers (actoff._tiers): a host arena slot (actoff.memory.host_arena.Slot), an NVMe
-        # extent (actoff._nvme.Extent) in its store, and the device tickets of copies in flight.
+        # Set by the tiers (actoff.tiers.base): a host arena slot (actoff.memory.host_arena.Slot), an NVMe
+        # extent (actoff.tiers.nvme.store.Extent) in its store, and the device tickets of copies in flight.
         self.host_slot: Any = None
         self.extent: Any = None
         self.store: Any = None
@@ -160,9 +160,9 @@ class Record:
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
         self.copy_source: torch.Tensor | None = None  # held while a copy reads it
         self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
-        # Token-wise placement (actoff._tokenwise): the token-dimension view of the span
-        # (actoff._tokens.Canon), whether the record must stay whole (block input, mixer saves),
-        # and its ranges once split (actoff._tokens.TokenRanges).
+        # Token-wise placement (actoff.tiers.tokenwise.run): the token-dimension view of the span
+        # (actoff.tiers.tokenwise.tokens.Canon), whether the record must stay whole (block input, mixer saves),
+        # and its ranges once split (actoff.tiers.tokenwise.tokens.TokenRanges).
         self.canon: Any = None
         self.base_info: Any = None  # (shape, stride) of a merged view's base, for token dims
         self.whole = False
@@ -201,3 +201,35 @@ class Record:
     def live_source(self) -> torch.Tensor | None:
         """The original tensor when it is still alive elsewhere (forwarding, no copy needed)."""
         return self.source()
+
+
+def param_like(tensor: torch.Tensor, storage: int, param_storages: set[int]) -> bool:
+    """Parameters, buffers and their views (by storage), and leaves that require grad."""
+    if storage in param_storages or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = tensor._base
+    return base is not None and base.is_leaf and base.requires_grad
+
+
+def serve(record: Record) -> torch.Tensor:
+    """The device tensor of ``record`` for compute, from wherever it is now."""
+    state = record.state
+    if state is State.RESIDENT:  # the common case first (Note [pack is hot])
+        return record.device_tensor
+    if state is State.OFFLOADING and record.device_tensor is None:
+        return record.tier.materialize(record)  # its bytes left the device already
+    if state is State.OFFLOADING or state is State.READY:
+        if state is State.OFFLOADING:
+            record.run.stats.forwarded += 1
+        return record.device_tensor
+    if state is State.RELEASED:
+        raise RuntimeError(
+            f"actoff internal error: a saved tensor of block {record.run.name!r} was "
+            "unpacked after it was released"
+        )
+    if state is State.OFFLOADED:
+        live = record.live_source()
+        if live is not None:  # forwarding: the original is still alive, serve it
+            record.run.stats.forwarded += 1
+            return live
+    return record.tier.materialize(record)

@@ -1,7 +1,7 @@
 """Token plans: what a probe learned about a block, kept per module and per the conditions it ran
 under, and forgotten when the module dies.
 
-Note [plans per module and conditions]: a probe (actoff._replay.probe) finds the token dimension
+Note [plans per module and conditions]: a probe (actoff.tiers.tokenwise.reforward.probe) finds the token dimension
 of each tensor one module saves under one set of conditions, and checks the recomputed rows.
 Applied to another module, a plan is wrong without a sound: a model rebuilt with the same layer
 names but with dropout recomputes other masks (wrong gradients); one with eager attention re-runs
@@ -24,8 +24,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._mixers import autograd_status
-from ._tokens import Canon
+from .mixers import autograd_status
+from .tokens import Canon
 
 __all__ = ["ByOwner", "ModulePlans", "Plan", "conditions"]
 
@@ -40,7 +40,7 @@ def conditions(values: list[Any], spec: Any, module: torch.nn.Module | None, gra
     """What decides what a block saves, as a hashable key (Note [plans per module and conditions]).
 
     ``values`` are the flattened inputs and ``spec`` their pytree structure; ``autocast`` is
-    `actoff._replay.autocast_state`. Tensors count by shape (batch included), strides, dtype,
+    `actoff.tiers.tokenwise.reforward.autocast_state`. Tensors count by shape (batch included), strides, dtype,
     device and how they take part in autograd; other inputs by value when plain, else by type;
     the module by the training flag of every submodule and the dtype, ``requires_grad`` and
     shape of every parameter.
@@ -72,7 +72,7 @@ def _input_key(value: Any) -> Any:
 @dataclass
 class Plan:
     """A verified probe: the token view of each record it splits (by record index), and what
-    the forward it was probed on saved (`actoff._tokenwise.TokenwiseRun.saves`)."""
+    the forward it was probed on saved (`actoff.tiers.tokenwise.run.TokenwiseRun.saves`)."""
 
     canons: dict[int, Canon]
     saves: tuple

@@ -5,7 +5,7 @@ Every engine has the same small interface: ``pwrite(buffer, nbytes, offset)`` an
 ``done()``, ``wait()`` and ``elapsed()`` (seconds of I/O); ``wait()`` raises ``OSError`` naming
 the operation, path, offset, size and errno text. ``reserve(nbytes)`` preallocates. ``name``
 says which engine runs. An engine that `takes_device_buffers` (kvikio with GPUDirect Storage,
-actoff._io_kvikio) also has ``pwrite_device``/``pread_device``. `actoff._nvme.open_engine`
+actoff.tiers.nvme.kvikio) also has ``pwrite_device``/``pread_device``. `actoff.tiers.nvme.store.open_engine`
 picks one.
 """
 
@@ -23,7 +23,7 @@ import torch
 __all__ = ["ALIGNMENT", "CppEngine", "FailedFuture", "IoEngine", "PythonEngine", "describe_request"]
 
 try:
-    from . import _C  # type: ignore[attr-defined]
+    from actoff import _C  # type: ignore[attr-defined]
 except ImportError:  # pure-Python install (ACTOFF_BUILD_EXT=0) or a build for another torch
     _C = None
 

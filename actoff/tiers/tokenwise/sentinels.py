@@ -1,7 +1,7 @@
 """Sentinel rows: every step, token-wise recompute is checked against rows kept at forward time.
 
 Note [sentinel rows]: the probe checks a block's token locality once per module and conditions
-(Note [plans per module and conditions], actoff._plans), on the weights of that step; it cannot
+(Note [plans per module and conditions], actoff.tiers.tokenwise.probes), on the weights of that step; it cannot
 see a path that a weight switches off. A block that adds a scan over tokens (a cumulative sum, a
 state-space layer, a convolution over tokens) through a gate that starts at zero, as gates and
 adapters often do, matches its probe exactly; once the gate has learned a value, its recomputed
@@ -11,8 +11,8 @@ range (they lack the most tokens before them) and its last. Backward checks the 
 against them before any row is used: one wait for the device per block and step, and three rows
 per record of memory. The rows are compared within float32 reassociation of each value plus the
 rows' mean magnitude (a large feature does not hide the others), or within a bf16 rounding when
-the block computes in half precision: autocast, weights or inputs (`actoff._replay.rows_differ`,
-`actoff._replay.low_precision`). On a difference
+the block computes in half precision: autocast, weights or inputs (`actoff.tiers.tokenwise.reforward.rows_differ`,
+`actoff.tiers.tokenwise.reforward.low_precision`). On a difference
 the rows are recomputed from the first token (exact: that re-forward has every token the forward
 had; only rows ``[start, stop)`` of it are kept), the block is placed whole under these
 conditions from then on, and a warning says why, once per block. It is a sample: a difference
@@ -33,15 +33,16 @@ from typing import Any
 
 import torch
 
-from . import _replay
-from ._policy import whole_tier
+from actoff._policy import whole_tier
+
+from . import reforward
 
 __all__ = ["checked_replay", "keep"]
 
 
 def keep(tokenwise: Any, start: int, stop: int) -> None:
     """At forward: copies of the rows of ``[start, stop)`` that backward checks, for each of the
-    records ``tokenwise`` (an actoff._tokenwise.TokenwiseRun) splits, in ``tokenwise.checks``."""
+    records ``tokenwise`` (an actoff.tiers.tokenwise.run.TokenwiseRun) splits, in ``tokenwise.checks``."""
     run = tokenwise.run
     if start > 0:  # rows re-run without the tokens before them
         picked = tuple(sorted({0, min(1, stop - start - 1), stop - start - 1}))
@@ -59,13 +60,13 @@ def keep(tokenwise: Any, start: int, stop: int) -> None:
 def checked_replay(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Tensor]:
     """At backward: the recomputed rows ``[start, stop)`` of every split record (by record index),
     checked against the copies `keep` made; recomputed from the first token on a difference."""
-    rows = _replay.replay(tokenwise, start, stop)
+    rows = reforward.replay(tokenwise, start, stop)
     if not tokenwise.checks or not _differ(tokenwise, rows):
         tokenwise.checks.clear()
         return rows
     run = tokenwise.run
     del rows  # before the re-forward from the first token, which keeps only rows [start, stop)
-    rows = _replay.replay(tokenwise, 0, stop, keep_from=start)
+    rows = reforward.replay(tokenwise, 0, stop, keep_from=start)
     if _differ(tokenwise, rows):
         raise RuntimeError(
             f"actoff: recomputed token rows [{start}, {stop}) of a saved activation of block "
@@ -107,7 +108,7 @@ def _differ(tokenwise: Any, rows: dict[int, torch.Tensor]) -> bool:
             pairs.append((kept, replayed.cpu()))
         else:
             pairs.append((kept, _rows(replayed, dims[index], picked)))
-    return _replay.rows_differ(pairs, half=_replay.low_precision(tokenwise))
+    return reforward.rows_differ(pairs, half=reforward.low_precision(tokenwise))
 
 
 def _rows(tensor: torch.Tensor, dim: int, picked: tuple[int, ...]) -> torch.Tensor:

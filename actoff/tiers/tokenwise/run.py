@@ -4,8 +4,8 @@ A `TokenwiseRun` is the token-wise state of one scope run (``run.tokenwise``): w
 re-forward needs (inputs kept whole, the function, the RNG state, the mixer's outputs), the
 ranges, the records it splits, and the packed rows it stores. It is also the tier of its
 split records: their `materialize` rebuilds them, stored rows scattered back and dropped
-rows recomputed (actoff._replay), checked every step against a few rows kept at forward time
-(Note [sentinel rows], actoff._sentinels). Runs whose policy never splits have no such object.
+rows recomputed (actoff.tiers.tokenwise.reforward), checked every step against a few rows kept at forward time
+(Note [sentinel rows], actoff.tiers.tokenwise.sentinels). Runs whose policy never splits have no such object.
 """
 
 from __future__ import annotations
@@ -17,18 +17,17 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from . import _replay, _sentinels
-from ._distributed import local_world_size
-from ._mixers import autograd_status
-from ._pack import pack_rows, scatter_rows
-from ._plans import ModulePlans, Plan, conditions
-from ._policy import AutoDecision, auto_fractions, budget_share, token_fractions, whole_tier
-from ._record import Record, State
-from ._step import param_like, serve
-from ._tiers import Tier
-from ._tokens import TokenRanges, base_info, token_ranges
+from actoff._policy import token_fractions, whole_tier
+from actoff.tiers.base import Tier
+from actoff.tiers.record import Record, State, param_like, serve
 
-__all__ = ["TokenwiseRun", "decide_auto", "forward_ms"]
+from . import reforward, sentinels
+from .mixers import autograd_status
+from .pack import pack_rows, scatter_rows
+from .probes import ModulePlans, Plan, conditions
+from .tokens import TokenRanges, base_info, token_ranges
+
+__all__ = ["TokenwiseRun"]
 
 
 class TokenwiseRun(Tier):
@@ -54,7 +53,7 @@ class TokenwiseRun(Tier):
         self.input_status: list[str | None] = []  # autograd_status of each input at capture
         # (Record or tensor, token dim, autograd_status): the re-forward serves its rows alike
         self.mixer_outputs: list[tuple[Any, int | None, str | None]] = []
-        self.grad_enabled = True  # the forward's grad mode and autocast state (_replay.forward_state)
+        self.grad_enabled = True  # the forward's grad mode and autocast state (reforward.forward_state)
         self.autocast: tuple = ()
         self.owned: list[Any] = []  # handles actoff holds for inputs and mixer outputs
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -65,7 +64,7 @@ class TokenwiseRun(Tier):
         self.split_live = 0
         self.split_pending = 0
         self.replay_rows: dict[int, torch.Tensor] | None = None
-        # Note [sentinel rows] (actoff._sentinels): (record index, rows picked in the range or
+        # Note [sentinel rows] (actoff.tiers.tokenwise.sentinels): (record index, rows picked in the range or
         # None for all of them, the copy kept at forward time).
         self.checks: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
         self.forward_watch: Any = None  # time of the forward (the auto policy's T_layer)
@@ -87,7 +86,7 @@ class TokenwiseRun(Tier):
         self.seq_len = first.shape[token_dim]
         # Inputs may nest (Hugging Face passes position_embeddings=(cos, sin)): flatten them.
         values, self.input_spec = pytree.tree_flatten((args, kwargs))
-        self.grad_enabled, self.autocast = torch.is_grad_enabled(), _replay.autocast_state(run.device)
+        self.grad_enabled, self.autocast = torch.is_grad_enabled(), reforward.autocast_state(run.device)
         owner = module if module is not None else fn
         self.learned = run.runtime.token_plans.setdefault(owner, ModulePlans)
         self.conditions = conditions(values, self.input_spec, module, self.grad_enabled, self.autocast)
@@ -162,7 +161,7 @@ class TokenwiseRun(Tier):
         if plan is None:
             run.stats.probes += 1
             if self.collective is None:
-                canons, reason = _replay.probe(self, candidates)
+                canons, reason = reforward.probe(self, candidates)
             else:  # never re-run it, not even to probe: see CollectiveWatch
                 canons, reason = (
                     None,
@@ -218,7 +217,7 @@ class TokenwiseRun(Tier):
             tiers[tier].place(child)
         start, stop = ranges.recompute
         if stop > start:
-            _sentinels.keep(self, start, stop)
+            sentinels.keep(self, start, stop)
         for record in self.split_records:
             record.split = ranges
             record.tier = self
@@ -236,7 +235,7 @@ class TokenwiseRun(Tier):
                 serve(child)
             start, stop = self.ranges.recompute
             watch = run.backend.stopwatch().start()
-            self.replay_rows = _sentinels.checked_replay(self, start, stop) if stop > start else {}
+            self.replay_rows = sentinels.checked_replay(self, start, stop) if stop > start else {}
             run.account("recompute_ms", watch.stop())
             self.split_pending = len(self.split_records)
         flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("rebuild", record.index))
@@ -277,44 +276,3 @@ class TokenwiseRun(Tier):
         bytes_per_tier["cpu"] += row_bytes * split.cpu_end
         bytes_per_tier["nvme"] += row_bytes * (split.nvme_end - split.cpu_end)
         bytes_per_tier["recompute"] += row_bytes * split.recompute_len
-
-
-def forward_ms(tokenwise: TokenwiseRun) -> float:
-    """Measured forward time of a block (the auto policy's T_layer), in milliseconds.
-
-    The one place where the auto decision consumes a measured time: tests replace it to make
-    the decision independent of the machine's load.
-    """
-    watch = tokenwise.forward_watch
-    watch.synchronize()
-    return watch.elapsed_ms()
-
-
-def decide_auto(runtime: Any, step: Any) -> None:
-    """The auto policy, after its first step: MEMO's closed form per block. Decisions of the
-    first step are replaced by rank 0's with Note [one agreement]; a block that first runs
-    later is decided by its own rank (a broadcast then could wait on ranks that never see
-    that block)."""
-    for run in step.runs:
-        tokenwise = run.tokenwise
-        if tokenwise is None or tokenwise.auto_sample is None or run.name in runtime.auto_decisions:
-            continue
-        config = run.config
-        bandwidth = config.host_bandwidth
-        if bandwidth is None:
-            if run.device not in runtime.bandwidths:
-                # Ranks on one host copy at the same time: each gets its share of the link.
-                runtime.bandwidths[run.device] = run.backend.host_bandwidth() / local_world_size()
-            bandwidth = runtime.bandwidths[run.device]
-        input_bytes, attention_bytes, other_bytes = tokenwise.auto_sample
-        decision: AutoDecision = auto_fractions(
-            bandwidth_bytes_per_s=bandwidth,
-            t_layer_s=forward_ms(tokenwise) / 1e3,
-            input_bytes=input_bytes,
-            attention_bytes=attention_bytes,
-            other_bytes=other_bytes,
-            num_layers=len(step.runs),
-            host_budget=budget_share(config.host_budget, local_world_size()),
-            nvme_available=config.nvme_dir is not None,
-        )
-        runtime.auto_decisions[run.name] = decision
