@@ -16,19 +16,19 @@ Example:
     True
 """
 
-from ._config import Config, get_config, parse_size, set_config
-from ._loss import chunked_cross_entropy, chunked_loss_
-from ._runtime import get_runtime
-from ._scope import no_offload, offload, offload_
-from ._stats import BlockStats, Stats
-from ._tile import tile_
 from ._version import __version__
+from .config import Config, get_config, parse_size, set_config
 from .memory import replay_allocator
 from .memory.replay_allocator import AllocatorStats
 from .memory.replay_allocator import install as install_replay_allocator
 from .memory.replay_allocator import stats as replay_allocator_stats
+from .runtime.runtime import get_runtime
+from .runtime.stats import BlockStats, Stats
+from .scope.offload import no_offload, offload, offload_
 from .tiers.nvme.kvikio import kvikio_available
 from .tiers.tokenwise.mixers import register_token_mixer
+from .tiling.loss import chunked_cross_entropy, chunked_loss_
+from .tiling.tile import tile_
 
 try:
     from . import _C  # noqa: F401

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ._config import Config, get_config
+from .config import Config, get_config
 from .device.base import backend_for, forget_backend
 from .device.sim.device import RaceError, SimSettings, SimStreams, _override, settings_for
 from .device.sim.memory import DeviceMemory
@@ -61,7 +61,7 @@ def simulated_device(
         >>> device.races, device.memory.peak > 0
         ([], True)
     """
-    from ._config import parse_size
+    from .config import parse_size
 
     limit = capacity if capacity is None or isinstance(capacity, int) else parse_size(capacity)
     settings = SimSettings(seed, max_delay_s, max_lag_s, limit, next(_generations))

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import JsonLines, format_table, print_header, progress, system_header, write_json
 
-from actoff._config import format_bytes, parse_size
+from actoff.config import format_bytes, parse_size
 
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
 BASELINES = ("none", "checkpoint", "save_on_cpu")
@@ -290,7 +290,7 @@ def _measure(spec: dict, seq: int, model, net, step_context, config, device, cap
     import torch
 
     import actoff
-    from actoff._runtime import get_runtime
+    from actoff.runtime.runtime import get_runtime
 
     cuda = device.type == "cuda"
     generator = torch.Generator().manual_seed(seq)

@@ -39,8 +39,8 @@ def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[
     import torch
 
     import actoff
-    from actoff._runtime import get_runtime
     from actoff.reference import Block, ModelConfig, Transformer
+    from actoff.runtime.runtime import get_runtime
 
     actoff.reset()
     torch.manual_seed(0)

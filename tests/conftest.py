@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import actoff
-import actoff._config
+import actoff.config
 from actoff.testing import simulated_device
 
 _KEEP_ENV = {"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR", "ACTOFF_SIM_DEVICE"}
@@ -47,7 +47,7 @@ def fresh_actoff(monkeypatch, request):
     with device:
         yield
         actoff.reset()
-    actoff._config._global_config = None
+    actoff.config._global_config = None
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from actoff._chunking import AutocastState, RngState, chunk_bounds
+from actoff.tiling.chunking import AutocastState, RngState, chunk_bounds
 
 
 @pytest.mark.parametrize("length", [1, 2, 7, 64, 1000])

@@ -15,9 +15,9 @@ import torch
 from _helpers import assert_same_history, make_model, train
 
 import actoff
-from actoff._runtime import Runtime, get_runtime
-from actoff._step import ScopeRun
 from actoff.reference import Block
+from actoff.runtime.runtime import Runtime, get_runtime
+from actoff.runtime.step import ScopeRun
 
 pytestmark = [
     # Dynamo reads `.grad` of every non-leaf tensor it takes as a frame input (a block's

@@ -97,7 +97,7 @@ def test_cuda_pinned_arena_and_exact_gradients():
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
 
     assert_same_history(train(reference, 3, seq=65), train(model, 3, seq=65))
-    (arena,) = actoff._runtime.get_runtime().arenas.values()
+    (arena,) = actoff.runtime.runtime.get_runtime().arenas.values()
     # After the first step the planner's single chunk serves the plan; the bump chunks went back.
     chunks = [*arena._chunks, *([arena.planned] if arena.planned is not None else [])]
     assert chunks and all(chunk.buffer.is_pinned() for chunk in chunks)

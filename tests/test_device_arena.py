@@ -10,12 +10,12 @@ from _helpers import assert_same_history, make_model, train
 
 import actoff
 from actoff import planner
-from actoff._runtime import get_runtime
 from actoff.device.base import StreamBackend
 from actoff.device.sim.device import RaceError, SimSettings, SimStreams
 from actoff.memory.device_arena import DeviceArena
 from actoff.memory.device_plans import DevicePlan
 from actoff.reference import Block
+from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
 
 pytestmark = pytest.mark.no_sim_device  # each test builds the simulated device it inspects

@@ -106,8 +106,8 @@ def test_host_budget_is_shared_by_the_ranks_on_a_host(monkeypatch):
     from _helpers import make_model, train
 
     import actoff
-    from actoff._runtime import get_runtime
     from actoff.reference import Block
+    from actoff.runtime.runtime import get_runtime
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     model = make_model()
@@ -196,7 +196,7 @@ PLAN_SCRIPT = textwrap.dedent(
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=world)
         import actoff
         import actoff.memory.arenas as layout_module
-        import actoff._runtime as runtime_module
+        import actoff.runtime.runtime as runtime_module
         from actoff.reference import Block
         from _helpers import make_model, train_ddp
 

@@ -14,8 +14,8 @@ import torch
 from _helpers import assert_same_history, baseline_and_offloaded, make_model, train
 
 import actoff
-from actoff._runtime import get_runtime
 from actoff.reference import Block
+from actoff.runtime.runtime import get_runtime
 from actoff.tiers.nvme.store import ExtentAllocator, NvmeStore
 
 pytestmark = pytest.mark.nvme

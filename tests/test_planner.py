@@ -180,7 +180,7 @@ def test_planned_steps_reuse_offsets_and_stay_exact(planner, monkeypatch):
     from _helpers import assert_same_history, baseline_and_offloaded
 
     import actoff
-    from actoff._runtime import get_runtime
+    from actoff.runtime.runtime import get_runtime
 
     seen = _slot_offsets(monkeypatch)
     expected, actual = baseline_and_offloaded(4, policy="cpu", min_bytes=0, planner=planner)
@@ -202,8 +202,8 @@ def test_a_new_sequence_length_replans_and_a_known_one_reuses_its_plan():
     from _helpers import make_model, train
 
     import actoff
-    from actoff._runtime import get_runtime
     from actoff.reference import Block
+    from actoff.runtime.runtime import get_runtime
 
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
@@ -231,8 +231,8 @@ def test_plans_come_back_from_the_disk_cache(tmp_path):
     from _helpers import make_model, train
 
     import actoff
-    from actoff._runtime import get_runtime
     from actoff.reference import Block
+    from actoff.runtime.runtime import get_runtime
 
     for attempt in range(2):
         actoff.reset()

@@ -3,7 +3,7 @@
 import pytest
 
 from actoff import Config
-from actoff._policy import auto_fractions, budget_share, runs_to_place, token_fractions, whole_tier
+from actoff.policy import auto_fractions, budget_share, runs_to_place, token_fractions, whole_tier
 
 
 def test_whole_tier_of_each_policy():

@@ -80,8 +80,8 @@ def test_replay_serves_every_request_at_its_planned_offset():
 @pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
 def test_replay_of_a_recorded_model_trace():
     # Drive the allocator with the host-arena trace of a real training step.
-    from actoff._runtime import get_runtime
     from actoff.reference import Block, ModelConfig, Transformer
+    from actoff.runtime.runtime import get_runtime
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny", num_layers=4))

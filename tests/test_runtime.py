@@ -11,10 +11,10 @@ import torch
 from _helpers import assert_same_history, baseline_and_offloaded, make_model, run_without_deadlock, train
 
 import actoff
-import actoff._step
-from actoff._runtime import Runtime, get_runtime
-from actoff._step import ScopeRun
+import actoff.runtime.step
 from actoff.reference import Block
+from actoff.runtime.runtime import Runtime, get_runtime
+from actoff.runtime.step import ScopeRun
 from actoff.tiers.record import State
 
 
@@ -239,7 +239,7 @@ def test_parameters_are_never_offloaded(monkeypatch):
     model = make_model()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     recorded = []
-    original = actoff._step.Record
+    original = actoff.runtime.step.Record
 
     class SpyRecord(original):
         __slots__ = ()
@@ -248,7 +248,7 @@ def test_parameters_are_never_offloaded(monkeypatch):
             recorded.append(tensor.untyped_storage().data_ptr())
             super().__init__(tensor, run, index, tier)
 
-    monkeypatch.setattr(actoff._step, "Record", SpyRecord)
+    monkeypatch.setattr(actoff.runtime.step, "Record", SpyRecord)
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
     train(model, 1)
     assert recorded, "nothing was recorded"
@@ -639,7 +639,7 @@ def test_a_graph_the_collector_frees_inside_actoffs_own_locks_is_released_withou
         from _helpers import make_model, train
         from actoff.memory.host_arena import HostArena
         from actoff.tiers.record import State
-        from actoff._runtime import get_runtime
+        from actoff.runtime.runtime import get_runtime
         from actoff.reference import Block
         from actoff.testing import simulated_device
 

@@ -11,8 +11,8 @@ from _helpers import assert_close_history, make_model, train
 from torch import nn
 
 import actoff
-from actoff._runtime import get_runtime
 from actoff.reference import Block
+from actoff.runtime.runtime import get_runtime
 
 
 class GatedScanBlock(Block):

@@ -246,7 +246,7 @@ def test_graph_dropped_without_backward_frees_its_slots_only_after_the_copies():
         with device.hold(copies=True):
             loss = model.loss(torch.randint(0, 256, (2, 33)))
             del loss  # no backward: every record is released with its copy still queued
-            arena = next(iter(actoff._runtime.get_runtime().arenas.values()))
+            arena = next(iter(actoff.runtime.runtime.get_runtime().arenas.values()))
             assert arena.deferred > 0
         train(model, 1)  # the next step reuses the slots once their copies are done
     assert device.races == []
@@ -270,7 +270,7 @@ def test_staged_nvme_frees_the_device_before_the_disk_and_never_waits_for_it(nvm
     with simulated_device(seed=2):
         generator = torch.Generator().manual_seed(1)
         loss = model.loss(torch.randint(0, 256, (2, 33), generator=generator))  # disk held
-        step = actoff._runtime.get_runtime().step
+        step = actoff.runtime.runtime.get_runtime().step
         forced = [
             r for run in step.runs[:-1] for r in run.records if r.tier is not None and r.tier.name == "nvme"
         ]

@@ -10,8 +10,8 @@ import torch
 from _helpers import make_model
 
 import actoff
-from actoff._runtime import get_runtime
 from actoff.reference import Block
+from actoff.runtime.runtime import get_runtime
 
 STEPS = 300
 WARMUP = 20

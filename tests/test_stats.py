@@ -4,8 +4,8 @@ import pytest
 from _helpers import make_model, train
 
 import actoff
-from actoff._runtime import get_runtime
 from actoff.reference import Block
+from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
 
 

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import actoff
 from actoff import Config
-from actoff._tile import tiled_chunk_count
 from actoff.reference import MLP, Block, ModelConfig, RMSNorm, Transformer
+from actoff.tiling.tile import tiled_chunk_count
 from tests._helpers import make_model, train
 
 EXACT = {"rtol": 0, "atol": 0}

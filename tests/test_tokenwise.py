@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import actoff
-import actoff._auto
-from actoff._runtime import get_runtime
+import actoff.runtime.auto
 from actoff.reference import Block, ModelConfig, RMSNorm, rope_tables
+from actoff.runtime.runtime import get_runtime
 
 FRACTIONS = [(0.5, 0.0), (0.3, 0.3), (0.0, 0.0), (1.0, 0.0)]
 
@@ -297,7 +297,7 @@ def test_auto_decides_after_the_first_step_and_stays_close(monkeypatch):
     # so auto stores little and recomputes the rest from step two on. The forward time is
     # injected (1 ms a block): measured, it grows with the machine's load and so would the
     # stored fraction.
-    monkeypatch.setattr(actoff._auto, "forward_ms", lambda tokenwise: 1.0)
+    monkeypatch.setattr(actoff.runtime.auto, "forward_ms", lambda tokenwise: 1.0)
     model = make_model()
     reference = copy.deepcopy(model)
     expected = train(reference, 3)

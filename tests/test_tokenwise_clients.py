@@ -21,10 +21,10 @@ from _helpers import RECOMPUTE_TOL, assert_close_history, make_model, train
 from torch import nn
 
 import actoff
-import actoff._auto
-import actoff._runtime
-from actoff._step import ScopeRun, Step
+import actoff.runtime.auto
+import actoff.runtime.runtime
 from actoff.reference import Block
+from actoff.runtime.step import ScopeRun, Step
 from actoff.tiers.record import Record
 from actoff.tiers.tokenwise.run import TokenwiseRun
 
@@ -58,7 +58,7 @@ def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
     # re-forward's graph (Note [probe keeps no graph]), or each step leaks its whole state.
     # Under auto the block's forward time is injected (1 ms): measured on a loaded machine it
     # can be long enough for the link to hide every copy, and then nothing is recomputed.
-    monkeypatch.setattr(actoff._auto, "forward_ms", lambda tokenwise: 1.0)
+    monkeypatch.setattr(actoff.runtime.auto, "forward_ms", lambda tokenwise: 1.0)
     already = _live_actoff_objects()  # left by other tests in this process (a mutation test's)
     model = make_model()
     actoff.offload_(model, block_cls=Block, min_bytes=0, **overrides)
@@ -520,7 +520,7 @@ def test_plans_go_with_their_module_and_with_reset():
         train(model, 1)
         return model
 
-    runtime = actoff._runtime.get_runtime()
+    runtime = actoff.runtime.runtime.get_runtime()
     first, second = trained(), trained()
     assert len(runtime.token_plans) == 4  # one entry per module, not per name
     del first
@@ -532,7 +532,7 @@ def test_plans_go_with_their_module_and_with_reset():
     third = trained()
     assert len(runtime.token_plans) == 2
     actoff.reset()
-    runtime = actoff._runtime.get_runtime()
+    runtime = actoff.runtime.runtime.get_runtime()
     assert len(runtime.token_plans) == 0
     train(third, 1)  # learned afresh
     assert len(runtime.token_plans) == 2

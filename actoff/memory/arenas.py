@@ -13,7 +13,7 @@ import hashlib
 
 import torch
 
-from actoff._config import Config
+from actoff.config import Config
 from actoff.device.base import DeviceBackend
 from actoff.planner import Buffer, Layout, PlanCache, solve, solve_bilevel
 

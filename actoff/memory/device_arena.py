@@ -58,7 +58,7 @@ as a part gets without holding a dead byte. What the caching allocator does arou
 the GPU's to measure; the replay allocator (actoff.tiers.tokenwise.reforward) plans every allocation.
 
 Note [skipped requests]: records still being copied out when backward starts are served from the
-device (Note [forward what is still on the device], actoff._step); how many of the last block's
+device (Note [forward what is still on the device], actoff.runtime.step); how many of the last block's
 varies with the copies' timing (13 of 14 fetched in the step planned, 5 or 6 later). The prefetch
 `expect`s those before it fetches the rest, and a part's buffer spans only the requests that will
 come. The planner stacks requests live at once in the order they came, so the records forwarded

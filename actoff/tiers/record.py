@@ -58,7 +58,7 @@ class TensorLayout:
 
     __slots__ = ("compact", "dtype", "itemsize", "nbytes", "numel", "pad", "size", "span", "stride")
 
-    # Note [pack is hot] (actoff._step): built for every record; contiguity is asked of torch.
+    # Note [pack is hot] (actoff.runtime.step): built for every record; contiguity is asked of torch.
     def __init__(self, tensor: torch.Tensor) -> None:
         self.size = size = tensor.shape  # a torch.Size: a tuple
         self.stride = stride = tensor.stride()
@@ -132,7 +132,7 @@ class Record:
 
     def __init__(self, tensor: torch.Tensor, run: Any, index: int, tier: Any = None) -> None:
         self.layout = TensorLayout(tensor)
-        self.run = run  # the scope run (actoff._step.ScopeRun) that saved it
+        self.run = run  # the scope run (actoff.runtime.step.ScopeRun) that saved it
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
         # Where its bytes live: an actoff.tiers.base.Tier, which owns every move of the record.

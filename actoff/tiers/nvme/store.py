@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from actoff._config import Config
+from actoff.config import Config
 
 from . import engines
 from .engines import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from actoff._policy import token_fractions, whole_tier
+from actoff.policy import token_fractions, whole_tier
 from actoff.tiers.base import Tier
 from actoff.tiers.record import Record, State, param_like, serve
 
@@ -36,7 +36,7 @@ class TokenwiseRun(Tier):
     name = "tokenwise"
 
     def __init__(self, run: Any) -> None:
-        self.run = run  # the actoff._step.ScopeRun
+        self.run = run  # the actoff.runtime.step.ScopeRun
         self.events: list[int] = []  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)

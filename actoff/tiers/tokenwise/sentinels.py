@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from actoff._policy import whole_tier
+from actoff.policy import whole_tier
 
 from . import reforward
 

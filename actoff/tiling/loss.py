@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._chunking import AutocastState, check_chunking, chunk_bounds
+from .chunking import AutocastState, check_chunking, chunk_bounds
 
 __all__ = ["chunked_cross_entropy", "chunked_loss_"]
 

@@ -2,9 +2,9 @@
 
 A `Step` is the scope runs of one forward pass, in order, until its backward ends. A
 `ScopeRun` is one call of an offload scope: its pack hook turns each saved tensor into a
-`Handle` to a `Record` (actoff._handles; or passes it through), and it gives the tiers what they need from
+`Handle` to a `Record` (actoff.runtime.hooks; or passes it through), and it gives the tiers what they need from
 the run: the arena, the NVMe store, the statistics. Placement, fetching and release are the
-runtime's and the tiers' (actoff._runtime, actoff.tiers.base).
+runtime's and the tiers' (actoff.runtime.runtime, actoff.tiers.base).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from ._config import Config
-from ._handles import AliasHandle, Handle
-from ._stats import BlockStats
-from .device.base import DeviceBackend, Ticket
-from .tiers.base import KEEP
-from .tiers.record import Record, State, TensorLayout, param_like
+from actoff.config import Config
+from actoff.device.base import DeviceBackend, Ticket
+from actoff.tiers.base import KEEP
+from actoff.tiers.record import Record, State, TensorLayout, param_like
+
+from .hooks import AliasHandle, Handle
+from .stats import BlockStats
 
 __all__ = ["ScopeRun", "Step"]
 
@@ -86,7 +87,7 @@ class ScopeRun:
         backend: DeviceBackend,
         param_storages: set[int],
     ) -> None:
-        self.runtime = runtime  # the actoff._runtime.Runtime
+        self.runtime = runtime  # the actoff.runtime.runtime.Runtime
         self.step = step
         self.index = len(step.runs)
         self.name = name

@@ -58,11 +58,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from ._config import Config
-from ._handles import unpack
-from ._policy import TOKENWISE_POLICIES, whole_tier
-from ._runtime import find_device, get_runtime
-from ._step import ScopeRun
+from actoff.config import Config
+from actoff.policy import TOKENWISE_POLICIES, whole_tier
+from actoff.runtime.hooks import unpack
+from actoff.runtime.runtime import find_device, get_runtime
+from actoff.runtime.step import ScopeRun
 
 __all__ = ["ScopeSpec", "compiled_scope", "eager_scope"]
 
@@ -82,11 +82,11 @@ def _disable(reason: str, recursive: bool = True) -> Callable[[F], F]:
     return functools.partial(torch.compiler.disable, recursive=recursive)
 
 
-_PLAIN_PYTHON = "actoff's runtime runs as plain Python on real tensors (actoff._compile, Note [compile])"
+_PLAIN_PYTHON = "actoff's runtime runs as plain Python on real tensors (actoff.scope.compile, Note [compile])"
 
 
 class ScopeSpec(Protocol):
-    """What a scope call needs from its decoration (actoff._scope._ScopeSpec)."""
+    """What a scope call needs from its decoration (actoff.scope.offload._ScopeSpec)."""
 
     def block_name(self, module: torch.nn.Module | None, default: str) -> str: ...
 

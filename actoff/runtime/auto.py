@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._distributed import local_world_size
-from ._policy import AutoDecision, auto_fractions, budget_share
-from .tiers.tokenwise.run import TokenwiseRun
+from actoff.policy import AutoDecision, auto_fractions, budget_share
+from actoff.tiers.tokenwise.run import TokenwiseRun
+
+from .distributed import local_world_size
 
 __all__ = ["decide_auto", "forward_ms"]
 

@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._config import Config, get_config
-from ._runtime import get_runtime
-from .tiers.tokenwise.probes import ByOwner
+from actoff.config import Config, get_config
+from actoff.runtime.runtime import get_runtime
+from actoff.tiers.tokenwise.probes import ByOwner
 
 __all__ = ["no_offload", "offload", "offload_"]
 
@@ -41,7 +41,7 @@ class _ScopeSpec:
         base = self.config if self.config is not None else get_config()
         if not self.overrides:
             return base
-        cached = self._resolved  # Note [pack is hot] (actoff._step): replaced once per base
+        cached = self._resolved  # Note [pack is hot] (actoff.runtime.step): replaced once per base
         if cached is None or cached[0] is not base:
             cached = self._resolved = (base, base.replace(**self.overrides))
         return cached[1]
@@ -110,7 +110,7 @@ def offload(
 
         @functools.wraps(original)
         def scoped(*args: Any, **kwargs: Any) -> Any:
-            # Note [compile] (actoff._compile): a graph break around a compiled body.
+            # Note [compile] (actoff.scope.compile): a graph break around a compiled body.
             if torch.compiler.is_compiling():
                 return compiled(spec, None, default, original, args, kwargs)
             return eager(spec, None, default, original, args, kwargs)
@@ -127,7 +127,7 @@ def _wrap_method(original: Callable[..., Any], spec: _ScopeSpec) -> Callable[...
 
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # Note [compile] (actoff._compile): a graph break around a compiled body.
+        # Note [compile] (actoff.scope.compile): a graph break around a compiled body.
         if torch.compiler.is_compiling():
             return compiled(spec, self, type(self).__name__, original, args, kwargs)
         return eager(spec, self, type(self).__name__, original, args, kwargs)
@@ -138,8 +138,8 @@ def _wrap_method(original: Callable[..., Any], spec: _ScopeSpec) -> Callable[...
 
 def _entry_points() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The eager and the compiled scope call; imported when the first scope is made, as they
-    import Dynamo (actoff._compile)."""
-    from ._compile import compiled_scope, eager_scope
+    import Dynamo (actoff.scope.compile)."""
+    from .compile import compiled_scope, eager_scope
 
     return eager_scope, compiled_scope
 

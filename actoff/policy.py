@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._config import Config
+from .config import Config
 
 __all__ = [
     "TOKENWISE_POLICIES",

@@ -40,7 +40,7 @@ class RuntimeLock:
         self._dropped: collections.deque[Any] = collections.deque()
         self._depth = threading.local()  # how deep this thread holds the lock
 
-    # Note [pack is hot] (actoff._step): entered for every saved tensor's unpack and release,
+    # Note [pack is hot] (actoff.runtime.step): entered for every saved tensor's unpack and release,
     # so each method reads the thread's depth once, without calls of its own.
     def __enter__(self) -> None:
         self._lock.acquire()

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._chunking import AutocastState, RngState, check_chunking, chunk_bounds
-from ._config import Config, get_config
+from actoff.config import Config, get_config
+
+from .chunking import AutocastState, RngState, check_chunking, chunk_bounds
 
 __all__ = ["tile_"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._config import format_bytes
+from actoff.config import format_bytes
 
 __all__ = ["BlockStats", "Stats", "collect", "copy_stats", "snapshot"]
 
@@ -180,7 +180,7 @@ _SUMMED = (
 
 
 def collect(step: Any) -> dict[str, BlockStats]:
-    """Per block name, the figures of one step (actoff._step.Step): calls of a block summed."""
+    """Per block name, the figures of one step (actoff.runtime.step.Step): calls of a block summed."""
     blocks: dict[str, BlockStats] = {}
     for run in step.runs:
         block = blocks.get(run.name)
@@ -190,7 +190,7 @@ def collect(step: Any) -> dict[str, BlockStats]:
         block.calls += 1
         for name in _SUMMED:
             setattr(block, name, getattr(block, name) + getattr(source, name))
-        for tier, nbytes in source.bytes_per_tier.items():  # runs kept as is (actoff._step)
+        for tier, nbytes in source.bytes_per_tier.items():  # runs kept as is (actoff.runtime.step)
             block.bytes_per_tier[tier] += nbytes
         for record in run.records:
             block.tensors += 1

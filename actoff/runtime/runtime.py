@@ -1,16 +1,16 @@
 """Runtime: the step lifecycle. It drives scope runs through placement, backward and release.
 
 Data flow of one step (the README's "How it works" has the map of modules):
-1. Forward inside a scope: `call` opens a `ScopeRun` (actoff._step) whose pack hook turns each
+1. Forward inside a scope: `call` opens a `ScopeRun` (actoff.runtime.step) whose pack hook turns each
    saved tensor into a `Handle` to a `Record`. A token-wise run also captures what a
    re-forward needs (actoff.tiers.tokenwise.run). Nothing is copied yet.
 2. Scope exit: the run is sealed and queued; once it is more than ``keep_last`` runs old its
-   records are placed (actoff._policy says where) and their tier starts the copies out
+   records are placed (actoff.policy says where) and their tier starts the copies out
    (actoff.tiers.base); `_progress` finishes them, MEMO's double buffering.
 3. Backward: the first unpack in a run fetches all of that run's records and prefetches the
    previous run's; unpack waits on exactly the record it serves.
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
-   evicted, the auto policy decides, ranks agree (actoff._distributed), statistics are
+   evicted, the auto policy decides, ranks agree (actoff.runtime.distributed), statistics are
    published, and the host arena is laid out for the next steps (actoff.memory.arenas).
    Under ``ACTOFF_ALLOCATOR=replay`` a step is also the replay allocator's window, from its
    first scope to here (actoff.memory.replay_steps).
@@ -29,26 +29,27 @@ from typing import Any
 
 import torch
 
-from ._auto import decide_auto
-from ._config import Config
-from ._distributed import agree_with_rank0, local_world_size
-from ._handles import unpack
-from ._policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
-from ._runtime_lock import RuntimeLock
-from ._stats import BlockStats, Stats, collect, snapshot
-from ._step import ScopeRun, Step
-from .device.base import backend_for
-from .device.sim.device import settings_for
-from .memory.arenas import Arenas
-from .memory.host_arena import HostArena
-from .memory.replay_steps import ReplayDrivers
-from .planner import Layout
-from .tiers.nvme.store import StoreRegistry
-from .tiers.record import Record, State, serve
-from .tiers.registry import TIERS, tier_named
-from .tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
-from .tiers.tokenwise.probes import ByOwner, ModulePlans
-from .tiers.tokenwise.run import TokenwiseRun
+from actoff.config import Config
+from actoff.device.base import backend_for
+from actoff.device.sim.device import settings_for
+from actoff.memory.arenas import Arenas
+from actoff.memory.host_arena import HostArena
+from actoff.memory.replay_steps import ReplayDrivers
+from actoff.planner import Layout
+from actoff.policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
+from actoff.tiers.nvme.store import StoreRegistry
+from actoff.tiers.record import Record, State, serve
+from actoff.tiers.registry import TIERS, tier_named
+from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
+from actoff.tiers.tokenwise.probes import ByOwner, ModulePlans
+from actoff.tiers.tokenwise.run import TokenwiseRun
+
+from .auto import decide_auto
+from .distributed import agree_with_rank0, local_world_size
+from .hooks import unpack
+from .lock import RuntimeLock
+from .stats import BlockStats, Stats, collect, snapshot
+from .step import ScopeRun, Step
 
 __all__ = ["Runtime", "find_device", "get_runtime"]
 
@@ -75,7 +76,7 @@ class Runtime:
         self.last_stats: dict[str, BlockStats] = {}
         # What probes learned, per module by identity (Note [plans per module and conditions])
         self.token_plans: ByOwner[ModulePlans] = ByOwner()
-        self.auto_decisions: dict[str, Any] = {}  # block -> actoff._policy.AutoDecision
+        self.auto_decisions: dict[str, Any] = {}  # block -> actoff.policy.AutoDecision
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
         self.agreed = False  # Note [one agreement]: rank 0's first-step decisions are in
@@ -144,7 +145,7 @@ class Runtime:
         tokenwise: bool = True,
     ) -> ScopeRun:
         """Open a run as the thread's current one (`exit_scope` closes it); the caller checked
-        `passes_through` and installs the hooks (`call`; actoff._compile: Note [compile])."""
+        `passes_through` and installs the hooks (`call`; actoff.scope.compile: Note [compile])."""
         with self.lock:
             step = self.step
             module_id = id(module) if module is not None else None
@@ -318,7 +319,7 @@ def _param_storages(module: torch.nn.Module | None) -> set[int]:
     storages: set[int] = set()
     if module is None:
         return storages
-    # Note [pack is hot] (actoff._step): the modules' own dictionaries, read at every scope
+    # Note [pack is hot] (actoff.runtime.step): the modules' own dictionaries, read at every scope
     # call, not `parameters()`'s generators (under half the time; the same tensors).
     for sub in module.modules():
         for tensors in (sub._parameters, sub._buffers):

@@ -1,7 +1,7 @@
 """What autograd holds for a tensor a scope saved, and the unpack hook that gives it back: a
 `Handle` to a record, an `AliasHandle` to a view of a record's bytes (Note [views of one
 storage]), or under ``keep`` the tensor itself with its version (Note [kept as is]). The pack
-side is `actoff._step.ScopeRun.pack`.
+side is `actoff.runtime.step.ScopeRun.pack`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .tiers.record import Record, modified_error
+from actoff.tiers.record import Record, modified_error
 
 __all__ = ["AliasHandle", "Handle", "unpack"]
 
@@ -45,7 +45,7 @@ class Handle:
 # record's version check sees a change through either. Kept apart: tensors that share bytes but
 # not a counter (``set_``: exact dedup checks the root too), views outside the span (q, k, v of
 # one fused projection), gappy (compact) records and token-wise runs (records split by tokens);
-# views with a lazy conjugate bit are never records (Note [lazy bits], actoff._step). The
+# views with a lazy conjugate bit are never records (Note [lazy bits], actoff.runtime.step). The
 # reference block saves its attention output twice too: SDPA's output, and a view of it as the
 # output projection's input.
 class AliasHandle:
