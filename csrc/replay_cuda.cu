@@ -1,7 +1,7 @@
 // The replay allocator on CUDA: the C entry points of libactoff_replay.so.
 //
 // torch's CUDAPluggableAllocator calls actoff_replay_malloc / actoff_replay_free for every CUDA
-// tensor once actoff._allocator has installed it; actoff's Python side drives the windows and
+// tensor once actoff.memory.replay_allocator has installed it; actoff's Python side drives the windows and
 // plans through the control entry points below (ctypes). The logic is the device-agnostic core
 // (replay_allocator.h); this file gives it cudaMallocAsync / cudaFreeAsync on the request's
 // stream as the fallback, CUDA events as fences, and cudaMalloc'd arenas.

@@ -1,4 +1,4 @@
-"""Token chunks and the autocast / RNG state a chunk's recompute replays."""
+"""Token chunks and the autocast / RNG state a chunk's recompute restores."""
 
 import itertools
 
@@ -50,18 +50,18 @@ def test_autocast_state_is_re_entered_outside_the_autocast_block():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         state = AutocastState.capture(torch.device("cpu"))
     plain = AutocastState.capture(torch.device("cpu"))
-    with state.replay():
+    with state.restore():
         assert (torch.ones(4, 4) @ torch.ones(4, 4)).dtype == torch.bfloat16
-    with plain.replay():  # a forward without autocast replays as without it
+    with plain.restore():  # a forward without autocast is restored as without it
         assert (torch.ones(4, 4) @ torch.ones(4, 4)).dtype == torch.float32
 
 
-def test_rng_replay_draws_the_same_numbers_and_leaves_the_stream_alone():
+def test_rng_restore_draws_the_same_numbers_and_leaves_the_stream_alone():
     torch.manual_seed(3)
     state = RngState.capture(torch.device("cpu"))
     first = torch.rand(5)
     after = torch.get_rng_state()
-    with state.replay():
+    with state.restore():
         assert torch.equal(torch.rand(5), first)
     assert torch.equal(torch.get_rng_state(), after)  # the caller's stream goes on where it was
     assert not state.same_as(RngState.capture(torch.device("cpu")))

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from actoff.tiers.tokenwise.pack import layout_offsets, pack_rows, scatter_rows
+from actoff.tiers.tokenwise.pack import pack_rows, packed_offsets, scatter_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Everything a saved activation can be: the kernel moves each as the integer of its width.
@@ -64,8 +64,8 @@ def test_torch_round_trip(dtype):
         assert _same_bits(view, target)
 
 
-def test_layout_offsets_are_aligned():
-    offsets, total = layout_offsets(
+def test_packed_offsets_are_aligned():
+    offsets, total = packed_offsets(
         [torch.empty(1, dtype=torch.uint8), torch.empty(3), torch.empty(5, dtype=torch.float16)]
     )
     assert offsets == [0, 16, 32] and total == 48

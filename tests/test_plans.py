@@ -1,5 +1,5 @@
 """Token plans: the key of the conditions that decide what a block saves, and plans held per
-module by identity, forgotten when the module dies (Note [plans per module and conditions])."""
+module by identity, forgotten when the module dies (Note [probes per module and conditions])."""
 
 import gc
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actoff.tiers.record import Record, RecordStateError, State, TensorLayout
+from actoff.tiers.record import Record, RecordStateError, State, TensorGeometry
 
 
 class _Run:
@@ -62,15 +62,15 @@ def _views():
 @pytest.mark.parametrize("name", list(_views()))
 def test_layout_round_trip_is_exact(name):
     tensor = _views()[name]
-    layout = TensorLayout(tensor)
-    flat = layout.flat(tensor).clone()  # what the host copy holds
-    assert flat.numel() == layout.span
-    buffer = torch.empty(layout.pad + layout.span, dtype=tensor.dtype)
-    buffer[layout.pad :].copy_(flat)
-    rebuilt = layout.rebuild(buffer)
+    geometry = TensorGeometry(tensor)
+    flat = geometry.flat(tensor).clone()  # what the host copy holds
+    assert flat.numel() == geometry.span
+    buffer = torch.empty(geometry.pad + geometry.span, dtype=tensor.dtype)
+    buffer[geometry.pad :].copy_(flat)
+    rebuilt = geometry.rebuild(buffer)
     assert torch.equal(rebuilt, tensor)
     assert rebuilt.shape == tensor.shape
-    if not layout.compact:
+    if not geometry.compact:
         assert rebuilt.stride() == tensor.stride()
         # Alignment relative to 256 bytes is kept, so kernels choose the same paths.
         assert (rebuilt.data_ptr() - buffer.data_ptr()) % 256 == (
@@ -80,10 +80,10 @@ def test_layout_round_trip_is_exact(name):
 
 def test_gappy_views_are_copied_compactly():
     base = torch.randn(64, 64)
-    layout = TensorLayout(base[:, ::8])
-    assert layout.compact and layout.nbytes == 64 * 8 * 4
+    geometry = TensorGeometry(base[:, ::8])
+    assert geometry.compact and geometry.nbytes == 64 * 8 * 4
 
 
 def test_expanded_views_copy_only_their_storage():
-    layout = TensorLayout(torch.randn(1, 1000).expand(500, 1000))
-    assert layout.nbytes == 1000 * 4
+    geometry = TensorGeometry(torch.randn(1, 1000).expand(500, 1000))
+    assert geometry.nbytes == 1000 * 4

@@ -267,7 +267,7 @@ def test_min_bytes_is_respected():
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=8192)
     train(model, 1)
-    recorded_sizes = [r.layout.nbytes for run in get_runtime().step.runs for r in run.records]
+    recorded_sizes = [r.geometry.nbytes for run in get_runtime().step.runs for r in run.records]
     assert recorded_sizes and min(recorded_sizes) >= 8192
 
 

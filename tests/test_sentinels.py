@@ -109,15 +109,15 @@ def test_two_forwards_before_one_backward_warn_once_per_block_and_keep_only_the_
     from actoff.tiers.tokenwise import reforward
 
     recovered = []
-    real_replay = reforward.replay
+    real_recompute = reforward.recompute
 
     def spy(tokenwise, start, stop, **kwargs):
-        rows = real_replay(tokenwise, start, stop, **kwargs)
+        rows = real_recompute(tokenwise, start, stop, **kwargs)
         if kwargs.get("keep_from"):
             recovered.extend(rows.values())
         return rows
 
-    monkeypatch.setattr(reforward, "replay", spy)
+    monkeypatch.setattr(reforward, "recompute", spy)
     model = _model(GatedScanBlock)
     reference = copy.deepcopy(model)
     actoff.offload_(model, block_cls=GatedScanBlock, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actoff.tiers.record import TensorLayout
+from actoff.tiers.record import TensorGeometry
 from actoff.tiers.tokenwise.tokens import (
     Canon,
     base_info,
@@ -38,12 +38,12 @@ def test_changed_dim(forward, replay, expected):
 def test_detect_canon_on_the_base_of_a_merged_view():
     forward = torch.zeros(2, 128, 128)
     saved = forward.view(256, 128)
-    replayed = torch.zeros(2, 32, 128).view(64, 128)
+    recomputed = torch.zeros(2, 32, 128).view(64, 128)
     canon = detect_canon(
-        (tuple(saved.shape), saved.stride()), base_info(saved), tuple(replayed.shape), (2, 32, 128), 128, 32
+        (tuple(saved.shape), saved.stride()), base_info(saved), tuple(recomputed.shape), (2, 32, 128), 128, 32
     )
     assert canon.on_base and canon.dim == 1 and canon.shape == (2, 128, 128)
-    assert canon.source(replayed).shape == (2, 32, 128)
+    assert canon.source(recomputed).shape == (2, 32, 128)
     flat = torch.arange(2 * 128 * 128.0)
     assert torch.equal(canon.view(flat), flat.view(2, 128, 128))
 
@@ -55,8 +55,8 @@ def test_canon_view_of_a_chunk_with_a_storage_offset():
     up = fused.chunk(2, dim=-1)[1]
     assert up.storage_offset() == 3
     canon = Canon(tuple(up.shape), up.stride(), 1)
-    assert torch.equal(canon.view(TensorLayout(up).flat(up)), up)
-    span = TensorLayout(up).span
+    assert torch.equal(canon.view(TensorGeometry(up).flat(up)), up)
+    span = TensorGeometry(up).span
     copied = torch.cat((torch.full((1,), -1.0), fused.reshape(-1)[3 : 3 + span]))  # a pad, then the span
     assert torch.equal(canon.view(copied, pad=1), up)
 

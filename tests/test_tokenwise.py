@@ -280,7 +280,7 @@ def test_recompute_is_partial_and_skips_attention(recompute_fraction):
     actoff.offload_(
         model, block_cls=Block, policy="tokenwise", cpu_fraction=1.0 - recompute_fraction, min_bytes=0
     )
-    model.loss(tokens).backward()  # first step: verification adds a replay; measure the next
+    model.loss(tokens).backward()  # first step: verification adds a re-forward; measure the next
     with FlopCounterMode(display=False) as counter, CountAttention() as attention:
         model.loss(tokens).backward()
 

@@ -359,7 +359,7 @@ def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
 
 
 # ---------------------------------------------------------------------------------- same names, other models
-# Note [plans per module and conditions]: a hyper-parameter sweep, two models trained side by
+# Note [probes per module and conditions]: a hyper-parameter sweep, two models trained side by
 # side, a model rebuilt with dropout or another attention: the qualified layer names are the
 # same, the modules are not. A plan probed on one must never be applied to another.
 def _gpt2(dropout: float):
@@ -522,17 +522,17 @@ def test_plans_go_with_their_module_and_with_reset():
 
     runtime = actoff.runtime.runtime.get_runtime()
     first, second = trained(), trained()
-    assert len(runtime.token_plans) == 4  # one entry per module, not per name
+    assert len(runtime.probe_results) == 4  # one entry per module, not per name
     del first
     gc.collect()
-    assert len(runtime.token_plans) == 2
+    assert len(runtime.probe_results) == 2
     del second
     gc.collect()  # its step ended with its backward: nothing of actoff holds the model
-    assert len(runtime.token_plans) == 0
+    assert len(runtime.probe_results) == 0
     third = trained()
-    assert len(runtime.token_plans) == 2
+    assert len(runtime.probe_results) == 2
     actoff.reset()
     runtime = actoff.runtime.runtime.get_runtime()
-    assert len(runtime.token_plans) == 0
+    assert len(runtime.probe_results) == 0
     train(third, 1)  # learned afresh
-    assert len(runtime.token_plans) == 2
+    assert len(runtime.probe_results) == 2

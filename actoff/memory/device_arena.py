@@ -90,7 +90,7 @@ from .host_arena import align_up
 __all__ = ["ALIGNMENT", "DeviceArena"]
 
 #: Offsets and sizes are multiples of this: the caching allocator's granularity, which keeps the
-#: 256-byte alignment a rebuilt tensor needs (actoff.tiers.record.TensorLayout).
+#: 256-byte alignment a rebuilt tensor needs (actoff.tiers.record.TensorGeometry).
 ALIGNMENT = 512
 _GENERATIONS = itertools.count()  # trace generations, unique in the process
 

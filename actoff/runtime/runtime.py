@@ -41,7 +41,7 @@ from actoff.tiers.nvme.store import StoreRegistry
 from actoff.tiers.record import Record, State, serve
 from actoff.tiers.registry import TIERS, tier_named
 from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
-from actoff.tiers.tokenwise.probes import ByOwner, ModulePlans
+from actoff.tiers.tokenwise.probes import ByOwner, ModuleProbes
 from actoff.tiers.tokenwise.run import TokenwiseRun
 
 from .auto import decide_auto
@@ -74,8 +74,8 @@ class Runtime:
         self.steps_completed = 0
         self.arenas = Arenas()  # host arenas by device backend
         self.last_stats: dict[str, BlockStats] = {}
-        # What probes learned, per module by identity (Note [plans per module and conditions])
-        self.token_plans: ByOwner[ModulePlans] = ByOwner()
+        # What probes learned, per module by identity (Note [probes per module and conditions])
+        self.probe_results: ByOwner[ModuleProbes] = ByOwner()
         self.auto_decisions: dict[str, Any] = {}  # block -> actoff.policy.AutoDecision
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
@@ -108,7 +108,7 @@ class Runtime:
                     output = fn(*args, **kwargs)
                 else:
                     tokenwise.forward_watch = run.backend.stopwatch().start()
-                    probing = tokenwise.plan is None
+                    probing = tokenwise.probed is None
                     watch = CollectiveWatch(tokenwise) if probing else contextlib.nullcontext()
                     with CaptureMode(tokenwise), watch:
                         output = fn(*args, **kwargs)
@@ -241,7 +241,7 @@ class Runtime:
                     record.tier.evict(record)
                 run.fetch_issued = False
                 if run.tokenwise is not None:
-                    run.tokenwise.replay_rows = None
+                    run.tokenwise.recomputed_rows = None
             self.steps_completed += 1
             if not self.agreed:
                 self.agreed = True
@@ -308,7 +308,7 @@ class Runtime:
             self.last_stats = {}
             self.steps_completed = 0
             self.arenas = Arenas()  # slots still held by live graphs keep their chunk alive
-            self.token_plans, self._warned = ByOwner(), set()
+            self.probe_results, self._warned = ByOwner(), set()
             self.auto_decisions, self.plans, self.agreed = {}, {}, False
             self.stores.close()
             self.replay.close()

@@ -194,7 +194,7 @@ def collect(step: Any) -> dict[str, BlockStats]:
             block.bytes_per_tier[tier] += nbytes
         for record in run.records:
             block.tensors += 1
-            block.bytes_saved += record.layout.nbytes
+            block.bytes_saved += record.geometry.nbytes
             record.tier.count(record, block.bytes_per_tier)
     return blocks
 

@@ -18,7 +18,7 @@ import torch
 from actoff.config import Config
 from actoff.device.base import DeviceBackend, Ticket
 from actoff.tiers.base import KEEP
-from actoff.tiers.record import Record, State, TensorLayout, param_like
+from actoff.tiers.record import Record, State, TensorGeometry, param_like
 
 from .hooks import AliasHandle, Handle
 from .stats import BlockStats
@@ -184,8 +184,8 @@ class ScopeRun:
         self.live += 1
         handle = Handle(record)
         self.dedup[key] = (handle, ref)
-        if tokenwise is None and not record.layout.compact:  # Note [views of one storage]
-            self._note_span(tensor, storage, ref, handle, record.layout.span)
+        if tokenwise is None and not record.geometry.compact:  # Note [views of one storage]
+            self._note_span(tensor, storage, ref, handle, record.geometry.span)
         return handle
 
     def _note_span(
@@ -216,8 +216,8 @@ class ScopeRun:
         else:
             span, compact = tensor.numel(), False
             if not tensor.is_contiguous():
-                layout = TensorLayout(tensor)
-                span, compact, nbytes = layout.span, layout.compact, layout.nbytes  # as a record's
+                geometry = TensorGeometry(tensor)
+                span, compact, nbytes = geometry.span, geometry.compact, geometry.nbytes  # as a record's
             if not compact:
                 self._note_span(tensor, storage, ref, None, span)
             stats.tensors += 1

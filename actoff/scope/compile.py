@@ -40,8 +40,8 @@ disabled too: autograd may call them while Dynamo's frame callback is on. Outsid
 its callees intercepted, and actoff's runtime must not be one of them. ``fullgraph=True``
 cannot hold a scope; Dynamo says so with `_GRAPH_BREAK_REASON`.
 
-A token-wise re-forward replays a block eagerly under a torch-function mode that serves the
-token mixer's output from the store, matching the i-th save of the replay with the i-th save
+A token-wise re-forward runs a block eagerly under a torch-function mode that serves the
+token mixer's output from the store, matching the i-th save of the re-forward with the i-th save
 of the forward; the saves of a compiled body are the partitioner's, not the eager ones. Such
 runs are placed whole with one warning (`_enter`).
 
@@ -162,7 +162,7 @@ def _enter(
         runtime.warn_once(
             f"compile:{config.policy}:{tier}",
             f"actoff: policy {config.policy!r} does not recompute blocks that run inside "
-            f"torch.compile (first: {name!r}): a token-wise re-forward replays the block eagerly "
+            f"torch.compile (first: {name!r}): a token-wise re-forward runs the block eagerly "
             "and matches its saves one by one with the forward's, while a compiled block body "
             f"saves what the compiler chose. Their activations are placed whole ({tier}) "
             "instead; gradients stay exact. Run those blocks uncompiled to recompute them.",

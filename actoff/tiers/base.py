@@ -69,7 +69,7 @@ class Tier:
 
     def count(self, record: Record, bytes_per_tier: dict[str, int]) -> None:
         """Add the record's bytes to ``bytes_per_tier`` (tier name -> bytes) for the statistics."""
-        bytes_per_tier[self.name] += record.layout.nbytes
+        bytes_per_tier[self.name] += record.geometry.nbytes
 
 
 class KeepTier(Tier):
@@ -91,7 +91,7 @@ def verify(record: Record, buffer: torch.Tensor) -> None:
     if actual != expected:
         raise RuntimeError(
             f"actoff: a saved activation of block {record.run.name!r} (tier {record.tier.name}, "
-            f"{record.layout.nbytes} bytes) came back corrupted: checksum {actual:#010x}, "
+            f"{record.geometry.nbytes} bytes) came back corrupted: checksum {actual:#010x}, "
             f"expected {expected:#010x} (ACTOFF_VERIFY=1). Check the disk and memory."
         )
 

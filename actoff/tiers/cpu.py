@@ -17,19 +17,19 @@ class CpuTier(Tier):
     name = "cpu"
 
     def place(self, record: Record) -> None:
-        run, layout = record.run, record.layout
+        run, geometry = record.run, record.geometry
         if run.backend.host_resident:
             record.tier = CPU_IN_PLACE
             return
-        slot = run.arena().alloc(layout.nbytes, tag=run.index)
+        slot = run.arena().alloc(geometry.nbytes, tag=run.index)
         if slot is None:
-            run.stats.over_budget_bytes += layout.nbytes
+            run.stats.over_budget_bytes += geometry.nbytes
             return  # stays resident: the host budget is full
-        source = layout.flat(record.device_tensor)
+        source = geometry.flat(record.device_tensor)
         record.host_slot = slot
         record.copy_source = source  # Note [no record_stream]: held until the copy is done
         record.copy_ticket = run.backend.copy_to_host(
-            slot.view(layout.dtype, layout.span), source, record.what()
+            slot.view(geometry.dtype, geometry.span), source, record.what()
         )
         record.tier = self
         record.to(State.OFFLOADING)
@@ -40,7 +40,7 @@ class CpuTier(Tier):
         if run.config.verify or finish:
             ticket.synchronize()  # the checksum reads the host bytes
             if run.config.verify:
-                record.checksum = checksum(record.host_slot.view(record.layout.dtype, record.layout.span))
+                record.checksum = checksum(record.host_slot.view(record.geometry.dtype, record.geometry.span))
         elif force:
             run.backend.wait(ticket)
         elif not ticket.query():
@@ -58,15 +58,15 @@ class CpuTier(Tier):
         record.to(State.OFFLOADED)
 
     def fetch(self, record: Record) -> None:
-        run, layout = record.run, record.layout
-        host = record.host_slot.view(layout.dtype, layout.span)
+        run, geometry = record.run, record.geometry
+        host = record.host_slot.view(geometry.dtype, geometry.span)
         if run.config.verify:
             verify(record, host)
-        flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("fetch", record.index))
+        flat = run.device_buffer(geometry.pad + geometry.span, geometry.dtype, ("fetch", record.index))
         flat, record.fetch_ticket = run.backend.copy_to_device(
-            host, pad=layout.pad, what=record.what(), out=flat
+            host, pad=geometry.pad, what=record.what(), out=flat
         )
-        record.device_tensor = layout.rebuild(flat)
+        record.device_tensor = geometry.rebuild(flat)
         record.to(State.FETCHING)
 
     def materialize(self, record: Record) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Record", "RecordStateError", "State", "TensorLayout", "modified_error", "param_like", "serve"]
+__all__ = ["Record", "RecordStateError", "State", "TensorGeometry", "modified_error", "param_like", "serve"]
 
 
 class State(enum.Enum):
@@ -53,7 +53,7 @@ class RecordStateError(RuntimeError):
 _KEEP_ALIGNMENT = 256
 
 
-class TensorLayout:
+class TensorGeometry:
     """How to copy a strided tensor's bytes out and rebuild an identical view."""
 
     __slots__ = ("compact", "dtype", "itemsize", "nbytes", "numel", "pad", "size", "span", "stride")
@@ -116,9 +116,9 @@ class Record:
         "device_tensor",
         "extent",
         "fetch_ticket",
+        "geometry",
         "host_slot",
         "index",
-        "layout",
         "run",
         "saved_version",
         "source",
@@ -131,7 +131,7 @@ class Record:
     )
 
     def __init__(self, tensor: torch.Tensor, run: Any, index: int, tier: Any = None) -> None:
-        self.layout = TensorLayout(tensor)
+        self.geometry = TensorGeometry(tensor)
         self.run = run  # the scope run (actoff.runtime.step.ScopeRun) that saved it
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
@@ -188,14 +188,14 @@ class Record:
         if alias is None or alias._version == self.saved_version:
             return
         raise modified_error(
-            self.layout.size, self.layout.dtype, self.run.name, alias._version, self.saved_version
+            self.geometry.size, self.geometry.dtype, self.run.name, alias._version, self.saved_version
         )
 
     def what(self) -> str:
         """The record in messages: ``block 'layers.3' record 5 (shape [2, 32, 64] float32)``."""
         return (
             f"block {self.run.name!r} record {self.index} "
-            f"(shape {list(self.layout.size)} {str(self.layout.dtype).removeprefix('torch.')})"
+            f"(shape {list(self.geometry.size)} {str(self.geometry.dtype).removeprefix('torch.')})"
         )
 
     def live_source(self) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""Token chunks, and the forward-time state (autocast, RNG) that a chunk's backward recompute replays.
+"""Token chunks, and the forward-time state (autocast, RNG) that a chunk's backward recompute restores.
 
 Shared by tiled modules (`actoff.tile_`) and the chunked loss (`actoff.chunked_cross_entropy`):
 both run a computation chunk by chunk under ``no_grad`` in forward and recompute each chunk
@@ -78,7 +78,7 @@ class AutocastState:
 
     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
     ...     state = AutocastState.capture(torch.device("cpu"))
-    >>> with state.replay():
+    >>> with state.restore():
     ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
     torch.bfloat16
     """
@@ -106,7 +106,7 @@ class AutocastState:
         )
 
     @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
+    def restore(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.device_kwargs is not None:
                 stack.enter_context(torch.autocast(self.device_type, **self.device_kwargs))
@@ -118,13 +118,13 @@ class AutocastState:
 class RngState:
     """The CPU generator's state (and the tensor's device's) before a chunk's forward.
 
-    `replay` restores it inside ``torch.random.fork_rng``, so the recompute draws the same
+    `restore` restores it inside ``torch.random.fork_rng``, so the recompute draws the same
     random numbers (the same dropout mask) as the forward did, and the caller's RNG stream
     continues afterwards as if nothing had been drawn.
 
     >>> state = RngState.capture(torch.device("cpu"))
     >>> first = torch.rand(3)
-    >>> with state.replay():
+    >>> with state.restore():
     ...     torch.equal(torch.rand(3), first)
     True
     """
@@ -147,7 +147,7 @@ class RngState:
         return self.device_state is None or torch.equal(self.device_state, other.device_state)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
+    def restore(self) -> Iterator[None]:
         if self.device is None:
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(self.cpu)

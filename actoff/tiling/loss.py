@@ -62,7 +62,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         bias_leaf = bias.detach().requires_grad_(wants_bias) if bias is not None else None
         for start, stop in ctx.bounds:
             rows = hidden[start:stop].detach().requires_grad_(wants_hidden)  # (n, H)
-            with torch.enable_grad(), ctx.autocast.replay():
+            with torch.enable_grad(), ctx.autocast.restore():
                 logits = F.linear(rows, weight_leaf, bias_leaf)  # (n, V)
                 loss = F.cross_entropy(logits.float(), labels[start:stop], ignore_index=ctx.ignore_index,
                                        reduction="sum")  # fmt: skip

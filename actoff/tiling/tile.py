@@ -144,7 +144,7 @@ class _TiledFunction(torch.autograd.Function):
         assert call.autocast is not None
         for (start, stop), rng in zip(call.bounds, call.rng, strict=True):
             rows = x.narrow(call.dim, start, stop - start).detach().requires_grad_(wants_x)
-            with torch.enable_grad(), call.autocast.replay(), rng.replay():
+            with torch.enable_grad(), call.autocast.restore(), rng.restore():
                 piece = call.call(rows, leaves)
             inputs = ([rows] if wants_x else []) + targets
             grads = torch.autograd.grad(
@@ -222,7 +222,7 @@ def _probe_token_local(call: _TiledCall, x: torch.Tensor) -> bool:
         return whole, tail
 
     try:
-        with torch.no_grad(), rng.replay():  # the probe leaves the caller's RNG stream untouched
+        with torch.no_grad(), rng.restore():  # the probe leaves the caller's RNG stream untouched
             whole, tail = rows_with_and_without_prefix()
             if not rng.same_as(RngState.capture(x.device)):
                 with _eval_mode(call.module):  # dropout: two calls never draw the same mask

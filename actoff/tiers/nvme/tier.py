@@ -37,7 +37,7 @@ class NvmeTier(CpuTier):
     name = "nvme"
 
     def place(self, record: Record) -> None:
-        run, layout = record.run, record.layout
+        run, geometry = record.run, record.geometry
         store = run.store()
         direct = run.backend.staged and store.takes_device_buffers
         if run.backend.staged and not direct:
@@ -56,13 +56,15 @@ class NvmeTier(CpuTier):
             return
         # Host-resident tensors, or device tensors the engine writes itself (GDS), go straight
         # to the file; no staging copy.
-        source = layout.flat(record.device_tensor)
+        source = geometry.flat(record.device_tensor)
         if run.config.verify:
             record.checksum = checksum(source)
         if direct:  # Note [direct device I/O]: written once the compute stream has produced it
-            record.extent, record.write_future = store.write(source, layout.nbytes, after=run.backend.mark())
+            record.extent, record.write_future = store.write(
+                source, geometry.nbytes, after=run.backend.mark()
+            )
         else:
-            record.extent, record.write_future = store.write(source, layout.nbytes)
+            record.extent, record.write_future = store.write(source, geometry.nbytes)
         record.store = store
         record.copy_source = source
         record.tier = self
@@ -88,7 +90,7 @@ class NvmeTier(CpuTier):
             store, slot = run.store(), record.host_slot
             run.backend.check_host_reuse(slot.raw(), "written to disk")  # no copy may touch it now
             if run.config.verify:
-                record.checksum = checksum(slot.view(record.layout.dtype, record.layout.span))
+                record.checksum = checksum(slot.view(record.geometry.dtype, record.geometry.span))
             # The whole aligned slot: aligned address, size and offset take O_DIRECT.
             _, record.write_future = store.write(slot.raw(), slot.capacity, extent=record.extent)
         future = record.write_future
@@ -153,7 +155,7 @@ class NvmeTier(CpuTier):
     @staticmethod
     def _warn_fallback(record: Record, error: Exception, fallback: str) -> None:
         run = record.run
-        run.stats.write_fallback_bytes += record.layout.nbytes
+        run.stats.write_fallback_bytes += record.geometry.nbytes
         run.runtime.warn_once(
             f"nvme-write:{run.config.nvme_dir}",
             f"actoff: an NVMe write failed ({error}); affected activations stay in {fallback} "
@@ -170,29 +172,29 @@ class NvmeTier(CpuTier):
         record.tier = CPU
 
     def fetch(self, record: Record) -> None:
-        run, layout, store = record.run, record.layout, record.store
+        run, geometry, store = record.run, record.geometry, record.store
         if run.backend.staged and not store.takes_device_buffers:
-            slot = run.arena().alloc(layout.nbytes, tag=run.index)
+            slot = run.arena().alloc(geometry.nbytes, tag=run.index)
             if slot is None:
                 raise RuntimeError(
-                    f"actoff: no host staging memory to read {layout.nbytes} bytes back from "
+                    f"actoff: no host staging memory to read {geometry.nbytes} bytes back from "
                     f"NVMe for block {run.name!r}: raise ACTOFF_HOST_BUDGET"
                 )
             record.host_slot = slot
             record.write_future = store.read(slot.raw(), record.extent, slot.capacity)
-            record.copy_source = slot.view(layout.dtype, layout.span)
+            record.copy_source = slot.view(geometry.dtype, geometry.span)
         else:
-            flat = torch.empty(layout.pad + layout.span, dtype=layout.dtype, device=run.device)
-            record.device_tensor = layout.rebuild(flat)
-            record.copy_source = flat[layout.pad :]
+            flat = torch.empty(geometry.pad + geometry.span, dtype=geometry.dtype, device=run.device)
+            record.device_tensor = geometry.rebuild(flat)
+            record.copy_source = flat[geometry.pad :]
             if run.backend.staged:
                 # Note [direct device I/O]: the fresh allocation may reuse memory that kernels
                 # queued on the compute stream still use: the read lands after they ran.
                 record.write_future = store.read(
-                    record.copy_source, record.extent, layout.nbytes, after=run.backend.mark()
+                    record.copy_source, record.extent, geometry.nbytes, after=run.backend.mark()
                 )
             else:
-                record.write_future = store.read(record.copy_source, record.extent, layout.nbytes)
+                record.write_future = store.read(record.copy_source, record.extent, geometry.nbytes)
         record.to(State.FETCHING)
 
     def materialize(self, record: Record) -> torch.Tensor:
@@ -223,7 +225,7 @@ class NvmeTier(CpuTier):
             self._finish_read(record)
 
     def _finish_read(self, record: Record) -> None:
-        run, layout = record.run, record.layout
+        run, geometry = record.run, record.geometry
         future, record.write_future = record.write_future, None
         try:
             future.wait(run.config.io_timeout)
@@ -242,11 +244,11 @@ class NvmeTier(CpuTier):
         if run.config.verify:
             verify(record, buffer)
         if record.host_slot is not None:  # staged: the slot's bytes go to the device now
-            flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("fetch", record.index))
+            flat = run.device_buffer(geometry.pad + geometry.span, geometry.dtype, ("fetch", record.index))
             flat, record.fetch_ticket = run.backend.copy_to_device(
-                buffer, pad=layout.pad, what=record.what(), out=flat
+                buffer, pad=geometry.pad, what=record.what(), out=flat
             )
-            record.device_tensor = layout.rebuild(flat)
+            record.device_tensor = geometry.rebuild(flat)
         else:  # read straight into the device tensor; the host saw it land
             record.fetch_ticket = None
 

@@ -1,13 +1,8 @@
 """Token mixers: their registry, the modes that see them in forward and serve them in a re-forward,
 and the slicing of a block's inputs for that re-forward.
 
-Note [token-wise replay]: a slice of a block's input gives the same slice of every token-local
-activation; only the token mixer (attention) needs all tokens. So the dropped rows of every
-saved tensor are rebuilt by re-running the block's forward on the sliced inputs (RNG state
-restored) while a TorchFunctionMode serves the mixer's output rows from its stored output.
-Saved tensors arrive in the same order as in the forward pass (parameters, recognised by
-storage, and the mixer's own saves are left out of the order on both passes), so the i-th
-repacked tensor gives record i its rows. Any difference in count or shape is a mismatch.
+The re-forward itself, and why it gives the same rows: Note [token-wise re-forward] in
+actoff.tiers.tokenwise.reforward.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .tokens import unique_dim
 
 __all__ = [
-    "ReplayMismatch",
+    "ReforwardMismatch",
     "mixer_token_dim",
     "register_token_mixer",
 ]  # and helpers for actoff.tiers.tokenwise.reforward
@@ -34,7 +29,7 @@ _MIXERS: dict[Callable[..., Any], int | None] = {F.scaled_dot_product_attention:
 _lock = threading.Lock()
 
 
-class ReplayMismatch(RuntimeError):
+class ReforwardMismatch(RuntimeError):
     """The re-forward did not save what the forward saved (count, shape or a mixer)."""
 
 
@@ -136,7 +131,7 @@ class CollectiveWatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class ReplayMode(TorchFunctionMode):
+class ReforwardMode(TorchFunctionMode):
     """Re-forward of a token-wise run: mixer calls return the stored output rows, in order."""
 
     def __init__(self, outputs: list[torch.Tensor]) -> None:
@@ -149,7 +144,7 @@ class ReplayMode(TorchFunctionMode):
         if func not in _MIXERS:
             return func(*args, **kwargs)
         if self.calls >= len(self.outputs):
-            raise ReplayMismatch("the re-forward called the token mixer more often than the forward did")
+            raise ReforwardMismatch("the re-forward called the token mixer more often than the forward did")
         output = self.outputs[self.calls]
         self.calls += 1
         return output
@@ -159,7 +154,7 @@ def rows_like(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tens
     """Rows ``[start, stop)`` along ``dim`` as a new tensor with ``full``'s memory layout.
 
     The layout matters: it decides which later ``.contiguous()``/``reshape`` calls copy, and
-    so what the next layers save (FIELD_NOTES: the replayed attention output).
+    so what the next layers save (FIELD_NOTES: the recomputed attention output).
     """
     rows = full.narrow(dim, start, stop - start)
     order = sorted(range(full.dim()), key=lambda i: (-full.stride(i), i))  # outermost first

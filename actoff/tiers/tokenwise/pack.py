@@ -12,17 +12,17 @@ import os
 
 import torch
 
-__all__ = ["layout_offsets", "pack_rows", "scatter_rows", "triton_available"]
+__all__ = ["pack_rows", "packed_offsets", "scatter_rows", "triton_available"]
 
 _ALIGN = 16
 _MAX_DIMS = 4
 _BLOCK = 1024
 
 
-def layout_offsets(views: list[torch.Tensor]) -> tuple[list[int], int]:
+def packed_offsets(views: list[torch.Tensor]) -> tuple[list[int], int]:
     """Byte offsets of each view in the staging buffer, and the buffer's size.
 
-    >>> layout_offsets([torch.empty(3), torch.empty(2, dtype=torch.float64)])
+    >>> packed_offsets([torch.empty(3), torch.empty(2, dtype=torch.float64)])
     ([0, 16], 32)
     """
     offsets, total = [], 0
@@ -139,7 +139,7 @@ def pack_rows(views: list[torch.Tensor], *, use_triton: bool | None = None) -> t
     >>> buffer[offsets[1]:].view(torch.float32)[:4].tolist()
     [0.0, 1.0, 2.0, 3.0]
     """
-    offsets, total = layout_offsets(views)
+    offsets, total = packed_offsets(views)
     device = views[0].device if views else torch.device("cpu")
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     for view, offset in zip(views, offsets, strict=True):

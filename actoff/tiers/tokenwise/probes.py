@@ -1,15 +1,15 @@
 """Token plans: what a probe learned about a block, kept per module and per the conditions it ran
 under, and forgotten when the module dies.
 
-Note [plans per module and conditions]: a probe (actoff.tiers.tokenwise.reforward.probe) finds the token dimension
+Note [probes per module and conditions]: a probe (actoff.tiers.tokenwise.reforward.probe) finds the token dimension
 of each tensor one module saves under one set of conditions, and checks the recomputed rows.
-Applied to another module, a plan is wrong without a sound: a model rebuilt with the same layer
+Applied to another module, a probe result is wrong without a sound: a model rebuilt with the same layer
 names but with dropout recomputes other masks (wrong gradients); one with eager attention re-runs
 attention on a slice (a crash in backward). Applied under other conditions the records no longer
 line up: a smaller last batch, autocast switched on, adapters unfrozen, a dropout submodule put
 in eval mode all change what the block saves. So what probes learn is kept per owner (the
 module, or the function of a function scope), by identity and held weakly (`ByOwner`), then per
-`conditions` key. A plan also keeps the saves it was probed on: a forward under the same key
+`conditions` key. A result also keeps the saves it was probed on: a forward under the same key
 that saves something else (an attention implementation switched in place) is never split with
 it. A block that cannot be recomputed under some conditions is placed whole under them (a
 verdict), with one warning per module.
@@ -27,7 +27,7 @@ import torch
 from .mixers import autograd_status
 from .tokens import Canon
 
-__all__ = ["ByOwner", "ModulePlans", "Plan", "conditions"]
+__all__ = ["ByOwner", "ModuleProbes", "ProbeResult", "conditions"]
 
 V = TypeVar("V")
 
@@ -37,7 +37,7 @@ _BY_VALUE = (bool, int, float, str, bytes, torch.dtype, torch.device)
 
 def conditions(values: list[Any], spec: Any, module: torch.nn.Module | None, grad_enabled: bool,
                autocast: tuple) -> tuple:  # fmt: skip
-    """What decides what a block saves, as a hashable key (Note [plans per module and conditions]).
+    """What decides what a block saves, as a hashable key (Note [probes per module and conditions]).
 
     ``values`` are the flattened inputs and ``spec`` their pytree structure; ``autocast`` is
     `actoff.tiers.tokenwise.reforward.autocast_state`. Tensors count by shape (batch included), strides, dtype,
@@ -70,7 +70,7 @@ def _input_key(value: Any) -> Any:
 
 
 @dataclass
-class Plan:
+class ProbeResult:
     """A verified probe: the token view of each record it splits (by record index), and what
     the forward it was probed on saved (`actoff.tiers.tokenwise.run.TokenwiseRun.saves`)."""
 
@@ -79,10 +79,10 @@ class Plan:
 
 
 @dataclass
-class ModulePlans:
+class ModuleProbes:
     """What probes learned about one module (or function), per `conditions` key."""
 
-    plans: dict[tuple, Plan] = field(default_factory=dict)
+    results: dict[tuple, ProbeResult] = field(default_factory=dict)
     verdicts: dict[tuple, str] = field(default_factory=dict)  # placed whole under these, and why
     warned: bool = False  # one fallback warning per module, whatever the conditions
 

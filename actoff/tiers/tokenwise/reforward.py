@@ -1,10 +1,10 @@
 """The re-forward of a token-wise run on a token slice: the probe of a block's first step, and
 the recompute of dropped rows in backward.
 
-Note [token-wise replay]: a slice of a block's input gives the same slice of every token-local
+Note [token-wise re-forward]: a slice of a block's input gives the same slice of every token-local
 activation; only the token mixer (attention) needs all tokens. So the dropped rows of every
 saved tensor are rebuilt by re-running the block's forward on the sliced inputs (RNG state
-restored) while `ReplayMode` serves the mixer's output rows from its stored output. Saved
+restored) while `ReforwardMode` serves the mixer's output rows from its stored output. Saved
 tensors arrive in the same order as in the forward pass (parameters, recognised by storage,
 and the mixer's own saves are left out of the order on both passes), so the i-th repacked
 tensor gives record i its rows. Any difference in count or shape is a mismatch.
@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from actoff.tiers.record import Record, param_like, serve
 
-from .mixers import ReplayMismatch, ReplayMode, rows_like, slice_inputs, with_status
+from .mixers import ReforwardMismatch, ReforwardMode, rows_like, slice_inputs, with_status
 from .tokens import Canon, detect_canon
 
 __all__ = [
@@ -42,22 +42,22 @@ __all__ = [
     "forward_state",
     "low_precision",
     "probe",
-    "replay",
+    "recompute",
     "rows_differ",
     "rows_match",
 ]
 
 
-def rows_match(original: torch.Tensor, replayed: torch.Tensor, half: bool = False) -> bool:
+def rows_match(original: torch.Tensor, recomputed: torch.Tensor, half: bool = False) -> bool:
     """Recomputed rows against the real ones: equal for integers; for floats within float32
     reassociation (1e-5) or half-precision rounding (2e-2: half-precision tensors, or any when
     ``half``, as under bf16 autocast), of each value plus the mean magnitude of the rows (a
     largest value does not hide a difference in the others)."""
-    return not rows_differ([(original, replayed)], half)
+    return not rows_differ([(original, recomputed)], half)
 
 
 def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = False) -> bool:
-    """Whether any ``(original, replayed)`` pair fails `rows_match`, with one wait for the device
+    """Whether any ``(original, recomputed)`` pair fails `rows_match`, with one wait for the device
     for them all (Note [sentinel rows], actoff.tiers.tokenwise.sentinels).
 
     >>> rows = torch.ones(2, 4)
@@ -67,22 +67,22 @@ def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = Fal
     False
     """
     flags = []
-    for original, replayed in pairs:
-        if original.shape != replayed.shape:
+    for original, recomputed in pairs:
+        if original.shape != recomputed.shape:
             return True
         if not original.numel():
             continue
         if not original.is_floating_point():
-            flags.append((original != replayed).any())
+            flags.append((original != recomputed).any())
             continue
         full = original.dtype in (torch.float32, torch.float64) and not half
         tolerance = 1e-5 if full else 2e-2
         dtype = torch.promote_types(original.dtype, torch.float32)
-        original, replayed = original.to(dtype), replayed.to(dtype)
+        original, recomputed = original.to(dtype), recomputed.to(dtype)
         size = original.abs().nan_to_num(0.0, 0.0, 0.0)  # an infinity matches itself only
         bound = tolerance * (size.mean() + size)
-        near = ((replayed - original).abs() <= bound) | (replayed == original)  # infinities
-        flags.append(~(near | (original.isnan() & replayed.isnan())).all())
+        near = ((recomputed - original).abs() <= bound) | (recomputed == original)  # infinities
+        flags.append(~(near | (original.isnan() & recomputed.isnan())).all())
     return bool(torch.stack([flag.to(pairs[0][0].device) for flag in flags]).any()) if flags else False
 
 
@@ -94,44 +94,44 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
     reason it fails.
     """
     seq_len = tokenwise.seq_len
-    recompute = tokenwise.ranges.recompute_len
-    length = recompute if 0 < recompute < seq_len else seq_len // 2
+    recompute_len = tokenwise.ranges.recompute_len
+    length = recompute_len if 0 < recompute_len < seq_len else seq_len // 2
     if length < 1:
         return None, f"a sequence of {seq_len} token(s) cannot be sliced"
     start = seq_len - length
     try:
-        saved = replay(tokenwise, start, seq_len, detect=candidates)
-    except ReplayMismatch as error:
+        saved = recompute(tokenwise, start, seq_len, detect=candidates)
+    except ReforwardMismatch as error:
         return None, str(error)
     except Exception as error:  # the block cannot run on a token slice at all
         return (
             None,
             f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}",
         )
-    plan: dict[int, Canon] = {}
+    canons: dict[int, Canon] = {}
     half = low_precision(tokenwise)  # a float32 value of a bf16 product: a rounding
     for record in candidates:
-        replayed = saved.get(record.index)
-        if replayed is None:
+        recomputed = saved.get(record.index)
+        if recomputed is None:
             continue
-        view = (record.layout.size, record.layout.stride)
-        canon = detect_canon(view, record.base_info, replayed.shape, replayed.base_shape, seq_len, length)
+        view = (record.geometry.size, record.geometry.stride)
+        canon = detect_canon(view, record.base_info, recomputed.shape, recomputed.base_shape, seq_len, length)
         if canon is None:
             continue  # no token dimension we can trust: stored whole
-        original = canon.view(record.layout.flat(record.device_tensor.detach())).narrow(
+        original = canon.view(record.geometry.flat(record.device_tensor.detach())).narrow(
             canon.dim, start, length
         )
-        if not rows_match(original, replayed.base if canon.on_base else replayed.view, half):
+        if not rows_match(original, recomputed.base if canon.on_base else recomputed.view, half):
             return None, (
-                f"saved tensor {record.index} (shape {list(record.layout.size)}) differs after "
+                f"saved tensor {record.index} (shape {list(record.geometry.size)}) differs after "
                 f"recompute on tokens [{start}, {seq_len}) (tokens mixed outside a registered token "
                 "mixer: attention written out with matmul and softmax, a scan or a convolution over "
                 "tokens; positions computed inside the block; or dropout?)"
             )
-        plan[record.index] = canon
-    if not plan:
+        canons[record.index] = canon
+    if not canons:
         return None, "no saved tensor has a token dimension"
-    return plan, ""
+    return canons, ""
 
 
 @contextlib.contextmanager
@@ -202,7 +202,7 @@ def low_precision(tokenwise: Any) -> bool:
     if module is not None and any(p.dtype in _HALF for p in module.parameters()):
         return True
     dtypes = (
-        v.layout.dtype if isinstance(v, Record) else getattr(v, "dtype", None) for v in tokenwise.inputs
+        v.geometry.dtype if isinstance(v, Record) else getattr(v, "dtype", None) for v in tokenwise.inputs
     )
     return any(dtype in _HALF for dtype in dtypes)
 
@@ -214,7 +214,7 @@ def forward_state(tokenwise: Any) -> Iterator[None]:
     Whether an operation saves an operand, and in which dtype, depends on grad mode and on
     autocast (under autocast a linear layer saves the bf16 cast of its weight). Backward runs
     with grad off and usually outside the training loop's autocast region, and the probe
-    could run under another state than the step it plans for: so both set the captured state.
+    could run under another state than the step it recomputes for: so both set the captured state.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(tokenwise.grad_enabled))
@@ -225,10 +225,10 @@ def forward_state(tokenwise: Any) -> Iterator[None]:
         yield
 
 
-def replay(
+def recompute(
     tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
 ) -> dict[int, Any]:
-    """Note [token-wise replay]: the block's forward on token rows ``[start, stop)``; of each
+    """Note [token-wise re-forward]: the block's forward on token rows ``[start, stop)``; of each
     record, the rows from token ``keep_from`` on are kept (a copy, when it is not ``start``).
 
     Returns, per record, its re-forward save: for ``detect``'s records a `Resave` (to find
@@ -246,7 +246,7 @@ def replay(
     mixer_rows = []
     for value, dim, status in tokenwise.mixer_outputs:
         if dim is None:
-            raise ReplayMismatch("a token mixer's output has no token dimension actoff can find")
+            raise ReforwardMismatch("a token mixer's output has no token dimension actoff can find")
         whole = serve(value) if isinstance(value, Record) else value
         with forward_state(tokenwise):  # rows that require grad, as the mixer's output did
             mixer_rows.append(with_status(status, rows_like(whole, dim, start, stop)))
@@ -260,7 +260,7 @@ def replay(
         k = count[0]
         count[0] += 1
         if k >= len(events):
-            raise ReplayMismatch(f"the re-forward saved more tensors than the forward ({len(events)})")
+            raise ReforwardMismatch(f"the re-forward saved more tensors than the forward ({len(events)})")
         record = wanted.get(events[k])
         if record is None or record.index in rows:
             return None
@@ -277,7 +277,7 @@ def replay(
         expected[record.canon.dim] = length
         candidate = record.canon.source(tensor)
         if candidate is None or list(candidate.shape) != expected:
-            raise ReplayMismatch(
+            raise ReforwardMismatch(
                 f"saved tensor {k} has shape {list(tensor.shape)}; the forward's record "
                 f"{record.index} needs {expected} on {length} tokens"
             )
@@ -286,7 +286,7 @@ def replay(
         rows[record.index] = candidate.detach()
         return None
 
-    mode = ReplayMode(mixer_rows)
+    mode = ReforwardMode(mixer_rows)
     devices = [run.device] if run.device.type == "cuda" else []
     runtime.thread.stack.append(run)  # nested scopes inside the block pass through
     try:
@@ -300,16 +300,16 @@ def replay(
     finally:
         runtime.thread.stack.pop()
     if count[0] != len(events):
-        raise ReplayMismatch(
+        raise ReforwardMismatch(
             f"the re-forward saved {count[0]} tensors, the forward {len(events)} (a loop over the "
             "tokens, as a scan's, or control flow that depends on the length?)"
         )
     if mode.calls != len(mixer_rows):
-        raise ReplayMismatch(
+        raise ReforwardMismatch(
             f"the re-forward called the token mixer {mode.calls} times, the forward {len(mixer_rows)}"
         )
     if detect is None:
         missing = [i for i in wanted if i not in rows]
         if missing:
-            raise ReplayMismatch(f"the re-forward did not produce records {missing}")
+            raise ReforwardMismatch(f"the re-forward did not produce records {missing}")
     return rows

@@ -24,7 +24,7 @@ from actoff.tiers.record import Record, State, param_like, serve
 from . import reforward, sentinels
 from .mixers import autograd_status
 from .pack import pack_rows, scatter_rows
-from .probes import ModulePlans, Plan, conditions
+from .probes import ModuleProbes, ProbeResult, conditions
 from .tokens import TokenRanges, base_info, token_ranges
 
 __all__ = ["TokenwiseRun"]
@@ -41,11 +41,11 @@ class TokenwiseRun(Tier):
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
         self.seq_len = 0
-        # Note [plans per module and conditions]: what probes learned about the run's module,
-        # the key of the conditions it runs under, and the plan for them if there is one yet.
-        self.learned: ModulePlans | None = None
+        # Note [probes per module and conditions]: what probes learned about the run's module,
+        # the key of the conditions it runs under, and the probe result for them if there is one yet.
+        self.learned: ModuleProbes | None = None
         self.conditions: tuple = ()
-        self.plan: Plan | None = None
+        self.probed: ProbeResult | None = None
         self.fn: Callable[..., Any] | None = None
         self.module: torch.nn.Module | None = None  # its forward hooks are lifted in re-forwards
         self.input_spec: Any = None  # pytree structure of (args, kwargs)
@@ -63,7 +63,7 @@ class TokenwiseRun(Tier):
         self.split_records: list[Record] = []
         self.split_live = 0
         self.split_pending = 0
-        self.replay_rows: dict[int, torch.Tensor] | None = None
+        self.recomputed_rows: dict[int, torch.Tensor] | None = None
         # Note [sentinel rows] (actoff.tiers.tokenwise.sentinels): (record index, rows picked in the range or
         # None for all of them, the copy kept at forward time).
         self.checks: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
@@ -88,11 +88,11 @@ class TokenwiseRun(Tier):
         values, self.input_spec = pytree.tree_flatten((args, kwargs))
         self.grad_enabled, self.autocast = torch.is_grad_enabled(), reforward.autocast_state(run.device)
         owner = module if module is not None else fn
-        self.learned = run.runtime.token_plans.setdefault(owner, ModulePlans)
+        self.learned = run.runtime.probe_results.setdefault(owner, ModuleProbes)
         self.conditions = conditions(values, self.input_spec, module, self.grad_enabled, self.autocast)
         if self.conditions in self.learned.verdicts:
             return False
-        self.plan = self.learned.plans.get(self.conditions)
+        self.probed = self.learned.results.get(self.conditions)
         self.fn, self.module = fn, module
         self.input_status = [autograd_status(value) for value in values]
         self.inputs = [self.keep_whole(value) for value in values]
@@ -101,7 +101,7 @@ class TokenwiseRun(Tier):
         return True
 
     def classify(self, record: Record, tensor: torch.Tensor) -> None:
-        """A new record of the forward: the mixer's saves are not replayed (stored whole);
+        """A new record of the forward: the mixer's saves are not recomputed (stored whole);
         others may be split, found through their view or its base."""
         if self.in_mixer:
             record.whole = True
@@ -136,29 +136,29 @@ class TokenwiseRun(Tier):
     # ------------------------------------------------------------------ sealing
     def prepare(self, runtime: Any) -> None:
         """Choose the ranges and the records to split; probe and verify once per module and
-        conditions (Note [plans per module and conditions]). A run that ends with no split
+        conditions (Note [probes per module and conditions]). A run that ends with no split
         records is placed whole."""
         run, config = self.run, self.run.config
-        candidates = [r for r in run.records if not r.whole and not r.layout.compact]
+        candidates = [r for r in run.records if not r.whole and not r.geometry.compact]
         fractions = token_fractions(config, runtime.auto_decisions.get(run.name))
         if fractions is None:  # auto's first step: measure, store whole, decide after backward
             self.auto_sample = (
-                sum(v.layout.nbytes for v in self.inputs if isinstance(v, Record)),
-                sum(v.layout.nbytes for v, *_ in self.mixer_outputs if isinstance(v, Record)),
-                sum(r.layout.nbytes for r in candidates),
+                sum(v.geometry.nbytes for v in self.inputs if isinstance(v, Record)),
+                sum(v.geometry.nbytes for v, *_ in self.mixer_outputs if isinstance(v, Record)),
+                sum(r.geometry.nbytes for r in candidates),
             )
             return
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:
             return  # nothing to split (or every token to host memory): whole
-        learned, saves, plan = self.learned, self.saves(), self.plan
-        if plan is not None and plan.saves != saves:
+        learned, saves, probed = self.learned, self.saves(), self.probed
+        if probed is not None and probed.saves != saves:
             # Same key, other saves: the block changed in a way the key cannot see (say, its
             # attention implementation switched in place). Placed whole; the next call probes
             # afresh, watched for collectives (this forward was not: see CollectiveWatch).
-            del learned.plans[self.conditions]
+            del learned.results[self.conditions]
             return
-        if plan is None:
+        if probed is None:
             run.stats.probes += 1
             if self.collective is None:
                 canons, reason = reforward.probe(self, candidates)
@@ -183,18 +183,20 @@ class TokenwiseRun(Tier):
                         stacklevel=2,
                     )
                 return
-            plan = learned.plans[self.conditions] = Plan(canons, saves)
+            probed = learned.results[self.conditions] = ProbeResult(canons, saves)
         for record in candidates:
-            canon = plan.canons.get(record.index)
+            canon = probed.canons.get(record.index)
             if canon is not None:
                 record.canon = canon
                 self.split_records.append(record)
 
     def saves(self) -> tuple:
         """What the forward saved, in order: the record of each save (-1: not a record), each
-        record's layout and whether it stays whole, and the mixer calls. Equal on two forwards
-        when a plan of one fits the other."""
-        records = tuple((r.layout.size, r.layout.stride, r.layout.dtype, r.whole) for r in self.run.records)
+        record's geometry and whether it stays whole, and the mixer calls. Equal on two forwards
+        when a probe result of one fits the other."""
+        records = tuple(
+            (r.geometry.size, r.geometry.stride, r.geometry.dtype, r.whole) for r in self.run.records
+        )
         return (tuple(self.events), records, len(self.mixer_outputs))
 
     def place_split(self, tiers: dict[str, Tier]) -> None:
@@ -204,7 +206,7 @@ class TokenwiseRun(Tier):
             if high <= low:
                 continue
             views = [
-                r.canon.view(r.layout.flat(r.device_tensor)).narrow(r.canon.dim, low, high - low)
+                r.canon.view(r.geometry.flat(r.device_tensor)).narrow(r.canon.dim, low, high - low)
                 for r in self.split_records
             ]
             buffer, offsets = pack_rows(views)
@@ -229,17 +231,17 @@ class TokenwiseRun(Tier):
     # ------------------------------------------------------------------ the tier of split records
     def materialize(self, record: Record) -> torch.Tensor:
         """A split record again: stored rows scattered back, dropped rows recomputed."""
-        run, layout = self.run, record.layout
-        if self.replay_rows is None:
+        run, geometry = self.run, record.geometry
+        if self.recomputed_rows is None:
             for child in self.children:
                 serve(child)
             start, stop = self.ranges.recompute
             watch = run.backend.stopwatch().start()
-            self.replay_rows = sentinels.checked_replay(self, start, stop) if stop > start else {}
+            self.recomputed_rows = sentinels.checked_recompute(self, start, stop) if stop > start else {}
             run.account("recompute_ms", watch.stop())
             self.split_pending = len(self.split_records)
-        flat = run.device_buffer(layout.pad + layout.span, layout.dtype, ("rebuild", record.index))
-        canon = record.canon.view(flat, layout.pad)
+        flat = run.device_buffer(geometry.pad + geometry.span, geometry.dtype, ("rebuild", record.index))
+        canon = record.canon.view(flat, geometry.pad)
         position = self.split_records.index(record)
         for child, offsets, (low, high) in self.bundles.values():
             scatter_rows(
@@ -247,9 +249,9 @@ class TokenwiseRun(Tier):
             )
         start, stop = self.ranges.recompute
         if stop > start:
-            rows = self.replay_rows.pop(record.index)
+            rows = self.recomputed_rows.pop(record.index)
             canon.narrow(record.canon.dim, start, stop - start).copy_(rows)
-        record.device_tensor = layout.rebuild(flat)
+        record.device_tensor = geometry.rebuild(flat)
         record.to(State.FETCHING)
         record.to(State.READY)
         self.split_pending -= 1
@@ -272,7 +274,7 @@ class TokenwiseRun(Tier):
 
     def count(self, record: Record, bytes_per_tier: dict[str, int]) -> None:
         split = record.split
-        row_bytes = record.layout.nbytes // split.seq_len
+        row_bytes = record.geometry.nbytes // split.seq_len
         bytes_per_tier["cpu"] += row_bytes * split.cpu_end
         bytes_per_tier["nvme"] += row_bytes * (split.nvme_end - split.cpu_end)
         bytes_per_tier["recompute"] += row_bytes * split.recompute_len

@@ -1,7 +1,7 @@
 """Sentinel rows: every step, token-wise recompute is checked against rows kept at forward time.
 
 Note [sentinel rows]: the probe checks a block's token locality once per module and conditions
-(Note [plans per module and conditions], actoff.tiers.tokenwise.probes), on the weights of that step; it cannot
+(Note [probes per module and conditions], actoff.tiers.tokenwise.probes), on the weights of that step; it cannot
 see a path that a weight switches off. A block that adds a scan over tokens (a cumulative sum, a
 state-space layer, a convolution over tokens) through a gate that starts at zero, as gates and
 adapters often do, matches its probe exactly; once the gate has learned a value, its recomputed
@@ -37,7 +37,7 @@ from actoff.policy import whole_tier
 
 from . import reforward
 
-__all__ = ["checked_replay", "keep"]
+__all__ = ["checked_recompute", "keep"]
 
 
 def keep(tokenwise: Any, start: int, stop: int) -> None:
@@ -47,26 +47,26 @@ def keep(tokenwise: Any, start: int, stop: int) -> None:
     if start > 0:  # rows re-run without the tokens before them
         picked = tuple(sorted({0, min(1, stop - start - 1), stop - start - 1}))
         for record in tokenwise.split_records:
-            kept = record.canon.view(record.layout.flat(record.device_tensor.detach()))
+            kept = record.canon.view(record.geometry.flat(record.device_tensor.detach()))
             copy = _rows(kept.narrow(record.canon.dim, start, stop - start), record.canon.dim, picked)
             tokenwise.checks.append((record.index, picked, copy))
     if run.config.verify and run.step.number % run.config.verify_interval == 0:
         record = tokenwise.split_records[0]  # ACTOFF_VERIFY: one whole range, in host memory
-        kept = record.canon.view(record.layout.flat(record.device_tensor.detach()))
+        kept = record.canon.view(record.geometry.flat(record.device_tensor.detach()))
         whole = kept.narrow(record.canon.dim, start, stop - start).to("cpu", copy=True)
         tokenwise.checks.append((record.index, None, whole))
 
 
-def checked_replay(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Tensor]:
+def checked_recompute(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Tensor]:
     """At backward: the recomputed rows ``[start, stop)`` of every split record (by record index),
     checked against the copies `keep` made; recomputed from the first token on a difference."""
-    rows = reforward.replay(tokenwise, start, stop)
+    rows = reforward.recompute(tokenwise, start, stop)
     if not tokenwise.checks or not _differ(tokenwise, rows):
         tokenwise.checks.clear()
         return rows
     run = tokenwise.run
     del rows  # before the re-forward from the first token, which keeps only rows [start, stop)
-    rows = reforward.replay(tokenwise, 0, stop, keep_from=start)
+    rows = reforward.recompute(tokenwise, 0, stop, keep_from=start)
     if _differ(tokenwise, rows):
         raise RuntimeError(
             f"actoff: recomputed token rows [{start}, {stop}) of a saved activation of block "
@@ -83,7 +83,7 @@ def checked_replay(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Ten
     )
     learned = tokenwise.learned
     first = tokenwise.conditions not in learned.verdicts  # not already by a run of an earlier step
-    learned.plans.pop(tokenwise.conditions, None)
+    learned.results.pop(tokenwise.conditions, None)
     learned.verdicts[tokenwise.conditions] = reason
     learned.warned = True  # one warning per module: a probe of it that fails later says nothing
     if first:
@@ -103,11 +103,11 @@ def _differ(tokenwise: Any, rows: dict[int, torch.Tensor]) -> bool:
     dims = {record.index: record.canon.dim for record in tokenwise.split_records}
     pairs = []
     for index, picked, kept in tokenwise.checks:
-        replayed = rows[index].detach()
+        recomputed = rows[index].detach()
         if picked is None:  # a whole range, kept in host memory
-            pairs.append((kept, replayed.cpu()))
+            pairs.append((kept, recomputed.cpu()))
         else:
-            pairs.append((kept, _rows(replayed, dims[index], picked)))
+            pairs.append((kept, _rows(recomputed, dims[index], picked)))
     return reforward.rows_differ(pairs, half=reforward.low_precision(tokenwise))
 
 

@@ -90,7 +90,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def changed_dim(
-    forward_shape: tuple[int, ...], replay_shape: tuple[int, ...], seq_len: int, length: int
+    forward_shape: tuple[int, ...], reforward_shape: tuple[int, ...], seq_len: int, length: int
 ) -> int | None:
     """The token dimension, found by comparing a save of the forward pass (``seq_len`` tokens)
     with the same save of a re-forward on ``length`` tokens: the one dimension that went from
@@ -102,10 +102,10 @@ def changed_dim(
     >>> changed_dim((256, 128), (128, 128), 128, 64) is None  # (B*S, H): not on the view
     True
     """
-    if len(forward_shape) != len(replay_shape) or seq_len == length:
+    if len(forward_shape) != len(reforward_shape) or seq_len == length:
         return None
-    diff = [i for i, (a, b) in enumerate(zip(forward_shape, replay_shape, strict=True)) if a != b]
-    if len(diff) == 1 and forward_shape[diff[0]] == seq_len and replay_shape[diff[0]] == length:
+    diff = [i for i, (a, b) in enumerate(zip(forward_shape, reforward_shape, strict=True)) if a != b]
+    if len(diff) == 1 and forward_shape[diff[0]] == seq_len and reforward_shape[diff[0]] == length:
         return diff[0]
     return None
 
@@ -113,8 +113,8 @@ def changed_dim(
 def detect_canon(
     view: tuple[tuple[int, ...], tuple[int, ...]],
     base: tuple[tuple[int, ...], tuple[int, ...]] | None,
-    replayed_shape: tuple[int, ...],
-    replayed_base_shape: tuple[int, ...] | None,
+    reforward_shape: tuple[int, ...],
+    reforward_base_shape: tuple[int, ...] | None,
     seq_len: int,
     length: int,
 ) -> Canon | None:
@@ -124,11 +124,11 @@ def detect_canon(
     >>> detect_canon(((4, 8), (8, 1)), ((2, 2, 8), (32, 8, 1)), (2, 8), (2, 1, 8), 2, 1)
     Canon(shape=(2, 2, 8), stride=(32, 8, 1), dim=1, on_base=True)
     """
-    dim = changed_dim(view[0], replayed_shape, seq_len, length)
+    dim = changed_dim(view[0], reforward_shape, seq_len, length)
     if dim is not None:
         return Canon(view[0], view[1], dim)
-    if base is not None and replayed_base_shape is not None:
-        dim = changed_dim(base[0], replayed_base_shape, seq_len, length)
+    if base is not None and reforward_base_shape is not None:
+        dim = changed_dim(base[0], reforward_base_shape, seq_len, length)
         if dim is not None:
             return Canon(base[0], base[1], dim, on_base=True)
     return None
