@@ -11,7 +11,7 @@ import torch
 from _helpers import assert_same_history, baseline_and_offloaded, make_model, run_without_deadlock, train
 
 import actoff
-import actoff.runtime.step
+import actoff.runtime.hooks
 from actoff.reference import Block
 from actoff.runtime.runtime import Runtime, get_runtime
 from actoff.runtime.step import ScopeRun
@@ -239,7 +239,7 @@ def test_parameters_are_never_offloaded(monkeypatch):
     model = make_model()
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     recorded = []
-    original = actoff.runtime.step.Record
+    original = actoff.runtime.hooks.Record
 
     class SpyRecord(original):
         __slots__ = ()
@@ -248,7 +248,7 @@ def test_parameters_are_never_offloaded(monkeypatch):
             recorded.append(tensor.untyped_storage().data_ptr())
             super().__init__(tensor, run, index, tier)
 
-    monkeypatch.setattr(actoff.runtime.step, "Record", SpyRecord)
+    monkeypatch.setattr(actoff.runtime.hooks, "Record", SpyRecord)
     actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
     train(model, 1)
     assert recorded, "nothing was recorded"

@@ -1,19 +1,24 @@
-"""What autograd holds for a tensor a scope saved, and the unpack hook that gives it back: a
-`Handle` to a record, an `AliasHandle` to a view of a record's bytes (Note [views of one
-storage]), or under ``keep`` the tensor itself with its version (Note [kept as is]). The pack
-side is `actoff.runtime.step.ScopeRun.pack`.
+"""The saved-tensor hooks of an offload scope: the pack hook (`PackHook.pack`, a scope run's
+method) turns each tensor autograd saves into what autograd holds, and `unpack` gives the
+tensor back: a `Handle` to a record, an `AliasHandle` to a view of a record's bytes (Note [views
+of one storage]), or under ``keep`` the tensor itself with its version (Note [kept as is]).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actoff.tiers.record import Record, modified_error
+from actoff.tiers.base import KEEP
+from actoff.tiers.record import Record, TensorGeometry, modified_error, param_like
 
-__all__ = ["AliasHandle", "Handle", "unpack"]
+if TYPE_CHECKING:
+    from .step import ScopeRun
+
+__all__ = ["AliasHandle", "Handle", "PackHook", "unpack"]
 
 _finalizing = sys.is_finalizing
 
@@ -57,6 +62,128 @@ class AliasHandle:
     def __init__(self, handle: Handle, delta: int, tensor: torch.Tensor) -> None:
         self.handle = handle
         self.size, self.stride, self.delta = tensor.shape, tensor.stride(), delta
+
+
+class PackHook:
+    """The pack side of a scope run (`actoff.runtime.step.ScopeRun` is one): skips what is not
+    an activation, deduplicates, and makes records. Uses the run's ``records``, ``dedup``,
+    ``spans``, ``stats``, ``tokenwise`` and settings."""
+
+    # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
+    # Note [lazy bits]: a view with PyTorch's lazy conjugate or negation bit (``k.mH``) holds
+    # values that are not its bytes: a record of it would share the key of the tensor it views
+    # (dedup served that one), and the NVMe tier wrote its raw bytes. Such a view is left to
+    # autograd as it is (it holds the storage it views anyway). Found in review: wrong gradients
+    # for complex attention under every policy that deduplicates, and under `nvme`.
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if self.runtime.thread.disabled:
+            return tensor
+        tokenwise = self.tokenwise
+        events = tokenwise.events if tokenwise is not None and not tokenwise.in_mixer else None
+        nbytes = tensor.numel() * tensor.element_size()
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout != torch.strided
+            or tensor.is_quantized
+            or tensor.device != self.device
+            or nbytes == 0
+            or tensor.is_conj()  # Note [lazy bits]
+            or tensor.is_neg()
+        ):
+            if isinstance(tensor, torch.nn.Parameter):
+                self.stats.skipped_param_bytes += nbytes
+                return tensor
+            self.stats.skipped_other_bytes += nbytes
+            if events is not None:
+                events.append(-1)
+            return tensor
+        storage = tensor.untyped_storage().data_ptr()
+        if param_like(tensor, storage, self.param_storages):
+            self.stats.skipped_param_bytes += nbytes
+            return tensor
+        if nbytes < self.config.min_bytes:
+            self.stats.skipped_small_bytes += nbytes
+            if events is not None:
+                events.append(-1)
+            return tensor
+        handle = self.handle_for(tensor, storage, nbytes)
+        if events is not None:
+            events.append(handle.record.index)
+        return handle
+
+    def handle_for(self, tensor: torch.Tensor, storage: int, nbytes: int) -> Any:
+        """The handle of ``tensor``'s record (under ``keep``: Note [kept as is]), new or
+        deduplicated: the same view of the same bytes, or a view inside a record's span (Note
+        [views of one storage]), of the same tensor (one version counter)."""
+        # The storage offset is part of the key: q/k/v views of one fused projection share a
+        # storage and must not collide. The version keeps a modified tensor apart; the root
+        # keeps apart tensors that share bytes but not a version counter (``set_``).
+        key = (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
+        root = tensor._base if tensor._base is not None else tensor
+        found = self.dedup.get(key)
+        if found is not None and found[1]() is root:
+            self.stats.dedup_hits += 1
+            return found[0]
+        tokenwise = self.tokenwise
+        inside = self._inside(tensor, storage, root) if tokenwise is None else None
+        ref = weakref.ref(root)
+        if self.kept:  # (never token-wise) counted as records would be: a view inside a span is a hit
+            packed = self._keep(tensor, nbytes, storage, ref, inside is not None)
+            self.dedup[key] = (packed, ref)
+            return packed
+        if inside is not None:
+            self.stats.dedup_hits += 1
+            alias = AliasHandle(*inside, tensor)
+            self.dedup[key] = (alias, ref)
+            return alias
+        record = Record(tensor, self, len(self.records), KEEP)
+        if tokenwise is not None:
+            tokenwise.classify(record, tensor)
+        self.records.append(record)
+        self.step.live += 1
+        self.live += 1
+        handle = Handle(record)
+        self.dedup[key] = (handle, ref)
+        if tokenwise is None and not record.geometry.compact:  # Note [views of one storage]
+            self._note_span(tensor, storage, ref, handle, record.geometry.span)
+        return handle
+
+    def _note_span(
+        self, tensor: torch.Tensor, storage: int, ref: weakref.ref, handle: Any, span: int
+    ) -> None:
+        start = tensor.storage_offset()
+        self.spans.setdefault((storage, tensor.dtype, tensor._version), (handle, start, start + span, ref))
+
+    def _inside(self, tensor: torch.Tensor, storage: int, root: torch.Tensor) -> tuple[Any, int] | None:
+        """Note [views of one storage]: the handle of a record of this run whose span holds
+        ``tensor`` (a view of ``root``, as the record's is) and where in it, or None."""
+        found = self.spans.get((storage, tensor.dtype, tensor._version))
+        if found is None:
+            return None
+        handle, start, end, its_root = found
+        offset = tensor.storage_offset()
+        last = offset + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        if start <= offset and last < end and its_root() is root:
+            return handle, offset - start
+        return None
+
+    def _keep(
+        self, tensor: torch.Tensor, nbytes: int, storage: int, ref: weakref.ref, inside: bool
+    ) -> tuple[torch.Tensor, int, ScopeRun]:
+        stats = self.stats
+        if inside:
+            stats.dedup_hits += 1
+        else:
+            span, compact = tensor.numel(), False
+            if not tensor.is_contiguous():
+                geometry = TensorGeometry(tensor)
+                span, compact, nbytes = geometry.span, geometry.compact, geometry.nbytes  # as a record's
+            if not compact:
+                self._note_span(tensor, storage, ref, None, span)
+            stats.tensors += 1
+            stats.bytes_saved += nbytes
+            stats.bytes_per_tier["keep"] += nbytes
+        return (tensor.detach(), tensor._version, self)
 
 
 def unpack(packed: Any) -> torch.Tensor:
