@@ -147,12 +147,12 @@ for stage in "${stages[@]}"; do
       run env.log python3 benchmarks/_common.py --header "$NVME_DIR" ;;
     tests)
       run tests.log python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests
-      run tests.log python3 -m pytest -q -p no:cacheprovider -rA tests/test_nvme.py tests/test_io.py tests/test_io_kvikio.py tests/test_arena.py ;;
+      run tests.log python3 -m pytest -q -p no:cacheprovider -rA tests/tiers/nvme/test_nvme.py tests/tiers/nvme/test_engines.py tests/tiers/nvme/test_kvikio.py tests/memory/test_host_arena.py ;;
     sanitizer)
       run sanitizer.log TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests ;;
     io-gdb)  # the I/O tests under cuda-gdb: a native backtrace of every thread if one crashes
       run io-gdb.log cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "thread apply all bt 12" \
-        --args python3 -m pytest -q -p no:cacheprovider tests/test_io.py tests/test_nvme.py ;;
+        --args python3 -m pytest -q -p no:cacheprovider tests/tiers/nvme/test_engines.py tests/tiers/nvme/test_nvme.py ;;
     suite)  # in 8 processes where pytest-xdist is there (the GPU image has it): the CPU tests dominate
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
       # -v: one line per test as it ends, so a run cut at the deadline still names its failures.

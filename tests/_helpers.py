@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,10 @@ import torch
 
 import actoff
 from actoff.reference import Block, ModelConfig, Transformer
+
+#: The tests folder (where this module lives) and the project root above it.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 def free_port(port: int = 0) -> int:

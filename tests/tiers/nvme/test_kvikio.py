@@ -15,14 +15,12 @@ from types import SimpleNamespace
 import _fake_kvikio
 import pytest
 import torch
-from _helpers import assert_same_history, baseline_and_offloaded
+from _helpers import ROOT, TESTS, assert_same_history, baseline_and_offloaded
 
 import actoff
 from actoff.testing import simulated_device
 from actoff.tiers.nvme.kvikio import KvikioEngine, probe_kvikio
 from actoff.tiers.nvme.store import open_engine
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -138,7 +136,7 @@ def test_real_write_error_names_op_path_offset_and_size(tmp_path):
     # worker thread; kvikio reports it as a RuntimeError, the adapter as an OSError.
     script = textwrap.dedent(f"""
         import resource, sys, torch
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {TESTS!r})
         import _fake_kvikio
         sys.modules["kvikio"], sys.modules["kvikio.defaults"] = _fake_kvikio.package(), _fake_kvikio.defaults
         from actoff.tiers.nvme.store import open_engine

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import actoff
@@ -439,7 +440,7 @@ def test_readme_tiling_example_runs():
     import os
     import re
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     with open(os.path.join(root, "README.md")) as handle:
         section = handle.read().split("## Tiled compute and chunked loss", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)

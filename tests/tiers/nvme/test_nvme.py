@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from _helpers import assert_same_history, baseline_and_offloaded, make_model, train
+from _helpers import ROOT, assert_same_history, baseline_and_offloaded, make_model, train
 
 import actoff
 from actoff.reference import Block
@@ -19,7 +19,6 @@ from actoff.runtime.runtime import get_runtime
 from actoff.tiers.nvme.store import ExtentAllocator, NvmeStore
 
 pytestmark = pytest.mark.nvme
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_extent_allocator_never_overlaps_and_coalesces():

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 import torch
-from _helpers import assert_same_history, make_model, train
+from _helpers import TESTS, assert_same_history, make_model, train
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -321,7 +321,7 @@ def test_training_under_the_replay_allocator_is_bit_exact(tmp_path, policy):
         # the tensor it served before, and a copy stream's earlier read of it reads as a race
         # (seen on an H100, 2026-11-23).
         pytest.skip("TORCH_CUDA_SANITIZER cannot see the replay allocator's frees")
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = TESTS
     histories = {}
     for replay in (False, True):
         out = tmp_path / f"history-{replay}.pt"

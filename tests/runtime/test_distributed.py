@@ -7,9 +7,7 @@ import sys
 import textwrap
 
 import pytest
-from _helpers import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import ROOT, free_port
 
 SCRIPT = textwrap.dedent(
     """
@@ -59,7 +57,7 @@ SCRIPT = textwrap.dedent(
 # ProcessGroupGloo::runLoop). It is a torch bug, seen here about once in 40 runs after both
 # ranks had passed. So workers compare ranks through files the test reads (no
 # all_gather_object), and once both ranks are past the barrier they leave with os._exit,
-# skipping finalisation; actoff's own exit handler is tested in test_nvme.py.
+# skipping finalisation; actoff's own exit handler is tested in tiers/nvme/test_nvme.py.
 PRELUDE = textwrap.dedent(
     """
     import json, os

@@ -1,14 +1,20 @@
 """The runtime: exact gradients, dedup, parameters, retain_graph, in-place, exceptions, release."""
 
 import copy
-import os
 import textwrap
 import weakref
 from typing import ClassVar
 
 import pytest
 import torch
-from _helpers import assert_same_history, baseline_and_offloaded, make_model, run_without_deadlock, train
+from _helpers import (
+    TESTS,
+    assert_same_history,
+    baseline_and_offloaded,
+    make_model,
+    run_without_deadlock,
+    train,
+)
 
 import actoff
 import actoff.runtime.hooks
@@ -634,7 +640,7 @@ def test_a_graph_the_collector_frees_inside_actoffs_own_locks_is_released_withou
     script = textwrap.dedent(
         f"""
         import gc, sys, torch
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        sys.path.insert(0, {TESTS!r})
         import actoff
         from _helpers import make_model, train
         from actoff.memory.host_arena import HostArena

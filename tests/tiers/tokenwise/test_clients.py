@@ -3,7 +3,7 @@ low-rank adapters (LoRA), autocast, several models with the same layer names in 
 a smaller last batch.
 
 Tolerances: on CPU the re-forward runs the same kernels on fewer rows, so float32 results
-are expected within ``RECOMPUTE_TOL`` (float32 reassociation, as in test_tokenwise.py).
+are expected within ``RECOMPUTE_TOL`` (float32 reassociation, as in tiers/tokenwise/test_tokenwise.py).
 Under bf16 autocast the block output is rounded to bf16 (8 bits of mantissa) in both runs;
 the recomputed rows are rounded the same way, but a GEMM on fewer rows may sum in another
 order before that rounding, so one bf16 ulp of the largest values is allowed: ``BF16_TOL``.

@@ -2,7 +2,6 @@
 memory count, and the ordering bugs of the CUDA paths that it makes visible on a CPU."""
 
 import gc
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _helpers import assert_same_history, make_model, run_without_deadlock, train
+from _helpers import TESTS, assert_same_history, make_model, run_without_deadlock, train
 
 import actoff
 from actoff.device.base import StreamBackend, StreamTicket
@@ -308,7 +307,7 @@ def test_a_graph_the_collector_frees_while_the_device_holds_its_lock_is_released
     script = textwrap.dedent(
         f"""
         import gc, sys, torch
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        sys.path.insert(0, {TESTS!r})
         import actoff, actoff.device.sim.device
         from _helpers import make_model
         from actoff.reference import Block
