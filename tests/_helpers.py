@@ -99,6 +99,57 @@ def assert_same_history(expected, actual) -> None:
 #: Recomputed rows against the forward's: float32 reassociation (a kernel picked for fewer rows).
 RECOMPUTE_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
+#: float32 machine epsilon, 2**-23 (twice the unit roundoff u = 2**-24).
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+
+def reassociation_tolerance(reduction_len: int, scale: float, *, dtype: torch.dtype = torch.float32,
+                            roundings: int = 0) -> dict[str, float]:  # fmt: skip
+    """``rtol`` and ``atol`` between two results that sum the same terms in another order.
+
+    Note [reassociation tolerance]. Chunking (``tile_``, the chunked loss, a re-forward on a
+    token slice) runs a matrix product on fewer rows, and BLAS may pick another kernel, with
+    another blocking of the reduction, for fewer rows (which row counts do depends on the CPU:
+    MKL on an AMD EPYC does for chunks of 2 to 10 rows where an Intel CPU did not, and
+    ``MKL_CBWR=COMPATIBLE`` for more). Each entry is then the same float32 sum of K terms
+    t_i = a_i·b_i added in another order. Any order is within γ_K·Σ|t_i| ≈ K·u·Σ|t_i| of the
+    exact dot product (Higham, Accuracy and Stability of Numerical Algorithms, §3.1, (3.5)),
+    so two orders are within 2K·u·Σ|t_i| = K·eps·Σ|t_i|. Products in a chain (an
+    MLP: over H, then over I) add their lengths, to first order: ``reduction_len`` is the sum
+    of the reduction lengths a value went through on the chunked path.
+
+    Σ|t_i| is not known from the result; ``scale`` stands for it: the largest |entry| of the
+    expected tensor. For terms of random sign Σ|t_i| is ~sqrt(K) times a typical entry, but the
+    bound adds every rounding with the same sign, while roundings add like a random walk, ~
+    sqrt(K) smaller: the two leave the bound above the real differences (measured on the
+    chunked loss, the tiled MLP and the reference model, with chunks down to one row, i.e.
+    another kernel, and under ``MKL_CBWR=COMPATIBLE``: at most 6.5·eps·scale, against
+    K·eps·scale for K = 112 to 480).
+
+    Half precision (``dtype``, e.g. bf16 under autocast): a float32 accumulation rounded to
+    ``dtype`` may round to the neighbouring value when the order changes, one ulp, at most
+    eps(dtype) relative; ``roundings`` counts those roundings along the chain.
+
+    It still catches a bug: rtol = K·eps is 1e-5 to 6e-5 here, while a dropped, duplicated or
+    misplaced chunk or token changes its rows by their own size (relative 1), four to five
+    orders of magnitude more (``test_loss.py::test_the_reassociation_tolerance_catches_a_dropped_chunk``).
+    """
+    bound = reduction_len * FLOAT32_EPS
+    if dtype != torch.float32:
+        bound += roundings * torch.finfo(dtype).eps
+    return {"rtol": bound, "atol": bound * scale}
+
+
+def assert_close_reassociated(actual: torch.Tensor, expected: torch.Tensor, *, reduction_len: int,
+                              scale: float | None = None, dtype: torch.dtype = torch.float32,
+                              roundings: int = 0, msg=None) -> None:  # fmt: skip
+    """``actual`` equals ``expected`` up to float32 reassociation over ``reduction_len`` terms
+    (Note [reassociation tolerance]); ``scale`` defaults to the largest |entry| of ``expected``."""
+    if scale is None:
+        scale = expected.detach().abs().max().item() if expected.numel() else 0.0
+    tolerance = reassociation_tolerance(reduction_len, scale, dtype=dtype, roundings=roundings)
+    torch.testing.assert_close(actual, expected, **tolerance, msg=msg)
+
 
 def assert_close_history(expected, actual, tolerance=RECOMPUTE_TOL) -> None:
     """Losses and every gradient within ``tolerance``, step by step."""
