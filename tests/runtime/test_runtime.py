@@ -9,6 +9,7 @@ import pytest
 import torch
 from _helpers import (
     TESTS,
+    assert_history_as_placed,
     assert_same_history,
     baseline_and_offloaded,
     make_model,
@@ -337,7 +338,7 @@ def test_records_still_on_the_device_at_backward_are_served_from_it(policy, monk
 
         model.loss = held_loss
         actual = train(model, 2, before_backward=device.drain)
-    assert_same_history(expected, actual)  # bit for bit on the CPU, recompute included
+    assert_history_as_placed(expected, actual, recomputed=policy == "tokenwise")
     last = len(model.layers) - 1
     assert fetched and last not in fetched
     assert actoff.stats().blocks[f"layers.{last}"].forwarded > 0

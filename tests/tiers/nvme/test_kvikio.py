@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import _fake_kvikio
 import pytest
 import torch
-from _helpers import ROOT, TESTS, assert_same_history, baseline_and_offloaded
+from _helpers import ROOT, TESTS, assert_history_as_placed, assert_same_history, baseline_and_offloaded
 
 import actoff
 from actoff.testing import simulated_device
@@ -222,7 +222,8 @@ def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(kvikio,
                                                                          policy):  # fmt: skip
     """On the simulated device (a device with DMA, on the CPU): with GDS active the engine is
     handed the device tensors, off the training thread, and a slow read is waited for; in
-    compat mode every request goes through host staging slots. Both bit-exact."""
+    compat mode every request goes through host staging slots. Both bit-exact under ``nvme``;
+    ``tokenwise`` recomputes rows on fewer tokens: within float32 reassociation."""
     monkeypatch.setenv("KVIKIO_COMPAT_MODE", "OFF" if mode == "gds" else "ON")
     kvikio._reset()
     kvikio.io_delay_s = 0.002  # a slow disk: a read not waited for would leave garbage
@@ -239,7 +240,7 @@ def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(kvikio,
     with simulated_device(seed=3) as device:
         expected, actual = baseline_and_offloaded(2, policy=policy, nvme_dir=nvme_dir, min_bytes=0,
                                                   io_backend="kvikio", **fractions)  # fmt: skip
-    assert_same_history(expected, actual)
+    assert_history_as_placed(expected, actual, recomputed=policy == "tokenwise")
     stats = actoff.stats()
     assert stats.io_backend == ("kvikio (GDS)" if mode == "gds" else "kvikio (compat)")
     assert sum(block.bytes_per_tier["nvme"] for block in stats.blocks.values()) > 0

@@ -1,9 +1,10 @@
 """Token-wise recompute: fractions and layouts, fallbacks that warn, partial FLOPs, mixers.
 
-Tolerance: on CPU the recomputed rows are expected bit for bit (the re-forward runs the same
-kernels on fewer rows), and the tests check that; ``RECOMPUTE_TOL`` (tests/_helpers.py) is what
-is allowed where a backend picks a different kernel for fewer rows (GPU GEMM tiling): float32
-reassociation.
+Tolerance: the recomputed rows come from a re-forward on fewer rows, and a backend may pick
+another kernel, with another summation order, for fewer rows (GPU GEMM tiling; BLAS on some
+CPUs: MKL on an AMD EPYC did so for the chunked loss): ``RECOMPUTE_TOL`` (tests/_helpers.py),
+float32 reassociation. Blocks placed whole (a fallback) run the same kernels on the same
+shapes as without actoff and are checked bit for bit.
 """
 
 import copy
@@ -75,8 +76,7 @@ def test_tokenwise_gradients(cpu_fraction, nvme_fraction, layout, nvme_dir):
         block_cls, token_dim = SBHBlock, 0
     expected, actual = _run(factory, block_cls, policy="tokenwise", cpu_fraction=cpu_fraction,
                             nvme_fraction=nvme_fraction, nvme_dir=nvme_dir, token_dim=token_dim)  # fmt: skip
-    assert_close_history(expected, actual)
-    assert_same_history(expected, actual)  # and on CPU: bit for bit
+    assert_close_history(expected, actual)  # recomputed on fewer rows: not bit for bit on every CPU
     tiers = next(iter(actoff.stats().blocks.values())).bytes_per_tier
     seq = 32
     recompute_share = 1 - round(seq * cpu_fraction) / seq - round(seq * nvme_fraction) / seq
