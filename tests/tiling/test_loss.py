@@ -18,11 +18,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import assert_close_reassociated, make_model, reassociation_tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import actoff
 from actoff.reference import rope_tables
-from tests._helpers import assert_close_reassociated, make_model, reassociation_tolerance
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
