@@ -319,7 +319,7 @@ def _param_storages(module: torch.nn.Module | None) -> set[int]:
     storages: set[int] = set()
     if module is None:
         return storages
-    # Note [pack is hot] (actoff.runtime.step): the modules' own dictionaries, read at every scope
+    # Note [pack is hot] (actoff.runtime.hooks): the modules' own dictionaries, read at every scope
     # call, not `parameters()`'s generators (under half the time; the same tensors).
     for sub in module.modules():
         for tensors in (sub._parameters, sub._buffers):

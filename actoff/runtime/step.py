@@ -96,8 +96,8 @@ class ScopeRun(PackHook):
         self.param_storages = param_storages
         self.records: list[Record] = []
         self.dedup: dict[tuple, tuple[Any, weakref.ref]] = {}  # key -> (packed, its tensor's root)
-        # Note [views of one storage]: (storage, dtype, version) -> the first record of it in
-        # the run, its span in the storage and the tensor its view is of (weakly).
+        # (storage, dtype, version) -> the first record of it in the run, its span in the storage
+        # and its tensor's root, weakly (Note [views of one storage], actoff.runtime.hooks).
         self.spans: dict[tuple, tuple[Handle, int, int, weakref.ref]] = {}
         self.stats = BlockStats(name, calls=1)
         self.kept = config.policy == "keep"  # Note [kept as is]

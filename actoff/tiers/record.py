@@ -58,7 +58,7 @@ class TensorGeometry:
 
     __slots__ = ("compact", "dtype", "itemsize", "nbytes", "numel", "pad", "size", "span", "stride")
 
-    # Note [pack is hot] (actoff.runtime.step): built for every record; contiguity is asked of torch.
+    # Note [pack is hot] (actoff.runtime.hooks): built for every record; contiguity is asked of torch.
     def __init__(self, tensor: torch.Tensor) -> None:
         self.size = size = tensor.shape  # a torch.Size: a tuple
         self.stride = stride = tensor.stride()

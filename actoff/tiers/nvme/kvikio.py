@@ -189,16 +189,15 @@ class KvikioEngine(IoEngine):
     def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
         return self._submit("pread", buffer, nbytes, offset)
 
-    # Note [direct device I/O]: with GDS active, kvikio's pread/pwrite of a device buffer first
-    # synchronises the legacy default stream in the *calling* thread, and a request under its
-    # gds_threshold (16 KiB by default) runs synchronously through a bounce buffer. cuFile's
-    # DMA itself is ordered against no CUDA stream: not the compute stream, not actoff's copy
-    # streams. So the training thread never calls kvikio with a device buffer: the engine's
-    # device thread does, once the request's ticket (`DeviceBackend.mark`, recorded on the
-    # compute stream) has completed, i.e. once the compute stream has produced the bytes
-    # (a write) or is done with the memory a read lands in (a fresh allocation may reuse a
-    # block that kernels queued earlier still use). The caller holds the buffer until the
-    # future is done.
+    # Note [direct device I/O]: the training thread never calls kvikio with a device buffer:
+    # the engine's device thread does, once the request's ticket (`DeviceBackend.mark`,
+    # recorded on the compute stream) has completed, i.e. once the compute stream has produced
+    # the bytes (a write) or is done with the memory a read lands in (a fresh allocation may
+    # reuse a block that kernels queued earlier still use). cuFile's DMA is ordered against no
+    # CUDA stream, and with GDS active kvikio's pread/pwrite of a device buffer first
+    # synchronises the legacy default stream in the *calling* thread (a request under its
+    # gds_threshold runs synchronously through a bounce buffer). The caller holds the buffer
+    # until the future is done.
     def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
         return self._submit_device("pwrite", buffer, nbytes, offset, after)
 

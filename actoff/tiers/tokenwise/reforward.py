@@ -1,23 +1,23 @@
 """The re-forward of a token-wise run on a token slice: the probe of a block's first step, and
 the recompute of dropped rows in backward.
 
-Note [token-wise re-forward]: a slice of a block's input gives the same slice of every token-local
-activation; only the token mixer (attention) needs all tokens. So the dropped rows of every
-saved tensor are rebuilt by re-running the block's forward on the sliced inputs (RNG state
-restored) while `ReforwardMode` serves the mixer's output rows from its stored output. Saved
-tensors arrive in the same order as in the forward pass (parameters, recognised by storage,
-and the mixer's own saves are left out of the order on both passes), so the i-th repacked
-tensor gives record i its rows. Any difference in count or shape is a mismatch.
+Note [token-wise re-forward]: the dropped rows of every saved tensor are rebuilt by re-running
+the block's forward on the sliced inputs (RNG state restored) while `ReforwardMode` serves the
+token mixer's (attention's) output rows from its stored output. This is exact because a slice
+of a block's input gives the same slice of every token-local activation; only the mixer needs
+all tokens. Saved tensors arrive in the same order as in the forward pass (parameters,
+recognised by storage, and the mixer's own saves are left out of the order on both passes), so
+the i-th repacked tensor gives record i its rows. Any difference in count or shape is a
+mismatch.
 
-Note [re-forwards without forward hooks]: the probe runs during forward, and the recompute
-runs on some rows only; neither is a forward the user's program made. The forward hooks of the
-block's submodules do not fire in them: a hook that records outputs (Hugging Face's output
-capture: router logits, attentions, hidden states) recorded the probe's rows as one more layer
-(a mixture-of-experts model's auxiliary loss came out wrong, and its backward crashed). A hook
-that changes an output changes the forward's saves, so the probe finds a mismatch and the block
-is placed whole; nothing is recomputed without it. Pre-hooks still run (they may gather
-parameters or set weights). The hooks are lifted from the modules while a re-forward runs, so
-another thread running the same modules at that moment would miss them too.
+Note [re-forwards without forward hooks]: the forward hooks of the block's submodules do not
+fire in a re-forward (the probe during forward, the recompute of some rows in backward): neither
+is a forward the user's program made. A hook that records outputs (Hugging Face's output
+capture: router logits, attentions, hidden states) would record the probe's rows as one more
+layer, and a mixture-of-experts model's auxiliary loss would count it. A hook that changes an
+output changes the forward's saves, so the probe finds a mismatch and the block is placed whole.
+Pre-hooks still run (they may gather parameters or set weights). The hooks are lifted from the
+modules while a re-forward runs, so another thread running the same modules then misses them too.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
 
 @contextlib.contextmanager
 def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
-    """Note [re-forwards without forward hooks]: the forward hooks of ``module`` and its
-    submodules do not fire inside the block (a function scope, ``None``: nothing to lift).
+    """The forward hooks of ``module`` and its submodules do not fire inside the block (a
+    function scope, ``None``: nothing to lift; Note [re-forwards without forward hooks]).
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
@@ -161,11 +161,11 @@ def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
 class Resave(NamedTuple):
     """What the probe keeps of a re-forward save: shapes and detached rows, never the tensor.
 
-    Note [probe keeps no graph]: a re-forward save is an intermediate whose ``grad_fn`` holds
-    the saved-tensor hooks of the re-forward, whose pack closure holds the dictionary of
-    saves, the token-wise run and its step: a cycle through C++ autograd that Python's
-    collector cannot see. Kept as it was, every probe (one per block and new sequence length)
-    leaked its step; detached tensors hold only memory.
+    Note [probe keeps no graph]: the probe keeps re-forward saves detached, never as they are.
+    A re-forward save is an intermediate whose ``grad_fn`` holds the saved-tensor hooks of the
+    re-forward, whose pack closure holds the dictionary of saves, the token-wise run and its
+    step: a cycle through C++ autograd that Python's collector cannot see, so every probe (one
+    per block and new sequence length) would leak its step. Detached tensors hold only memory.
     """
 
     shape: tuple[int, ...]
@@ -228,7 +228,7 @@ def forward_state(tokenwise: Any) -> Iterator[None]:
 def recompute(
     tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
 ) -> dict[int, Any]:
-    """Note [token-wise re-forward]: the block's forward on token rows ``[start, stop)``; of each
+    """The block's forward on token rows ``[start, stop)`` (Note [token-wise re-forward]); of each
     record, the rows from token ``keep_from`` on are kept (a copy, when it is not ``start``).
 
     Returns, per record, its re-forward save: for ``detect``'s records a `Resave` (to find

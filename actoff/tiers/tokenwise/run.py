@@ -41,8 +41,9 @@ class TokenwiseRun(Tier):
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
         self.seq_len = 0
-        # Note [probes per module and conditions]: what probes learned about the run's module,
-        # the key of the conditions it runs under, and the probe result for them if there is one yet.
+        # What probes learned about the run's module, the key of the conditions it runs under,
+        # and the probe result for them if there is one yet
+        # (Note [probes per module and conditions], actoff.tiers.tokenwise.probes).
         self.learned: ModuleProbes | None = None
         self.conditions: tuple = ()
         self.probed: ProbeResult | None = None
