@@ -23,9 +23,12 @@ compute stream first. So no allocator hands that memory to anyone while a copy s
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .sim.device import SimSettings
 
 __all__ = [
     "CpuBackend",
@@ -331,10 +334,9 @@ class StreamBackend(DeviceBackend):
 _backends: dict[tuple, DeviceBackend] = {}
 
 
-def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
+def backend_for(device: torch.device, simulated: SimSettings | None = None) -> DeviceBackend:
     """The (cached) backend of ``device``: streams for ``cuda`` devices; for a CPU device the
-    simulated asynchronous device when ``simulated`` (an actoff.device.sim.device.SimSettings) is
-    given, else plain CPU copies.
+    simulated asynchronous device when ``simulated`` settings are given, else plain CPU copies.
 
     >>> backend_for(torch.device("cpu")).staged
     False
@@ -358,6 +360,6 @@ def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
     return backend
 
 
-def forget_backend(device: torch.device, simulated: Any = None) -> None:
+def forget_backend(device: torch.device, simulated: SimSettings | None = None) -> None:
     """Drop the cached backend of ``device`` (and ``simulated`` settings), if any."""
     _backends.pop((device, simulated if device.type == "cpu" else None), None)

@@ -69,7 +69,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
@@ -78,6 +78,9 @@ from actoff.planner import Layout
 
 from .device_plans import DevicePlan, DevicePlans
 from .host_arena import align_up
+
+if TYPE_CHECKING:
+    from actoff.device.base import StreamBackend
 
 __all__ = ["ALIGNMENT", "DeviceArena"]
 
@@ -163,8 +166,8 @@ class DeviceArena:
     kind = "device-arena"
     alignment = ALIGNMENT
 
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend  # an actoff.device.base.StreamBackend
+    def __init__(self, backend: StreamBackend) -> None:
+        self.backend = backend
         self.streams = backend.streams
         self.buffers: dict[tuple, _PartBuffer] = {}  # part -> its buffer, while it has requests to come
         self.draining: dict[int, _PartBuffer] = {}  # ident -> a buffer let go, its tenants alive
@@ -217,7 +220,7 @@ class DeviceArena:
             for held in list(self.buffers.values()):
                 self._let_go(held)
 
-    def run_done(self, run: Any) -> None:
+    def run_done(self, run: int) -> None:
         """``run``'s records are all released: its buffers are let go; a planned request it did
         not make (a record served from the device this step) will not come now."""
         with self._locked():

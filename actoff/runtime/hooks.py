@@ -144,12 +144,14 @@ class PackHook:
         return handle
 
     def _note_span(
-        self, tensor: torch.Tensor, storage: int, ref: weakref.ref, handle: Any, span: int
+        self, tensor: torch.Tensor, storage: int, ref: weakref.ref, handle: Handle | None, span: int
     ) -> None:
         start = tensor.storage_offset()
         self.spans.setdefault((storage, tensor.dtype, tensor._version), (handle, start, start + span, ref))
 
-    def _inside(self, tensor: torch.Tensor, storage: int, root: torch.Tensor) -> tuple[Any, int] | None:
+    def _inside(
+        self, tensor: torch.Tensor, storage: int, root: torch.Tensor
+    ) -> tuple[Handle | None, int] | None:
         """(Note [views of one storage]) The handle of a record of this run whose span holds
         ``tensor`` (a view of ``root``, as the record's is) and where in it, or None."""
         found = self.spans.get((storage, tensor.dtype, tensor._version))
@@ -206,7 +208,7 @@ def unpack(packed: Any) -> torch.Tensor:
 # previous run's prefetch), which a record's unpack would otherwise do. Statistics count the
 # tensor at pack. Runs kept for other reasons (``keep_last``, no room) are records on the keep
 # tier: they can still be placed.
-def _unpack_kept(alias: torch.Tensor, version: int, run: Any) -> torch.Tensor:  # run: a ScopeRun
+def _unpack_kept(alias: torch.Tensor, version: int, run: ScopeRun) -> torch.Tensor:
     if alias._version != version:
         raise modified_error(alias.shape, alias.dtype, run.name, alias._version, version)
     step = run.step  # a first unpack outside backward (grad_fn._saved_self) queued nothing

@@ -15,7 +15,10 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actoff.tiers.record import Record
 
 __all__ = ["RuntimeLock"]
 
@@ -34,10 +37,10 @@ class RuntimeLock:
     ['record']
     """
 
-    def __init__(self, release: Callable[[Any], None]) -> None:
+    def __init__(self, release: Callable[[Record], None]) -> None:
         self._lock = threading.RLock()
         self._release = release
-        self._dropped: collections.deque[Any] = collections.deque()
+        self._dropped: collections.deque[Record] = collections.deque()
         self._depth = threading.local()  # how deep this thread holds the lock
 
     # Note [pack is hot] (actoff.runtime.hooks): entered for every saved tensor's unpack and release,
@@ -72,7 +75,7 @@ class RuntimeLock:
         depth.value = getattr(depth, "value", 0) + 1
         return True
 
-    def release_when_safe(self, record: Any) -> None:
+    def release_when_safe(self, record: Record) -> None:
         """Release ``record`` now if that is safe here, else when the lock is next left."""
         self._dropped.append(record)  # atomic: safe from any thread, the collector included
         if not getattr(self._depth, "value", 0) and self._try_enter():

@@ -26,7 +26,6 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.utils._mode_utils import no_dispatch
@@ -77,10 +76,10 @@ class SimEvent:
         self.done = threading.Event()
         self.done.set()  # an event never recorded counts as complete, as in CUDA
         self.time: float | None = None
-        self.stream: Any = None
+        self.stream: SideStream | ComputeStream | None = None
         self.seq = -1  # the stream's copy count when recorded
 
-    def record(self, stream: Any) -> None:
+    def record(self, stream: SideStream | ComputeStream) -> None:
         stream.record(self)
 
     def query(self) -> bool:

@@ -15,11 +15,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .engines import ALIGNMENT, FailedFuture, IoEngine, describe_request
+
+if TYPE_CHECKING:
+    from actoff.device.base import Ticket
 
 __all__ = ["KvikioEngine", "kvikio_available", "kvikio_compat_mode", "probe_kvikio"]
 
@@ -198,13 +201,13 @@ class KvikioEngine(IoEngine):
     # synchronises the legacy default stream in the *calling* thread (a request under its
     # gds_threshold runs synchronously through a bounce buffer). The caller holds the buffer
     # until the future is done.
-    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         return self._submit_device("pwrite", buffer, nbytes, offset, after)
 
-    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         return self._submit_device("pread", buffer, nbytes, offset, after)
 
-    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         if not self.gds:  # compat mode: kvikio would bounce through host memory, synchronously
             raise NotImplementedError(f"{self.name} takes host buffers only: stage through host memory")
         describe = describe_request(op, self.path, nbytes, offset)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -34,6 +34,9 @@ from actoff.tiers.record import Record, param_like, serve
 
 from .mixers import ReforwardMismatch, ReforwardMode, rows_like, slice_inputs, with_status
 from .tokens import Canon, detect_canon
+
+if TYPE_CHECKING:
+    from .run import TokenwiseRun
 
 __all__ = [
     "Resave",
@@ -86,7 +89,7 @@ def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = Fal
     return bool(torch.stack([flag.to(pairs[0][0].device) for flag in flags]).any()) if flags else False
 
 
-def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | None, str]:
+def probe(tokenwise: TokenwiseRun, candidates: list[Record]) -> tuple[dict[int, Canon] | None, str]:
     """Re-run the block on its last tokens while everything is live: find each record's
     token dimension (the one that shrank) and check the rows against the real ones.
 
@@ -192,7 +195,7 @@ def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype, 
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def low_precision(tokenwise: Any) -> bool:
+def low_precision(tokenwise: TokenwiseRun) -> bool:
     """Whether a token-wise run's block computes in half precision: under half-precision autocast
     (`autocast_state`), with a half-precision parameter or input. A float32 value computed from
     a bf16 product (a norm's statistics) may be a bf16 rounding off on fewer rows."""
@@ -208,7 +211,7 @@ def low_precision(tokenwise: Any) -> bool:
 
 
 @contextlib.contextmanager
-def forward_state(tokenwise: Any) -> Iterator[None]:
+def forward_state(tokenwise: TokenwiseRun) -> Iterator[None]:
     """Note [re-forward state]: run under the grad mode and autocast state of the forward pass.
 
     Whether an operation saves an operand, and in which dtype, depends on grad mode and on
@@ -226,8 +229,8 @@ def forward_state(tokenwise: Any) -> Iterator[None]:
 
 
 def recompute(
-    tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
-) -> dict[int, Any]:
+    tokenwise: TokenwiseRun, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
+) -> dict[int, Resave | torch.Tensor]:
     """The block's forward on token rows ``[start, stop)`` (Note [token-wise re-forward]); of each
     record, the rows from token ``keep_from`` on are kept (a copy, when it is not ``start``).
 

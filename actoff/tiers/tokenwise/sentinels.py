@@ -29,7 +29,7 @@ keeps no sentinels.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,10 +37,13 @@ from actoff.policy import whole_tier
 
 from . import reforward
 
+if TYPE_CHECKING:
+    from .run import TokenwiseRun
+
 __all__ = ["checked_recompute", "keep"]
 
 
-def keep(tokenwise: Any, start: int, stop: int) -> None:
+def keep(tokenwise: TokenwiseRun, start: int, stop: int) -> None:
     """At forward: copies of the rows of ``[start, stop)`` that backward checks, for each of the
     records ``tokenwise`` (an actoff.tiers.tokenwise.run.TokenwiseRun) splits, in ``tokenwise.checks``."""
     run = tokenwise.run
@@ -57,7 +60,7 @@ def keep(tokenwise: Any, start: int, stop: int) -> None:
         tokenwise.checks.append((record.index, None, whole))
 
 
-def checked_recompute(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Tensor]:
+def checked_recompute(tokenwise: TokenwiseRun, start: int, stop: int) -> dict[int, torch.Tensor]:
     """At backward: the recomputed rows ``[start, stop)`` of every split record (by record index),
     checked against the copies `keep` made; recomputed from the first token on a difference."""
     rows = reforward.recompute(tokenwise, start, stop)
@@ -98,7 +101,7 @@ def checked_recompute(tokenwise: Any, start: int, stop: int) -> dict[int, torch.
     return rows
 
 
-def _differ(tokenwise: Any, rows: dict[int, torch.Tensor]) -> bool:
+def _differ(tokenwise: TokenwiseRun, rows: dict[int, torch.Tensor]) -> bool:
     """Whether any kept copy differs from the same rows of ``rows`` (one wait for the device)."""
     dims = {record.index: record.canon.dim for record in tokenwise.split_records}
     pairs = []
