@@ -208,14 +208,14 @@ def test_the_runtime_never_asks_which_tier_a_record_is_in():
 
 
 def _notes() -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
-    """Note [name] definitions (a line starting the note) and citations, across the project."""
+    """Note definitions (a line starting with the note's name) and citations, across the project."""
     defined: dict[str, list[str]] = {}
     cited = []
     files = [
         *PACKAGE.rglob("*.py"),
         *ROOT.glob("csrc/*.*"),
-        *ROOT.glob("tests/*.py"),
-        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+        *ROOT.glob("benchmarks/**/*.py"),
     ]
     for path in files:
         if path.suffix in (".so",):

@@ -211,7 +211,7 @@ def _memory_fields(spec: dict, step: Step, model, tokens, static_bytes: int | No
     if step.capped is not None:
         return capped_memory_fields(model, tokens, step.capped, static_bytes, step.phases, stats)
     if not step.cuda and spec.get("ddp") is None:
-        # Note [device memory on a CPU]: one more step on the simulated device, which
+        # (Note [device memory on a CPU]) One more step on the simulated device, which
         # counts the storages a step allocates (host buffers excluded) as a GPU would.
         return simulated_memory_step(step, model, tokens, step.timeline)
     return {}
@@ -222,7 +222,7 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
     blocks = stats.blocks.values()
     return {
         "step_ms": step_s * 1e3,
-        # Note [timing on a shared CPU]: the least CPU time of the timed steps; what other
+        # (Note [timing on a shared CPU]) The least CPU time of the timed steps; what other
         # processes on the machine do inflates wall time far more than it does this.
         "step_cpu_ms": min(cpu_times) * 1e3 if cpu_times else None,
         "tokens_per_s": spec["batch"] * seq / step_s,

@@ -39,7 +39,7 @@ def worker(spec: dict):
         join_process_group(ddp, cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
-    # Note [a capped device on a CPU]: with ACTOFF_SIM_DEVICE_MEMORY the whole worker, model
+    # (Note [a capped device on a CPU]) With ACTOFF_SIM_DEVICE_MEMORY the whole worker, model
     # included, runs on the simulated device's memory, which raises out of memory past the cap.
     with _capped_device_memory(cuda) as memory:
         torch.manual_seed(0)
