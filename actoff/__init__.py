@@ -18,6 +18,7 @@ Example:
 
 from ._version import __version__
 from .config import Config, get_config, parse_size, set_config
+from .introspect import format_bytes, held_bytes, open_io_engine, probe_kvikio, trace_arenas
 from .memory import replay_allocator
 from .memory.replay_allocator import AllocatorStats
 from .memory.replay_allocator import install as install_replay_allocator
@@ -50,19 +51,24 @@ __all__ = [
     "__version__",
     "chunked_cross_entropy",
     "chunked_loss_",
+    "format_bytes",
     "get_config",
+    "held_bytes",
     "install_replay_allocator",
     "kvikio_available",
     "no_offload",
     "offload",
     "offload_",
+    "open_io_engine",
     "parse_size",
+    "probe_kvikio",
     "register_token_mixer",
     "replay_allocator_stats",
     "reset",
     "set_config",
     "stats",
     "tile_",
+    "trace_arenas",
 ]
 
 

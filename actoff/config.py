@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 __all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "set_config"]
 
-# Every policy DESIGN.md names.
+# Every value of ACTOFF_POLICY (README.md, Settings).
 POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "auto")
 PLANNERS = ("mip", "greedy", "off")
 IO_BACKENDS = ("auto", "kvikio", "posix")

@@ -44,11 +44,9 @@ def io_backend_name(directory: str | None) -> str:
     """What the NVMe tier would use in ``directory``: engine and GDS or compat state."""
     if directory is None:
         return "n/a (no NVMe directory)"
-    from actoff.tiers.nvme.store import open_engine
-
     path = os.path.join(directory, f".actoff-bench-probe-{os.getpid()}")
     try:
-        engine = open_engine(path, os.environ.get("ACTOFF_IO_BACKEND", "auto").lower())
+        engine = actoff.open_io_engine(path, os.environ.get("ACTOFF_IO_BACKEND", "auto").lower())
         name = engine.name
         engine.close()
     finally:
@@ -126,8 +124,6 @@ def system_header(nvme_dir: str | None = None) -> dict:
     """Facts every benchmark prints first, so results can be compared honestly: the device, the
     versions, where the NVMe directory lives (file system, O_DIRECT) and which I/O engine runs
     there (kvikio in GDS or compat mode, or the POSIX engine)."""
-    from actoff.tiers.nvme.kvikio import probe_kvikio
-
     header = {
         "device": device_name(),
         "torch": torch.__version__,
@@ -142,7 +138,7 @@ def system_header(nvme_dir: str | None = None) -> dict:
         header.update(nvme_dir=nvme_dir, file_system=file_system(nvme_dir), o_direct=o_direct_works(nvme_dir))
     header["io_backend"] = io_backend_name(nvme_dir)
     if nvme_dir is not None:
-        ok, kvikio_state = probe_kvikio(nvme_dir)
+        ok, kvikio_state = actoff.probe_kvikio(nvme_dir)
         header["kvikio"] = kvikio_state if ok else f"not used: {kvikio_state}"
     else:
         header["kvikio"] = "installed" if actoff.kvikio_available() else "not installed"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should check, in few device calls. Usage:
+# Everything a GPU run should check, as stages under one time budget. Usage:
 #
 #   bash benchmarks/gpu_session.sh [--dry-run] STAGE [STAGE...]
 #   bash benchmarks/gpu_session.sh --list
@@ -8,8 +8,7 @@
 #   env            versions, the GPU, the NVMe directory's file system, O_DIRECT, kvikio GDS or compat
 #   tests          the gpu-marked tests, then the NVMe and kvikio tests on the real disk
 #   sanitizer      the gpu-marked tests under TORCH_CUDA_SANITIZER=1 (stream-ordering checker)
-#   io-gdb         the I/O and NVMe tests under cuda-gdb (a native backtrace if they crash:
-#                  a segfault in a thread without Python was seen there on an H100, 2026-11-23)
+#   io-gdb         the I/O and NVMe tests under cuda-gdb (a native backtrace if they crash)
 #   suite          the whole test suite, stopped at the deadline
 #   io             I/O bandwidth on the NVMe directory (engine, kvikio host and device buffers, pinned)
 #   long           7B-shaped long-context table and plot (4 layers, 8k and 32k, every policy, cpu+tile+loss)
@@ -21,15 +20,15 @@
 #   maxseq-alloc   longest trainable sequence for the same four
 #   planner        planner benchmark (CPU work; run it only when a call has time to spare)
 #
-# Every call ends well inside the device's 10-minute limit: the stages of one call share
-# GPU_SESSION_BUDGET seconds (default 540) counted from the start, each command gets what is
-# left (minus a margin) through `timeout`, and the benchmarks get it as --time-budget, so they
-# stop starting work they could not finish. Records are written as they are made (--jsonl), so
-# a stage cut short keeps what it measured. `--dry-run` prints every command a stage would run
-# (one per line, after "+ "), runs nothing and installs nothing: tests/test_gpu_session.py
-# checks those commands against the benchmarks' parsers on every CI run.
+# The stages of one invocation share GPU_SESSION_BUDGET seconds (default 540) counted from
+# the start; each command gets what is left (minus a margin) through `timeout`, and the
+# benchmarks get it as --time-budget, so they stop starting work they could not finish.
+# Records are written as they are made (--jsonl), so a stage cut short keeps what it measured.
+# `--dry-run` prints every command a stage would run (one per line, after "+ "), runs nothing
+# and installs nothing: tests/test_benchmarks.py checks those commands against the benchmarks'
+# parsers on every CI run.
 #
-# No network on the device machine, and its Python may refuse pip's editable install: the
+# The script works without network access, and where pip's editable install is refused: the
 # package is used in place (PYTHONPATH=$PWD, extension built with setup.py build_ext --inplace)
 # and kvikio comes as wheels carried in .whl/. Before the first call, here (a machine with the
 # package registries):
@@ -40,9 +39,9 @@
 #     rapids-logger==0.3.0 cuda-pathfinder==1.9.0
 #   (about 4 MB, checked 2026-11; kvikio's other needs, cupy-cuda13x, numpy and cuda-toolkit[cufile],
 #   are in the GPU image. Optional, for the planner tests: add pulp highspy.)
-# Then with the device tool: run(command="bash benchmarks/gpu_session.sh env tests", carry=[".whl"]).
-# Results land in $OUT (the device tool brings them back, 8 files at most: logs and JSON lines);
-# commit the ones worth keeping under benchmarks/results/<device>-<date>/.
+# Then copy the checkout with .whl/ to the GPU machine and run, e.g.,
+# `OUT=results bash benchmarks/gpu_session.sh env tests`. Results land in $OUT (logs and JSON
+# lines); commit the ones worth keeping under benchmarks/results/<device>-<date>/.
 set -u
 
 dry_run=0

@@ -27,11 +27,9 @@ import torch
 from _common import JsonLines, format_table, median, print_header, system_header, write_json
 
 import actoff
-from actoff.memory.host_arena import ALIGNMENT
-from actoff.tiers.nvme.engines import CppEngine, PythonEngine
-from actoff.tiers.nvme.kvikio import KvikioEngine, probe_kvikio
 
 CHUNK = 4 * 2**20
+ALIGNMENT = 4096  # O_DIRECT's: actoff's host arena and engines align to 4 KiB
 
 
 def aligned_buffer(nbytes: int, misalign: int = 0) -> torch.Tensor:
@@ -83,7 +81,7 @@ def kvikio_device_method():
             buffers[op] = data.to("cuda") if op == "write" else torch.empty_like(data, device="cuda")
             torch.cuda.synchronize()
         device = buffers[op]
-        engine = KvikioEngine(path, 4)
+        engine = actoff.open_io_engine(path, "kvikio", 4)
         engine.reserve(data.numel())
         call = engine.pwrite_device if op == "write" else engine.pread_device
         futures = [
@@ -159,15 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     methods = {}
     if actoff.HAS_EXTENSION:
         for threads in (int(t) for t in args.threads.split(",")):
-            methods[f"engine-cpp-t{threads}-direct"] = engine_method(lambda p, t=threads: CppEngine(p, t))
+            methods[f"engine-cpp-t{threads}-direct"] = engine_method(
+                lambda p, t=threads: actoff.open_io_engine(p, "cpp", t)
+            )
         methods["engine-cpp-t4-buffered"] = engine_method(
-            lambda p: CppEngine(p, 4, allow_direct=False), misalign=64
+            lambda p: actoff.open_io_engine(p, "cpp", 4, direct=False), misalign=64
         )
-    methods["engine-python-t4"] = engine_method(lambda p: PythonEngine(p, 4))
-    kvikio_ok, kvikio_name = probe_kvikio(directory)
+    methods["engine-python-t4"] = engine_method(lambda p: actoff.open_io_engine(p, "python", 4))
+    kvikio_ok, kvikio_name = actoff.probe_kvikio(directory)
     if kvikio_ok:  # its name says whether GDS or compat mode runs (host buffers: POSIX either way)
         mode = "gds" if "GDS" in kvikio_name else "compat"
-        methods[f"kvikio-t4-{mode}"] = engine_method(lambda p: KvikioEngine(p, 4))
+        methods[f"kvikio-t4-{mode}"] = engine_method(lambda p: actoff.open_io_engine(p, "kvikio", 4))
         if mode == "gds" and torch.cuda.is_available():
             methods["kvikio-t4-gds-device"] = kvikio_device_method()
     methods["raw-numpy"] = raw_numpy

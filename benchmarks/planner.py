@@ -28,10 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import format_table, print_header, system_header, write_json
 
-from actoff.memory.arenas import waves
 from actoff.planner import Buffer, lower_bound, solve, solve_bilevel, validate
 
-DEVICE_ALIGNMENT = 512  # actoff.memory.device_arena.ALIGNMENT
+DEVICE_ALIGNMENT = 512  # the device arena's, as PyTorch's caching allocator aligns
 
 
 def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[Buffer], list[int]]:
@@ -40,24 +39,20 @@ def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[
 
     import actoff
     from actoff.reference import Block, ModelConfig, Transformer
-    from actoff.runtime.runtime import get_runtime
+    from actoff.testing import simulated_device
 
     actoff.reset()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("small", num_layers=layers))
-    from actoff.testing import simulated_device
-
     actoff.offload_(model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0)
     tokens = torch.randint(0, 1024, (1, seq + 1))
     # On a plain CPU device nothing is copied to the host arena: trace it on the simulated
     # device, which takes the copy paths of a GPU.
     with simulated_device(track_memory=False):
         model.loss(tokens).backward()  # first step: probes the replay, warms the arena
-        arena = next(iter(get_runtime().arenas.values()))
-        arena.take_trace()
-        arena.tracing = True
-        model.loss(tokens).backward()
-        trace = arena.take_trace()
+        with actoff.trace_arenas() as traces:
+            model.loss(tokens).backward()
+    trace = traces["host"][-1]
     actoff.reset()
     return [Buffer(size, start, end) for size, start, end, _ in trace], [tag for *_, tag in trace]
 
@@ -71,19 +66,10 @@ def device_trace(
     import torch
 
     import actoff
-    from actoff.memory.device_arena import DeviceArena
     from actoff.reference import Block, ModelConfig, Transformer
     from actoff.testing import simulated_device
 
     traces, peaks = [], {}
-    real_take = DeviceArena.take_trace
-
-    def keep(self):  # the planner takes each step's trace at the end of backward
-        trace = real_take(self)
-        traces.append(trace)
-        return trace
-
-    DeviceArena.take_trace = keep
     try:
         for planner in ("off", "greedy"):
             actoff.reset()
@@ -93,19 +79,20 @@ def device_trace(
                 model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0, planner=planner
             )
             tokens = torch.randint(0, 1024, (1, seq + 1))
-            with simulated_device() as device:
+            # The planner takes each step's trace at the end of its backward.
+            with actoff.trace_arenas() as traced, simulated_device() as device:
                 for step in range(4):  # two to probe and plan, two steady ones measured
                     if step == 2:
                         device.memory.reset_peak()
                     model.loss(tokens).backward()
                 peaks[planner] = device.memory.peak
+            traces.extend(traced["device"])
     finally:
-        DeviceArena.take_trace = real_take
         actoff.reset()
-    trace = next(t for t in reversed(traces) if t)  # the last step's: (size, start, end, key, tag, epoch)
+    trace = traces[-1]  # the last step's: (size, start, end, block, part)
     origin = min(entry[1] for entry in trace)
     buffers = [Buffer(size, start - origin, end - origin) for size, start, end, *_ in trace]
-    return buffers, [entry[4] for entry in trace], waves(trace), peaks
+    return buffers, [entry[3] for entry in trace], [entry[4] for entry in trace], peaks
 
 
 def memo_two_buffers(buffers: list[Buffer], blocks: list[int], alignment: int) -> int | None:

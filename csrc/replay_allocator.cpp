@@ -171,7 +171,7 @@ void* ReplayAllocator::allocate(std::size_t size, Stream stream) {
     std::size_t k = request;
     while (k < plan_sizes_.size() && plan_offsets_[k] == kUnplanned && plan_sizes_[k] != size) ++k;
     if (k >= plan_sizes_.size() || plan_sizes_[k] != size) {
-      ++stats_.diverged;  // Note [divergence]: another size, or past the plan
+      ++stats_.diverged;  // another size, or past the plan (Note [divergence] in replay_allocator.h)
       next_request_ = request + 1;
     } else {
       next_request_ = k + 1;

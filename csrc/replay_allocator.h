@@ -8,10 +8,12 @@
 //   size and an offset into one arena, or kUnplanned) later windows serve request k at
 //   arena + offset[k]. Outside a window, and for requests planned kUnplanned (they outlived
 //   the window they were planned from), the fallback serves by design.
-// - Divergence, never an overlap: a request whose size differs from the plan's, or past the
-//   plan's end, is served by the fallback and counted as diverged (the sequence changed:
-//   plan again from this window's log). A request whose planned range still holds a live
+// - Divergence, never an overlap:
+//   Note [divergence]: a request whose size differs from the plan's, or past the plan's end,
+//   is served by the fallback and counted as diverged: the sequence changed, so the caller
+//   plans again from this window's log. A request whose planned range still holds a live
 //   buffer (a lifetime longer than traced) is served by the fallback and counted as occupied.
+//   Either way no request gets bytes a live buffer holds.
 //   Note [skippable]: an unplanned entry whose size does not match is skipped, so a one-time
 //   allocation of the planned window (a library workspace made on first use) does not shift
 //   every later request.

@@ -106,9 +106,11 @@ struct DeviceState {
 
 void* fallback_alloc(DeviceState& state, std::size_t size, Stream stream) {
   if (!state.pool_configured) {
-    // Note [fallback pool]: keep freed fallback memory in the device's default pool rather
-    // than returning it to the driver at every synchronisation (release threshold 0); plans
-    // trim the pool before taking their arena.
+    // Note [fallback pool]: freed fallback memory stays in the device's default pool (release
+    // threshold UINT64_MAX, not the default 0) rather than going back to the driver at every
+    // synchronisation, which would make every fallback a driver allocation. A plan trims the
+    // pool before it takes its arena, or the process would hold the step twice: in the pool
+    // and in the arena.
     state.pool_configured = true;
     cudaMemPool_t pool = nullptr;
     std::uint64_t keep = UINT64_MAX;
@@ -318,8 +320,7 @@ ACTOFF_EXPORT int actoff_replay_set_plan(int device, const unsigned long long* s
     if (arena_bytes > state.arena_bytes) {
       DeviceGuard guard(device);
       state.core.clear_plan();  // until the new arena is in place, everything falls back
-      // Note [fallback pool]: the recorded window's memory goes back to the driver first,
-      // or the process would hold the step twice (the pool's and the arena).
+      // The recorded window's memory goes back to the driver first (Note [fallback pool]).
       check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       cudaMemPool_t pool = nullptr;
       check(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool");

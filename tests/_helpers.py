@@ -107,7 +107,7 @@ def reassociation_tolerance(reduction_len: int, scale: float, *, dtype: torch.dt
                             roundings: int = 0) -> dict[str, float]:  # fmt: skip
     """``rtol`` and ``atol`` between two results that sum the same terms in another order.
 
-    Note [reassociation tolerance]. Chunking (``tile_``, the chunked loss, a re-forward on a
+    Note [reassociation tolerance]: chunking (``tile_``, the chunked loss, a re-forward on a
     token slice) runs a matrix product on fewer rows, and BLAS may pick another kernel, with
     another blocking of the reduction, for fewer rows (which row counts do depends on the CPU:
     MKL on an AMD EPYC does for chunks of 2 to 10 rows where an Intel CPU did not, and

@@ -284,7 +284,7 @@ def test_find_max_seq_bisects_and_a_timed_out_probe_cuts_the_search_short(monkey
             return [{"status": "timeout"}]
         return [{"status": "ok" if seq <= limit["fits"] else "oom"}]
 
-    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    monkeypatch.setattr(bench.maxseq, "run_one", fake_run_one)  # the module whose probes start workers
     longest, failed, probes, finished = bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0)
     assert finished and 40_000 - 1024 < longest <= 40_000 < failed <= longest + 1024  # the step: 1k
     assert probes >= 4
@@ -442,7 +442,7 @@ def test_allocator_variants_set_the_workers_environment_and_need_cuda(monkeypatc
             pass
 
     with monkeypatch.context() as patch:
-        patch.setattr(bench.subprocess, "Popen", Worker)
+        patch.setattr(subprocess, "Popen", Worker)
         for policy in ("cpu+tile+loss+noplan+expandable", "cpu+replay", "cpu+tile"):
             bench.run_one({"policy": policy, "seq": 64}, 60.0)
     assert seen[0]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

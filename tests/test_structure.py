@@ -34,7 +34,7 @@ LAYERS = {  # rank: lower imports nothing above it
     "device": 5,
     "leaves": 6,
 }
-TOP_LEVEL = {"__init__": "public", "testing": "public", "reference": "public", "config": "leaves",
+TOP_LEVEL = {"__init__": "public", "testing": "public", "reference": "public", "introspect": "public", "config": "leaves",
              "policy": "leaves", "planner": "leaves", "_version": "leaves", "_C": "leaves"}  # fmt: skip
 PEERS_APART = {("scope", "tiling"), ("tiling", "scope")}  # same rank, still independent
 
@@ -60,15 +60,18 @@ def _layer(module: str) -> str:
     return parts[1]
 
 
-def _resolve(module: str, path: pathlib.Path, node: ast.ImportFrom) -> list[str]:
-    """Absolute names an ``import from`` brings in (the module, or modules named in it)."""
+def _resolve(module: str, path: pathlib.Path, node: ast.ImportFrom, modules) -> list[str]:
+    """The modules an ``import from`` depends on: those it names (``from actoff import _C``),
+    and the module it imports from when it takes anything else from it."""
     if node.level:
         package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
         base = package[: len(package) - (node.level - 1)]
         target = ".".join(base + ([node.module] if node.module else []))
     else:
         target = node.module or ""
-    return [target] + [f"{target}.{alias.name}" for alias in node.names]
+    named = [f"{target}.{alias.name}" for alias in node.names]
+    found = [name for name in named if name in modules]
+    return found if len(found) == len(named) else [target, *found]
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -94,7 +97,7 @@ def _graph(*, with_type_checking: bool = False) -> dict[str, set[str]]:
             if id(node) in skip:
                 continue
             if isinstance(node, ast.ImportFrom):
-                targets.update(t for t in _resolve(module, path, node) if t in modules)
+                targets.update(t for t in _resolve(module, path, node, modules) if t in modules)
             elif isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name in modules)
         graph[module] = targets - {module}
@@ -205,14 +208,14 @@ def test_the_runtime_never_asks_which_tier_a_record_is_in():
 
 
 def _notes() -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
-    """Note [name] definitions (a line starting the note) and citations, across the project."""
+    """Note definitions (a line starting with the note's name) and citations, across the project."""
     defined: dict[str, list[str]] = {}
     cited = []
     files = [
         *PACKAGE.rglob("*.py"),
         *ROOT.glob("csrc/*.*"),
-        *ROOT.glob("tests/*.py"),
-        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+        *ROOT.glob("benchmarks/**/*.py"),
     ]
     for path in files:
         if path.suffix in (".so",):

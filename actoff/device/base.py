@@ -9,22 +9,26 @@ One small interface, so nothing else in actoff asks "is this CUDA?":
   the same code paths on a CPU so that CI sees ordering and lifetime bugs.
 
 Note [capture the compute stream]: the caller's current stream is read *before* work is put
-on a side stream; reading it inside ``torch.cuda.stream(side)`` returns the side stream and
-turns the wait into a no-op (the torchtitan bug).
+on a side stream; read inside ``torch.cuda.stream(side)`` it is the side stream, and the side
+stream's wait for the compute stream becomes a wait for itself: a no-op.
 
-Note [no record_stream]: sources of device-to-host copies stay referenced by their record
-until the copy's event has completed or the compute stream has waited on it; destinations of
-host-to-device copies are allocated on the compute stream (by the caching allocator, or by the
-device arena, actoff.memory.device_arena) and the H2D stream waits for the compute stream first, so
-neither hands their memory to anyone while a copy still touches it.
+Note [no record_stream]: memory a side-stream copy touches is kept from reuse by references
+and stream order, never by ``record_stream``. Sources of device-to-host copies stay referenced
+by their record until the copy's event has completed or the compute stream has waited on it;
+destinations of host-to-device copies are allocated on the compute stream (by the caching
+allocator, or by the device arena, actoff.memory.device_arena) and the H2D stream waits for the
+compute stream first. So no allocator hands that memory to anyone while a copy still touches it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .sim.device import SimSettings
 
 __all__ = [
     "CpuBackend",
@@ -253,8 +257,8 @@ class _StreamStopwatch(Stopwatch):
 
 
 class StreamBackend(DeviceBackend):
-    """Staging buffers, a D2H and an H2D stream, event-ordered copies (Note [capture the
-    compute stream], Note [no record_stream]).
+    """Staging buffers, a D2H and an H2D stream, event-ordered copies
+    (Note [capture the compute stream], Note [no record_stream]).
 
     ``streams`` is the stream API: ``current()``, ``new_stream()``, ``event()``,
     ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes)``
@@ -330,10 +334,9 @@ class StreamBackend(DeviceBackend):
 _backends: dict[tuple, DeviceBackend] = {}
 
 
-def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
+def backend_for(device: torch.device, simulated: SimSettings | None = None) -> DeviceBackend:
     """The (cached) backend of ``device``: streams for ``cuda`` devices; for a CPU device the
-    simulated asynchronous device when ``simulated`` (an actoff.device.sim.device.SimSettings) is
-    given, else plain CPU copies.
+    simulated asynchronous device when ``simulated`` settings are given, else plain CPU copies.
 
     >>> backend_for(torch.device("cpu")).staged
     False
@@ -357,6 +360,6 @@ def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
     return backend
 
 
-def forget_backend(device: torch.device, simulated: Any = None) -> None:
+def forget_backend(device: torch.device, simulated: SimSettings | None = None) -> None:
     """Drop the cached backend of ``device`` (and ``simulated`` settings), if any."""
     _backends.pop((device, simulated if device.type == "cpu" else None), None)

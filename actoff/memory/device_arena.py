@@ -32,38 +32,30 @@ request on another stream is a fallback with a new allocation. Tensors of the ar
 ``record_stream`` (their memory is not the caching allocator's): code that hands a fetched
 activation to another stream must keep it referenced until that stream is done with it.
 
-Note [a buffer per wave]: the plan is MEMO's bi-level one, with parts as its groups: a part is
-a wave of one run's fetches or of its rebuilds, the requests whose tenants died between the same
-two unpacks of the traced step (autograd frees what a node saved together, after the node's
-backward, and the next node unpacks before it runs; `DeviceArena.unpacked` counts them). Each
-part is laid out, then placed as a rectangle in one address space. Each part's range is a buffer
-of its own, taken from the device's allocator at the part's first planned request (fetches at the
-prefetch, rebuilds at the run's first unpack) and let go at its last: from then on only its
-tenants hold it (Note [device tenants]) and it goes with the last of them, as the tensors would
-go in PyTorch. A part with requests still to come is let go when the run's records are all
-released (`run_done`) or at the step's end. Beyond PyTorch allocating each tensor alone, a part
-holds only the ranges of its requests still to come (a wave of rebuilds is requested over a
-node's unpacks) and its layout's gap over its lower bound (on the test model and the benchmark,
-the peaks are equal: `test_peak_device_memory_is_at_most_the_unplanned_runs`); what it changes is
-that a step's device buffers are a fixed list of sizes, taken in the same order every step and
-each returned whole.
+Note [a buffer per wave]: each part of the plan has a buffer of its own, taken from the device's
+allocator at the part's first planned request (fetches at the prefetch, rebuilds at the run's
+first unpack) and let go at its last; from then on only its tenants hold it
+(Note [device tenants]) and it goes with the last of them, as the tensors would in PyTorch. The plan is
+MEMO's bi-level one with parts as its groups: a part is a wave of one run's fetches or of its
+rebuilds, the requests whose tenants die between the same two unpacks of the traced step
+(autograd frees what a node saved together after the node's backward; `DeviceArena.unpacked`
+counts them). A wave is as coarse as a part gets without holding a dead byte: one buffer for the
+whole plan would hold, at the step's early peak, the ranges of runs not fetched yet, and a
+buffer per run would hold each fetched tensor until the run's last one died.
 
-How it got here, on the simulated device (live bytes, no fragmentation: a byte held past its
-tenant is sequence length lost; cpu, tiles, chunked loss, 3968 tokens trained with the planner
-off): one buffer of the whole plan held through backward trained 3200 tokens (at the step's early
-peak it held the ranges of runs not fetched yet); a buffer per run's fetches (MEMO's two buffers
-for even and odd blocks) 3840, as a run's fetched tensors die one by one in its backward (131.09
-MiB against 126.52 at 3968 tokens; `tokenwise` 0.97% over on the test model). A wave is as coarse
-as a part gets without holding a dead byte. What the caching allocator does around the buffers is
-the GPU's to measure; the replay allocator (actoff.tiers.tokenwise.reforward) plans every allocation.
+A part with requests still to come is let go when the run's records are all released
+(`run_done`) or at the step's end. Beyond PyTorch allocating each tensor alone, a part holds only
+the ranges of its requests still to come and its layout's gap over its lower bound; what it
+changes is that a step's device buffers are a fixed list of sizes, taken in the same order
+every step and each returned whole.
 
-Note [skipped requests]: records still being copied out when backward starts are served from the
-device (Note [forward what is still on the device], actoff.runtime.step); how many of the last block's
-varies with the copies' timing (13 of 14 fetched in the step planned, 5 or 6 later). The prefetch
-`expect`s those before it fetches the rest, and a part's buffer spans only the requests that will
-come. The planner stacks requests live at once in the order they came, so the records forwarded
-(the last placed) are the top of a range: the buffer is as short as what is fetched (the whole
-range held 7.75 MiB more at that step's peak).
+Note [skipped requests]: a part's buffer spans only the requests the step will make. Records
+still being copied out when backward starts are served from the device
+(Note [forward what is still on the device], actoff.runtime.step), and how many of the last
+block's varies with the copies' timing; the prefetch `expect`s those before it fetches the rest, and they are left out
+of the buffer. The planner stacks requests live at once in the order they came, so the records
+forwarded (the last placed) are the top of a range and the buffer is as short as what is
+fetched; spanning the whole range would hold device memory no tenant uses.
 
 A buffer starts aligned as any fresh allocation (512 bytes on CUDA, 64 on the CPU), offsets are
 multiples of ALIGNMENT: kernels that pick a path by alignment pick the one a tensor's would.
@@ -77,7 +69,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
@@ -86,6 +78,9 @@ from actoff.planner import Layout
 
 from .device_plans import DevicePlan, DevicePlans
 from .host_arena import align_up
+
+if TYPE_CHECKING:
+    from actoff.device.base import StreamBackend
 
 __all__ = ["ALIGNMENT", "DeviceArena"]
 
@@ -171,8 +166,8 @@ class DeviceArena:
     kind = "device-arena"
     alignment = ALIGNMENT
 
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend  # an actoff.device.base.StreamBackend
+    def __init__(self, backend: StreamBackend) -> None:
+        self.backend = backend
         self.streams = backend.streams
         self.buffers: dict[tuple, _PartBuffer] = {}  # part -> its buffer, while it has requests to come
         self.draining: dict[int, _PartBuffer] = {}  # ident -> a buffer let go, its tenants alive
@@ -215,8 +210,8 @@ class DeviceArena:
         return sum(part_buffer.nbytes for part_buffer in held)
 
     def unpacked(self) -> None:
-        """Backward unpacked a saved tensor: tenants dying before the next unpack are one wave (Note
-        [a buffer per wave]); a death on another thread may join two neighbouring waves."""
+        """Backward unpacked a saved tensor: tenants dying before the next unpack are one wave
+        (Note [a buffer per wave]); a death on another thread may join two neighbouring waves."""
         self._epoch[0] += 1
 
     def give_back(self) -> None:
@@ -225,7 +220,7 @@ class DeviceArena:
             for held in list(self.buffers.values()):
                 self._let_go(held)
 
-    def run_done(self, run: Any) -> None:
+    def run_done(self, run: int) -> None:
         """``run``'s records are all released: its buffers are let go; a planned request it did
         not make (a record served from the device this step) will not come now."""
         with self._locked():

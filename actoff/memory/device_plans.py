@@ -1,23 +1,22 @@
 """The device arena's plans, one per shape of step, the most recently used kept.
 
-Note [a plan per shape]: a plan serves the requests of one shape of step: a sequence length, a
-batch, a model. Training does not keep to one: lengths padded to a multiple vary from batch to
-batch, a curriculum steps through lengths, two models (a teacher and a student, a policy and
-its reference) take turns. With one plan in force, a step of another shape diverges, its trace
-becomes the plan, and the next step of the first shape diverges again: with two shapes in turns
-nothing is ever served. So the arena keeps the plans of the last few shapes (`KEPT`), and a step
-whose request the plan in force does not know goes on with the most recently used kept plan that
-knows that request and the step's requests so far, at their sizes (`DevicePlans.pick`). Most
-often the request that picks it is the step's first fetch, of the last block, whose size tells
+Note [a plan per shape]: the arena keeps the plans of the last few shapes of step (`KEPT`; a
+shape is a sequence length, a batch, a model), and a step whose request the plan in force does
+not know goes on with the most recently used kept plan that knows that request and the step's
+requests so far, at their sizes (`DevicePlans.pick`). Training does not keep to one shape
+(lengths padded to a multiple vary by batch, a curriculum steps through lengths, a teacher and a
+student take turns): with one plan in force, each step of the other shape would diverge and
+become the plan, and with two shapes in turns nothing would ever be served. A pick is a guess:
+a request the picked plan does not know later in the step diverges as before. A request
+`expect`ed in some step is a fallback, never a reason to switch, and a plan made again after
+fallbacks, with no divergence, replaces the plan in force: one shape, one plan.
+
+Most often the request that picks is the step's first fetch, of the last block, whose size tells
 lengths and batches apart; a request both plans know (a norm's statistics of two models of one
-width) does not stop the pick of the right one later. A pick is only a guess: a request the
-picked plan does not know later in the step diverges as before, and its step becomes a plan of
-its own. Ranges served from the plan in force before a switch stay in its buffers; the picked
-plan's buffers leave out the requests already made. A request `expect`ed in some step (a record
-sometimes still on the device at backward) is a fallback, never a reason to switch, and a plan
-made again after fallbacks, with no divergence, replaces the plan in force: one shape, one plan.
-Keeping a plan costs host memory only: its buffers are taken when its requests come (Note [a
-buffer per wave], actoff.memory.device_arena).
+width) does not stop the pick of the right one later. Ranges served from the plan in force
+before a switch stay in its buffers; the picked plan's buffers leave out the requests already
+made. Keeping a plan costs host memory only: its buffers are taken when its requests come
+(Note [a buffer per wave], actoff.memory.device_arena).
 """
 
 from __future__ import annotations

@@ -126,8 +126,12 @@ class HostArena:
         self.request = 0  # request index within the step
         self.divergences = self.total_divergences = 0  # since the last begin_step; ever
         self._live_planned: dict[int, int] = {}  # offset -> end, in the planned chunk
-        # Note [host slot reuse]: slots returned while copies the host has not seen finish
-        # may still touch them, with those copies' tickets; freed once every ticket is done.
+        # Note [host slot reuse]: a returned slot is handed out again only once every copy
+        # into or out of it (their tickets, given to `free`) is done, and `free` never waits
+        # for them. The compute stream waited for those copies, the host did not: a slot
+        # reused at once could be refilled by an NVMe read on a host thread while a DMA still
+        # touches it. The host must not wait either: the autograd thread runs ahead of the
+        # copy streams. Slots returned early wait here, with their tickets.
         self._deferred: list[tuple[Slot, tuple]] = []
         # Note [frees from the collector]: `free` runs from autograd's release of a handle, which
         # the garbage collector can start inside any allocation, this arena's own included. It

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from actoff.policy import AutoDecision, auto_fractions, budget_share
 from actoff.tiers.tokenwise.run import TokenwiseRun
 
 from .distributed import local_world_size
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+    from .step import Step
 
 __all__ = ["decide_auto", "forward_ms"]
 
@@ -23,7 +27,7 @@ def forward_ms(tokenwise: TokenwiseRun) -> float:
     return watch.elapsed_ms()
 
 
-def decide_auto(runtime: Any, step: Any) -> None:
+def decide_auto(runtime: Runtime, step: Step) -> None:
     """The auto policy, after its first step: MEMO's closed form per block. Decisions of the
     first step are replaced by rank 0's with Note [one agreement]; a block that first runs
     later is decided by its own rank (a broadcast then could wait on ranks that never see

@@ -2,17 +2,14 @@
 
 Note [one agreement]
 ~~~~~~~~~~~~~~~~~~~~
-Under torch.distributed, decisions that ranks could make apart and then disagree on are made
-by rank 0 and broadcast: the auto policy's fractions and the host arena's plan. A collective
-is safe only at a point every rank reaches whatever its local state, or a rank waits forever.
-The end of the first backward is such a point (every rank of a data-parallel job runs it; it
-does not depend on lengths, budgets or timings), so the agreement is one broadcast there,
-always, with whatever rank 0 has by then. A rank installs rank 0's plan when its own first
-step traced the same buffers (same signature) and solves nothing; a rank whose trace differs
-(another sequence length) plans alone, as does any rank re-planning later after a
-divergence. Plans are offsets into a rank's own arena: they never feed a collective, so ranks
-holding different plans can not deadlock; only the entry into the broadcast must be
-unconditional.
+Under torch.distributed, the decisions ranks could make apart and then disagree on (the auto
+policy's fractions, the host arena's plan) are rank 0's, broadcast once, unconditionally, at
+the end of the first backward, with whatever rank 0 has by then. A collective is safe only at a
+point every rank reaches whatever its local state (lengths, budgets, timings), or a rank waits
+forever; that end is one. A rank installs rank 0's plan when its own first step traced the same
+buffers (same signature) and plans alone otherwise, as on any later re-plan. Plans are offsets
+into a rank's own arena and never feed a collective, so ranks holding different plans cannot
+deadlock: only the entry into the broadcast must be unconditional.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ def broadcast_from_rank0(value: Any) -> Any:
 
 
 def agree_with_rank0(auto_decisions: dict, plans: dict, plan_now: Callable[[], None]) -> None:
-    """Note [one agreement]: call at the first backward's end, on every rank exactly once.
+    """Call at the first backward's end, on every rank exactly once (Note [one agreement]).
 
     Rank 0 first makes its plans (``plan_now``: from the cache or a solve); every rank then
     takes rank 0's auto decisions, and ranks other than 0 its plans for traces they share.

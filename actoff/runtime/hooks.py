@@ -1,7 +1,8 @@
 """The saved-tensor hooks of an offload scope: the pack hook (`PackHook.pack`, a scope run's
 method) turns each tensor autograd saves into what autograd holds, and `unpack` gives the
-tensor back: a `Handle` to a record, an `AliasHandle` to a view of a record's bytes (Note [views
-of one storage]), or under ``keep`` the tensor itself with its version (Note [kept as is]).
+tensor back: a `Handle` to a record, an `AliasHandle` to a view of a record's bytes
+(Note [views of one storage]), or under ``keep`` the tensor itself with its version
+(Note [kept as is]).
 """
 
 from __future__ import annotations
@@ -37,22 +38,16 @@ class Handle:
             self.record.run.runtime.lock.release_when_safe(self.record)
 
 
-# Note [views of one storage]: autograd may save several views of one tensor's bytes. Attention
-# written as softmax then matmul (PyTorch's math SDPA, what a GPU runs for float32 with grouped KV
-# heads; eager attention) saves its weights as the softmax's output and again as a 3-D view for
-# the batched product. As two records they were copied twice each way, held twice on the host and
-# fetched twice in backward: on the simulated device with the math backend (16 small layers, 1024
-# tokens, batch 2) `cpu` copied 2716 MiB per step of 1692 MiB of distinct bytes, and lowered the
-# peak by 0.52 of what it copied (0.40 on an H100). A view saved after a record of the same tensor
-# (the same root: its `_base`, or itself), inside that record's span, is served from it
-# (`AliasHandle`: the record's tensor again, seen with the view's size, stride and offset): one
-# copy, the same bytes (there: 1692 MiB, 0.87). One root means one version counter, so the
-# record's version check sees a change through either. Kept apart: tensors that share bytes but
-# not a counter (``set_``: exact dedup checks the root too), views outside the span (q, k, v of
-# one fused projection), gappy (compact) records and token-wise runs (records split by tokens);
-# views with a lazy conjugate bit are never records (Note [lazy bits], actoff.runtime.step). The
-# reference block saves its attention output twice too: SDPA's output, and a view of it as the
-# output projection's input.
+# Note [views of one storage]: a view saved after a record of the same tensor (the same root:
+# its `_base`, or itself), lying inside that record's span, is served from the record
+# (`AliasHandle`: the record's tensor seen with the view's size, stride and offset), not made a
+# record of its own. Autograd often saves several views of one tensor's bytes (softmax-then-
+# matmul attention saves its weights and a 3-D view of them; SDPA's output and the output
+# projection's input): as separate records they would be copied, held and fetched once each.
+# One root means one version counter, so the record's version check sees a change through
+# either. Kept apart: tensors sharing bytes but not a counter (``set_``), views outside the span
+# (q, k, v of one fused projection), compact records, token-wise runs (records split by token)
+# and views with a lazy bit (Note [lazy bits]).
 class AliasHandle:
     """What autograd stores for another view of a record's bytes (Note [views of one storage]):
     the record's handle (kept alive by it) and the view's place in the record's span."""
@@ -70,11 +65,11 @@ class PackHook:
     ``spans``, ``stats``, ``tokenwise`` and settings."""
 
     # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
-    # Note [lazy bits]: a view with PyTorch's lazy conjugate or negation bit (``k.mH``) holds
-    # values that are not its bytes: a record of it would share the key of the tensor it views
-    # (dedup served that one), and the NVMe tier wrote its raw bytes. Such a view is left to
-    # autograd as it is (it holds the storage it views anyway). Found in review: wrong gradients
-    # for complex attention under every policy that deduplicates, and under `nvme`.
+    # Note [lazy bits]: a view with PyTorch's lazy conjugate or negation bit (``k.mH``) is never
+    # a record: it is left to autograd as it is (it holds the storage it views anyway). Its
+    # values are not its bytes, so a record of it would share the dedup key of the tensor it
+    # views (and be served that tensor), and the NVMe tier would write the raw bytes: wrong
+    # gradients for complex attention.
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.runtime.thread.disabled:
             return tensor
@@ -113,8 +108,8 @@ class PackHook:
 
     def handle_for(self, tensor: torch.Tensor, storage: int, nbytes: int) -> Any:
         """The handle of ``tensor``'s record (under ``keep``: Note [kept as is]), new or
-        deduplicated: the same view of the same bytes, or a view inside a record's span (Note
-        [views of one storage]), of the same tensor (one version counter)."""
+        deduplicated: the same view of the same bytes, or a view inside a record's span
+        (Note [views of one storage]), of the same tensor (one version counter)."""
         # The storage offset is part of the key: q/k/v views of one fused projection share a
         # storage and must not collide. The version keeps a modified tensor apart; the root
         # keeps apart tensors that share bytes but not a version counter (``set_``).
@@ -149,13 +144,15 @@ class PackHook:
         return handle
 
     def _note_span(
-        self, tensor: torch.Tensor, storage: int, ref: weakref.ref, handle: Any, span: int
+        self, tensor: torch.Tensor, storage: int, ref: weakref.ref, handle: Handle | None, span: int
     ) -> None:
         start = tensor.storage_offset()
         self.spans.setdefault((storage, tensor.dtype, tensor._version), (handle, start, start + span, ref))
 
-    def _inside(self, tensor: torch.Tensor, storage: int, root: torch.Tensor) -> tuple[Any, int] | None:
-        """Note [views of one storage]: the handle of a record of this run whose span holds
+    def _inside(
+        self, tensor: torch.Tensor, storage: int, root: torch.Tensor
+    ) -> tuple[Handle | None, int] | None:
+        """(Note [views of one storage]) The handle of a record of this run whose span holds
         ``tensor`` (a view of ``root``, as the record's is) and where in it, or None."""
         found = self.spans.get((storage, tensor.dtype, tensor._version))
         if found is None:
@@ -202,16 +199,16 @@ def unpack(packed: Any) -> torch.Tensor:
     return packed
 
 
-# Note [kept as is]: under the ``keep`` policy a run's saved tensors never move, so they need
-# no Record, Handle or release (the state machine, the runtime's lock at every unpack and
-# release: most of what actoff cost per saved tensor). Its pack hook returns a tuple of a
-# detached alias (Note [no cycle through autograd]), the version it was saved at and the run;
-# autograd frees it with the graph like any saved tensor. Unpack checks the version (Note
-# [version check]) and, at the run's first unpack of a backward, tells the runtime backward has
-# reached the run (`ScopeRun.reached`: the end-of-backward callback, the previous run's prefetch).
-# Statistics count the tensor at pack. Runs kept for other reasons (``keep_last``, no room)
-# are records on the keep tier: they can still be placed.
-def _unpack_kept(alias: torch.Tensor, version: int, run: Any) -> torch.Tensor:  # run: a ScopeRun
+# Note [kept as is]: under the ``keep`` policy a run's saved tensors never move, so they get no
+# Record, Handle or release: no state machine, no runtime lock at every unpack and release.
+# The pack hook returns (a detached alias (Note [no cycle through autograd]), the version it was
+# saved at, the run), which autograd frees with the graph like any saved tensor. Unpack checks
+# the version (Note [version check]) and, at the run's first unpack of a backward, tells the
+# runtime backward has reached the run (`ScopeRun.reached`: the end-of-backward callback, the
+# previous run's prefetch), which a record's unpack would otherwise do. Statistics count the
+# tensor at pack. Runs kept for other reasons (``keep_last``, no room) are records on the keep
+# tier: they can still be placed.
+def _unpack_kept(alias: torch.Tensor, version: int, run: ScopeRun) -> torch.Tensor:
     if alias._version != version:
         raise modified_error(alias.shape, alias.dtype, run.name, alias._version, version)
     step = run.step  # a first unpack outside backward (grad_fn._saved_self) queued nothing

@@ -36,7 +36,7 @@ from actoff.memory.arenas import Arenas
 from actoff.memory.host_arena import HostArena
 from actoff.memory.replay_steps import ReplayDrivers
 from actoff.planner import Layout
-from actoff.policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
+from actoff.policy import TOKENWISE_POLICIES, AutoDecision, budget_share, runs_to_place, whole_tier
 from actoff.tiers.nvme.store import StoreRegistry
 from actoff.tiers.record import Record, State, serve
 from actoff.tiers.registry import TIERS, tier_named
@@ -76,7 +76,7 @@ class Runtime:
         self.last_stats: dict[str, BlockStats] = {}
         # What probes learned, per module by identity (Note [probes per module and conditions])
         self.probe_results: ByOwner[ModuleProbes] = ByOwner()
-        self.auto_decisions: dict[str, Any] = {}  # block -> actoff.policy.AutoDecision
+        self.auto_decisions: dict[str, AutoDecision] = {}  # by block name
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
         self.agreed = False  # Note [one agreement]: rank 0's first-step decisions are in
@@ -321,7 +321,7 @@ def _param_storages(module: torch.nn.Module | None) -> set[int]:
     storages: set[int] = set()
     if module is None:
         return storages
-    # Note [pack is hot] (actoff.runtime.step): the modules' own dictionaries, read at every scope
+    # Note [pack is hot] (actoff.runtime.hooks): the modules' own dictionaries, read at every scope
     # call, not `parameters()`'s generators (under half the time; the same tensors).
     for sub in module.modules():
         for tensors in (sub._parameters, sub._buffers):

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actoff.config import format_bytes
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from actoff.memory.arenas import Arenas
+    from actoff.memory.device_arena import DeviceArena
+    from actoff.tiers.nvme.store import StoreRegistry
+
+    from .step import Step
 
 __all__ = ["BlockStats", "Stats", "collect", "copy_stats", "snapshot"]
 
@@ -179,8 +188,8 @@ _SUMMED = (
 )  # fmt: skip
 
 
-def collect(step: Any) -> dict[str, BlockStats]:
-    """Per block name, the figures of one step (actoff.runtime.step.Step): calls of a block summed."""
+def collect(step: Step) -> dict[str, BlockStats]:
+    """Per block name, the figures of one step: calls of a block summed."""
     blocks: dict[str, BlockStats] = {}
     for run in step.runs:
         block = blocks.get(run.name)
@@ -206,7 +215,9 @@ def copy_stats(block: BlockStats) -> BlockStats:
     return copy
 
 
-def snapshot(blocks: dict[str, BlockStats], steps: int, arenas: Any, stores: Any, auto: dict) -> Stats:
+def snapshot(
+    blocks: dict[str, BlockStats], steps: int, arenas: Arenas, stores: StoreRegistry, auto: dict
+) -> Stats:
     """A `Stats` of the runtime's figures: blocks copied, host arenas and NVMe stores summed."""
     return Stats(
         blocks={name: copy_stats(b) for name, b in blocks.items()},
@@ -222,7 +233,7 @@ def snapshot(blocks: dict[str, BlockStats], steps: int, arenas: Any, stores: Any
     )
 
 
-def _device_arena_figures(device_arenas: Any) -> dict[str, Any]:
+def _device_arena_figures(device_arenas: Iterable[DeviceArena]) -> dict[str, Any]:
     """The `Stats` fields of the device arenas, summed (one per device; one in practice)."""
     figures = [arena.stats() for arena in device_arenas]
     return {

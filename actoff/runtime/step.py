@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,13 @@ from actoff.tiers.record import Record, State
 
 from .hooks import Handle, PackHook
 from .stats import BlockStats
+
+if TYPE_CHECKING:
+    from actoff.memory.host_arena import HostArena
+    from actoff.tiers.nvme.store import NvmeStore
+    from actoff.tiers.tokenwise.run import TokenwiseRun
+
+    from .runtime import Runtime
 
 __all__ = ["ScopeRun", "Step"]
 
@@ -79,14 +86,14 @@ class ScopeRun(PackHook):
 
     def __init__(
         self,
-        runtime: Any,
+        runtime: Runtime,
         step: Step,
         name: str,
         config: Config,
         backend: DeviceBackend,
         param_storages: set[int],
     ) -> None:
-        self.runtime = runtime  # the actoff.runtime.runtime.Runtime
+        self.runtime = runtime
         self.step = step
         self.index = len(step.runs)
         self.name = name
@@ -96,17 +103,16 @@ class ScopeRun(PackHook):
         self.param_storages = param_storages
         self.records: list[Record] = []
         self.dedup: dict[tuple, tuple[Any, weakref.ref]] = {}  # key -> (packed, its tensor's root)
-        # Note [views of one storage]: (storage, dtype, version) -> the first record of it in
-        # the run, its span in the storage and the tensor its view is of (weakly).
-        self.spans: dict[tuple, tuple[Handle, int, int, weakref.ref]] = {}
+        # (storage, dtype, version) -> the first record of it in the run, its span in the storage
+        # and its tensor's root, weakly (Note [views of one storage], actoff.runtime.hooks).
+        self.spans: dict[tuple, tuple[Handle | None, int, int, weakref.ref]] = {}
         self.stats = BlockStats(name, calls=1)
         self.kept = config.policy == "keep"  # Note [kept as is]
         self.live = 0  # records not yet released
         self.fetch_issued = False
         self.fetching: list[Record] = []  # records the prefetch left FETCHING, for `poll`
-        # Token-wise state (actoff.tiers.tokenwise.run.TokenwiseRun) while the run may be split by
-        # token; None for runs placed whole.
-        self.tokenwise: Any = None
+        # Token-wise state while the run may be split by token; None for runs placed whole.
+        self.tokenwise: TokenwiseRun | None = None
 
     def reached(self) -> None:
         """Backward unpacks this run (the runtime's lock held): at its first unpack queue the
@@ -180,8 +186,8 @@ class ScopeRun(PackHook):
                 record.tier.poll(record)
 
     # ------------------------------------------------------------------ for the tiers
-    def arena(self) -> Any:
-        """The host arena of this run's device (actoff.memory.host_arena.HostArena)."""
+    def arena(self) -> HostArena:
+        """The host arena of this run's device."""
         return self.runtime.arena(self)
 
     def device_buffer(self, numel: int, dtype: torch.dtype, key: tuple) -> torch.Tensor:
@@ -199,8 +205,8 @@ class ScopeRun(PackHook):
         if arena is not None:
             arena.expect((self.index, "fetch", record.index))
 
-    def store(self) -> Any:
-        """The NVMe store of this run's settings (actoff.tiers.nvme.store.NvmeStore)."""
+    def store(self) -> NvmeStore:
+        """The NVMe store of this run's settings."""
         return self.runtime.stores.get(self.config)
 
     def account(self, what: str, ticket: Ticket | None) -> None:

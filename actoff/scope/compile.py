@@ -1,44 +1,36 @@
 """torch.compile: an offload scope is a graph break around its compiled block body.
 
 Note [compile]
-Dynamo must never trace actoff itself. When it did (before this module), it inlined the
-runtime into the graph: placement saw sizes as symbolic ints ("expand: attempting
-to expand a dimension of length s28 -> s43" in a copy), the pack hook met fake tensors, and
-objects Dynamo made while tracing were dropped half-built ("Exception ignored in
-Handle.__del__"). actoff needs no part in the graph, because of what torch 2.13 does with
-saved-tensor hooks:
+Dynamo never traces actoff: the scope's entry and exit, its hooks and `eager_scope` are
+``torch.compiler.disable``d, so placement sees real tensors and concrete sizes only. A traced
+runtime would be inlined into the graph: placement would see symbolic sizes, the pack hook fake
+tensors, and objects made while tracing would be dropped half-built. actoff needs no part in
+the graph (facts 1 and 2 below). `compiled_scope` is disabled non-recursively (fact 3), so the
+block body between its entry and exit, `_call`, is still compiled by the user's backend;
+identical blocks share its code object and guards, so one graph serves them all.
+``fullgraph=True`` cannot hold a scope; Dynamo says so with `_GRAPH_BREAK_REASON`.
 
-1. Hooks are deferred to run time. While Dynamo fakes an op (wrap_fx_proxy,
-   torch/_dynamo/variables/builder.py) and while AOTAutograd traces the joint graph
-   (torch/_functorch/aot_autograd.py), `_saved_tensors_hooks_set_tracing(True)`
-   (torch/_dynamo/utils.py, `_disable_saved_tensors_hooks_during_tracing`) keeps autograd from
-   calling the active hooks on fake tensors. So a block traced inside an open scope never
-   reaches our pack hook.
-2. At run time the compiled code saves through whichever hooks are active then: with
-   AOTAutograd (aot_eager, inductor) the compiled autograd.Function's forward passes the
-   tensors its backward graph needs (the partitioner's choice, parameters and block inputs
-   included) to the pack hook, and its backward unpacks them; with the eager backend the
-   graph's ops save one by one, as in eager mode. Placement therefore sees real tensors only.
-   Only hooks that are `fx.GraphModule`s are inlined into the graph (torch/_dynamo/
-   output_graph.py, `maybe_install_saved_tensors_hooks_subgraphs`); ours are plain Python.
-3. ``torch.compiler.disable(fn, recursive=False)`` (torch/_dynamo/decorators.py): calling ``fn``
-   while tracing is a graph break; ``fn``'s own frame runs as plain Python, and the frames it
-   calls are compiled again. With ``recursive=True`` nothing below it is compiled (a
-   ``torch.compile``d callee still is: it sets its own frame callback).
-4. A graph break inside a loop makes Dynamo skip the frame holding the loop and run it eagerly
-   (`raise_loop_graph_break`, torch/_dynamo/symbolic_convert.py): under
-   ``torch.compile(model)`` the model's loop over its blocks runs eagerly, and Dynamo compiles
-   the frames it calls, each block body among them.
+What torch (2.13) does that this relies on:
 
-So `compiled_scope` (fact 3, non-recursive) is what Dynamo meets in a traced block: its entry
-and exit (runtime state, hooks, sealing, placement) are recursively disabled functions, and the
-block body between them, `_call`, is compiled by the user's backend. Identical blocks share
-`_call`'s code object and guards, so one graph serves them all (Dynamo's ``recompile_limit``,
-8 by default, counts the block classes and shape variants, not the blocks). The hooks are
-disabled too: autograd may call them while Dynamo's frame callback is on. Outside tracing,
-`eager_scope` is disabled as a whole: a frame Dynamo gave up on (a recompile limit) still has
-its callees intercepted, and actoff's runtime must not be one of them. ``fullgraph=True``
-cannot hold a scope; Dynamo says so with `_GRAPH_BREAK_REASON`.
+1. Saved-tensor hooks are deferred to run time: while Dynamo fakes an op and while AOTAutograd
+   traces the joint graph, `_saved_tensors_hooks_set_tracing(True)` (torch/_dynamo/utils.py)
+   keeps autograd from calling them on fake tensors.
+2. At run time compiled code saves through the hooks active then: with AOTAutograd (aot_eager,
+   inductor) the compiled autograd.Function's forward packs what its backward graph needs (the
+   partitioner's choice, parameters and block inputs included); with the eager backend the
+   graph's ops save one by one. Only hooks that are `fx.GraphModule`s are inlined into a graph
+   (`maybe_install_saved_tensors_hooks_subgraphs`); ours are plain Python.
+3. ``torch.compiler.disable(fn, recursive=False)``: calling ``fn`` while tracing is a graph
+   break; ``fn``'s own frame runs as plain Python and the frames it calls are compiled again.
+   With ``recursive=True`` nothing below it is compiled (a ``torch.compile``d callee still is).
+4. A graph break inside a loop makes Dynamo run the frame holding the loop eagerly
+   (`raise_loop_graph_break`): under ``torch.compile(model)`` the model's loop over its blocks
+   runs eagerly, and Dynamo compiles the frames it calls, each block body among them.
+
+The hooks are disabled too: autograd may call them while Dynamo's frame callback is on.
+Outside tracing `eager_scope` is disabled as a whole: a frame Dynamo gave up on (a recompile
+limit) still has its callees intercepted. Dynamo's ``recompile_limit`` (8 by default) counts
+the block classes and shape variants, not the blocks.
 
 A token-wise re-forward runs a block eagerly under a torch-function mode that serves the
 token mixer's output from the store, matching the i-th save of the re-forward with the i-th save

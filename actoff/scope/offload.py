@@ -41,7 +41,7 @@ class _ScopeSpec:
         base = self.config if self.config is not None else get_config()
         if not self.overrides:
             return base
-        cached = self._resolved  # Note [pack is hot] (actoff.runtime.step): replaced once per base
+        cached = self._resolved  # Note [pack is hot] (actoff.runtime.hooks): replaced once per base
         if cached is None or cached[0] is not base:
             cached = self._resolved = (base, base.replace(**self.overrides))
         return cached[1]

@@ -52,8 +52,8 @@ class Tier:
         """Move a prefetch on without waiting (an NVMe read that landed starts its copy)."""
 
     def drop_forwarded(self, record: Record) -> None:
-        """An OFFLOADING record that backward was served from the device (Note [forward what
-        is still on the device]) and needs no more: its device tensor goes once its copy out
+        """An OFFLOADING record that backward was served from the device and needs no more
+        (Note [forward what is still on the device]): its device tensor goes once its copy out
         is ordered (-> OFFLOADED); a move further out not yet started is skipped."""
 
     def evict(self, record: Record) -> None:

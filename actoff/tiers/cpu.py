@@ -107,11 +107,9 @@ class CpuTier(Tier):
 
     @staticmethod
     def _free_slot(record: Record) -> None:
-        """Note [host slot reuse]: the compute stream waited for the copies into and out of
-        the slot, but the host did not, and a freed slot can be refilled at once by an NVMe
-        read on a host thread while the DMA still touches it. So the arena frees the slot
-        only once both copies' tickets are done, and never blocks the host here: the autograd
-        thread runs ahead of the copy streams."""
+        """Return the slot with the tickets of both its copies: the arena hands it out again
+        only once they are done, without blocking the host (Note [host slot reuse],
+        actoff.memory.host_arena)."""
         if record.host_slot is not None:
             record.run.arena().free(record.host_slot, after=(record.copy_ticket, record.fetch_ticket))
             record.host_slot = None

@@ -16,9 +16,19 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from actoff.device.base import Ticket
+    from actoff.memory.host_arena import Slot
+    from actoff.runtime.step import ScopeRun
+    from actoff.tiers.base import Tier
+    from actoff.tiers.nvme.store import Extent, NvmeStore
+    from actoff.tiers.tokenwise.tokens import Canon, TokenRanges
 
 __all__ = ["Record", "RecordStateError", "State", "TensorGeometry", "modified_error", "param_like", "serve"]
 
@@ -58,7 +68,7 @@ class TensorGeometry:
 
     __slots__ = ("compact", "dtype", "itemsize", "nbytes", "numel", "pad", "size", "span", "stride")
 
-    # Note [pack is hot] (actoff.runtime.step): built for every record; contiguity is asked of torch.
+    # Note [pack is hot] (actoff.runtime.hooks): built for every record; contiguity is asked of torch.
     def __init__(self, tensor: torch.Tensor) -> None:
         self.size = size = tensor.shape  # a torch.Size: a tuple
         self.stride = stride = tensor.stride()
@@ -88,7 +98,9 @@ class TensorGeometry:
         return flat.as_strided(self.size, self.stride, self.pad)
 
 
-def modified_error(size: Any, dtype: torch.dtype, block: str, version: int, expected: int) -> RuntimeError:
+def modified_error(
+    size: Sequence[int], dtype: torch.dtype, block: str, version: int, expected: int
+) -> RuntimeError:
     """Autograd's error for a saved tensor modified in place, naming the block that saved it.
 
     >>> str(modified_error((2, 3), torch.float32, "layers.0", 2, 1)).split(":")[0]
@@ -130,12 +142,12 @@ class Record:
         "write_future",
     )
 
-    def __init__(self, tensor: torch.Tensor, run: Any, index: int, tier: Any = None) -> None:
+    def __init__(self, tensor: torch.Tensor, run: ScopeRun, index: int, tier: Tier | None = None) -> None:
         self.geometry = TensorGeometry(tensor)
-        self.run = run  # the scope run (actoff.runtime.step.ScopeRun) that saved it
+        self.run = run  # the scope run that saved it
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
-        # Where its bytes live: an actoff.tiers.base.Tier, which owns every move of the record.
+        # Where its bytes live: the tier owns every move of the record.
         self.tier = tier
         # Note [no cycle through autograd]: a detached alias (same storage, no grad_fn). The
         # tensor itself would link record -> tensor -> grad_fn -> saved variable -> handle ->
@@ -150,23 +162,23 @@ class Record:
         # and done, and unpack. Bytes copied out before a change are the saved ones.
         self.source = weakref.ref(tensor)  # the tensor while it lives (forwarding, too)
         self.saved_version = tensor._version
-        # Set by the tiers (actoff.tiers.base): a host arena slot (actoff.memory.host_arena.Slot), an NVMe
-        # extent (actoff.tiers.nvme.store.Extent) in its store, and the device tickets of copies in flight.
-        self.host_slot: Any = None
-        self.extent: Any = None
-        self.store: Any = None
-        self.copy_ticket: Any = None
-        self.fetch_ticket: Any = None
+        # Set by the tiers (actoff.tiers.base): a host arena slot, an NVMe extent in its store,
+        # and the device tickets of copies in flight.
+        self.host_slot: Slot | None = None
+        self.extent: Extent | None = None
+        self.store: NvmeStore | None = None
+        self.copy_ticket: Ticket | None = None
+        self.fetch_ticket: Ticket | None = None
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
         self.copy_source: torch.Tensor | None = None  # held while a copy reads it
         self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
-        # Token-wise placement (actoff.tiers.tokenwise.run): the token-dimension view of the span
-        # (actoff.tiers.tokenwise.tokens.Canon), whether the record must stay whole (block input, mixer saves),
-        # and its ranges once split (actoff.tiers.tokenwise.tokens.TokenRanges).
-        self.canon: Any = None
-        self.base_info: Any = None  # (shape, stride) of a merged view's base, for token dims
+        # Token-wise placement (actoff.tiers.tokenwise.run): the token-dimension view of the span,
+        # whether the record must stay whole (block input, mixer saves), and its ranges once split.
+        self.canon: Canon | None = None
+        # (shape, stride) of a merged view's base, for token dims
+        self.base_info: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.whole = False
-        self.split: Any = None
+        self.split: TokenRanges | None = None
 
     def to(self, state: State) -> None:
         """Move to ``state``; raise `RecordStateError` if the machine forbids it."""

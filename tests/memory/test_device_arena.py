@@ -95,7 +95,7 @@ def _device_plans() -> list:
 
 
 def test_a_buffer_per_wave_serves_every_request_and_lives_only_while_its_tenants_do(monkeypatch):
-    """Note [a buffer per wave]: after the traced step, each step takes one buffer per part (a
+    """(Note [a buffer per wave]) after the traced step, each step takes one buffer per part (a
     wave of a run's fetches), of its planned range (fewer buffers than requests), the same sizes
     every step; none is taken in forward, the arena lets each go at its last request, and each
     is gone once its tenants are: nothing is alive after backward."""
@@ -270,7 +270,7 @@ def test_a_new_length_is_planned_from_its_first_step_and_a_known_one_reuses_its_
 
 @pytest.mark.parametrize("shapes", ["lengths", "models"])
 def test_shapes_in_turns_are_each_served_by_their_own_plan(shapes, monkeypatch):
-    """Note [a plan per shape]: two lengths (or two models of one family, with the same layer
+    """(Note [a plan per shape]) two lengths (or two models of one family, with the same layer
     names) in turns. With one plan in force, every step diverged and nothing was served."""
     made = _device_allocations(monkeypatch)
     if shapes == "lengths":
@@ -411,7 +411,7 @@ def test_an_unknown_request_diverges_and_an_expected_one_falls_back(arena):
 
 
 def test_a_part_is_let_go_at_its_last_request_and_goes_with_its_last_tenant(arena):
-    """Note [a buffer per wave]: the arena lets a part's buffer go once the part's planned
+    """(Note [a buffer per wave]) the arena lets a part's buffer go once the part's planned
     requests were all made (its tenants keep it, and it goes when the last of them dies); a run
     served partly from the device this step (a planned request that does not come) lets its
     buffers go when its records are released (`run_done`)."""
@@ -449,7 +449,7 @@ def test_a_part_is_let_go_at_its_last_request_and_goes_with_its_last_tenant(aren
 
 
 def test_a_step_that_skips_its_last_requests_takes_a_buffer_of_what_it_makes(arena):
-    """Note [skipped requests]: requests live at once are stacked as they came; a step that
+    """(Note [skipped requests]) requests live at once are stacked as they came; a step that
     `expect`s the last ones (records served from the device) takes a buffer of the others' range
     only, serves them as planned and gives it back when they die."""
     keys = [(0, "fetch", index) for index in range(3)]
@@ -566,7 +566,7 @@ def test_a_new_plan_never_serves_a_range_of_a_buffer_cut_to_the_old_one(arena):
 
 
 def test_a_request_both_plans_know_does_not_keep_the_wrong_one(arena):
-    """Note [a plan per shape]: two models of one width share some requests (a norm's statistics);
+    """(Note [a plan per shape]) two models of one width share some requests (a norm's statistics);
     a step of the second starting with one of them still picks its own plan at its first request
     the first plan does not know, and every request is served."""
     shared, own = ((1, "fetch", 0), 128, False), (1, "fetch", 1)

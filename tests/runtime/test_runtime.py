@@ -94,7 +94,7 @@ def _attend(scores, v):
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme"])
 def test_views_of_one_storage_are_one_record_and_train_exactly(policy, nvme_dir):
-    """Note [views of one storage]: a view saved inside the span of a record of the same tensor
+    """(Note [views of one storage]) a view saved inside the span of a record of the same tensor
     is served from that record, bit for bit; its bytes are not copied again."""
     scores = torch.randn(2, 4, 32, 32, requires_grad=True)
     v = torch.randn(8, 32, 16, requires_grad=True)
@@ -130,7 +130,7 @@ def test_a_view_saved_then_changed_in_place_is_caught():
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme"])
 def test_a_conjugate_view_is_never_served_from_the_tensor_s_record(policy, nvme_dir):
-    """Note [lazy bits]: ``k.mH`` and ``k.conj()`` are views of k's bytes with a lazy conjugate
+    """(Note [lazy bits]) ``k.mH`` and ``k.conj()`` are views of k's bytes with a lazy conjugate
     bit. Served from k's record (``k.conj()`` has k's very key) they came back unconjugated, and
     as records of their own the NVMe tier wrote their raw bytes: silently wrong gradients for
     complex attention (found in review; both predate the views served from records)."""
@@ -177,7 +177,7 @@ def test_a_tensor_sharing_a_storage_but_not_a_view_is_its_own_record():
 
 
 def test_keep_counts_its_tensors_as_records_kept_on_the_device_are_counted():
-    # Note [kept as is]: keep runs make no records, yet their figures must be the records'
+    # (Note [kept as is]) keep runs make no records, yet their figures must be the records'
     # (non-contiguous saves included: the attention's transposed views count their span).
     # Under cpu with keep_last as large as the model, every run is records on the keep tier.
     figures = {}
@@ -314,7 +314,7 @@ def test_host_arena_allocated_once():
 @pytest.mark.no_sim_device  # builds the simulated device it holds and drains
 @pytest.mark.parametrize("policy", ["cpu", "tokenwise"])
 def test_records_still_on_the_device_at_backward_are_served_from_it(policy, monkeypatch):
-    """Note [forward what is still on the device]: the last block's copies out are held back
+    """(Note [forward what is still on the device]) the last block's copies out are held back
     through forward and done by the time backward starts (a drained device), while its device
     tensors are still held: they are served as they are, not dropped and copied back."""
     from actoff.testing import simulated_device

@@ -26,7 +26,6 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.utils._mode_utils import no_dispatch
@@ -84,10 +83,10 @@ class SimEvent:
         self.done = threading.Event()
         self.done.set()  # an event never recorded counts as complete, as in CUDA
         self.time: float | None = None
-        self.stream: Any = None
+        self.stream: SideStream | ComputeStream | None = None
         self.seq = -1  # the stream's copy count when recorded
 
-    def record(self, stream: Any) -> None:
+    def record(self, stream: SideStream | ComputeStream) -> None:
         stream.record(self)
 
     def query(self) -> bool:
@@ -115,8 +114,12 @@ class SimStreams:
         # Re-entrant: the collector may release a graph (ordering its copies) inside any
         # allocation, one made holding this lock included.
         self.lock = threading.RLock()
-        # Live host buffers, start -> bytes (Note [host ranges die with their buffer]: a freed
-        # chunk's addresses come back as "device" tensors, whose copies compute must await).
+        # Live host buffers, start -> bytes.
+        # Note [host ranges die with their buffer]: a host buffer's range is forgotten when its
+        # storage dies (a weakref finalizer), not when its first tensor does: a view still reads
+        # host memory. The CPU allocator hands a freed chunk's addresses to the next tensor, a
+        # "device" tensor whose copies compute must wait for; a range kept past its buffer would
+        # take a copy into that tensor for a copy to the host, and check the wrong side of it.
         self._host_ranges: dict[int, int] = {}
         self._side: list[SideStream] = []
         self.compute = ComputeStream(self, settings.seed)
@@ -191,9 +194,10 @@ class SimStreams:
                     if entry.device_alias is not None:
                         # Nobody else holds the storage: only the alias, this call's storage
                         # object and, until a copy to the device runs, its queued destination
-                        # (a copy to the host reads a snapshot: Note [copy sources and the
-                        # allocator]). Counted before the alias goes: the collector may release
-                        # a graph inside this call, whose own ordering of the copy comes first.
+                        # (a copy to the host reads a snapshot:
+                        # Note [copy sources and the allocator], actoff.device.sim.memory).
+                        # Counted before the alias goes: the collector may release a graph
+                        # inside this call, whose own ordering of the copy comes first.
                         queued = not entry.ran and entry.direction == "host-to-device"
                         users = _use_count(entry.device_alias)
                         if entry.device_alias is not None and users <= (3 if queued else 2):
@@ -314,12 +318,12 @@ class SimStreams:
             raise errors[0]
 
 
-# Note [stop before the interpreter exits]: the workers are daemon threads that run torch ops
-# (a copy) without the GIL. One still inside such an op when the interpreter finalizes is
-# ended (pthread_exit) as it takes the GIL back, unwinding C++ frames that must not be: the
-# process aborts ("terminate called without an active exception"), a script run with
-# ACTOFF_SIM_DEVICE=1 that exits or is stopped with copies in flight included. So at exit
-# every device still running lets its workers finish and end first.
+# Note [stop before the interpreter exits]: at exit every simulated device still running lets
+# its workers finish and end first. The workers are daemon threads that run torch ops (a copy)
+# without the GIL; one still inside such an op when the interpreter finalizes is ended
+# (pthread_exit) as it takes the GIL back, unwinding C++ frames that must not be: the process
+# aborts ("terminate called without an active exception"), a script run with
+# ACTOFF_SIM_DEVICE=1 that exits or is stopped with copies in flight included.
 _running: weakref.WeakSet[SimStreams] = weakref.WeakSet()
 
 

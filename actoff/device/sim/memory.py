@@ -5,13 +5,13 @@ allocation fails as a GPU's would.
 Part of the simulated device (`actoff.device.sim.device`); `actoff.testing.simulated_device` turns it
 on around a block of code, and the long-context benchmark reads its peak on a CPU.
 
-Note [copy sources and the allocator]: a storage counts as long as anything holds it. A copy to
-the host therefore reads a snapshot taken when it is queued, outside this memory: once the
-compute stream has waited for the copy, the caching allocator hands the source's memory to new
-compute work as soon as its owner drops it, whether the copy has run or not. Until that wait
-the copy holds the source itself (its ``device_alias``), which is the hazard the race checker
-watches. Keeping the source alive until the copy ran made late copies look as if offloading
-saved no device memory at all.
+Note [copy sources and the allocator]: a queued copy to the host holds its source only until
+the compute stream has waited for it; it reads a snapshot taken when queued, outside this
+memory. That is what CUDA's caching allocator does: once the compute stream has waited for the
+copy, it hands the source's memory to new work as soon as its owner drops it, whether the copy
+has run or not. Until that wait the copy holds the source itself (its ``device_alias``), the
+hazard the race checker watches. A storage counts as long as anything holds it, so keeping the
+source until the copy ran would make late copies look as if offloading saved no device memory.
 
 Note [block sizes]: a storage counts as many bytes as CUDA's caching allocator would take for it:
 its size rounded up to a multiple of 512 (nothing for an empty one). Counted exactly, a run

@@ -11,13 +11,16 @@ import queue
 import random
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._mode_utils import no_dispatch
 
 from .link import sleep_until
 from .memory import poison
+
+if TYPE_CHECKING:
+    from .device import SimEvent, SimStreams
 
 __all__ = ["ComputeStream", "Copy", "Gate", "SideStream"]
 
@@ -54,7 +57,7 @@ class Gate:
 class SideStream:
     """A stream whose queue a worker thread runs, each item after a random delay."""
 
-    def __init__(self, streams: Any, seed: int) -> None:
+    def __init__(self, streams: SimStreams, seed: int) -> None:
         self.streams = streams
         self.items: queue.SimpleQueue = queue.SimpleQueue()
         self.rng = random.Random(seed)
@@ -92,15 +95,15 @@ class SideStream:
             except Exception as error:  # surfaces in the training thread
                 self.streams.fail(RuntimeError(f"simulated copy failed: {error}"))
 
-    def wait_stream(self, other: Any) -> None:
+    def wait_stream(self, other: SideStream | ComputeStream) -> None:
         event = self.streams.event()
         other.record(event)
         self.wait_event(event)
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: SimEvent) -> None:
         self.items.put(("wait", event))
 
-    def record(self, event: Any) -> None:
+    def record(self, event: SimEvent) -> None:
         event.done.clear()
         event.stream, event.seq, event.time = self, self.seq, None
         self.items.put(("record", event))
@@ -119,12 +122,12 @@ class ComputeStream:
     """The calling thread's stream: work runs at once on the host, but its events complete
     late, and never before the events the stream waited on."""
 
-    def __init__(self, streams: Any, seed: int) -> None:
+    def __init__(self, streams: SimStreams, seed: int) -> None:
         self.streams = streams
         self.rng = random.Random(seed)
         self.lagging: queue.SimpleQueue = queue.SimpleQueue()
         self.last_due = 0.0
-        self.waited: list[Any] = []  # side events this stream waits on, not yet done
+        self.waited: list[SimEvent] = []  # side events this stream waits on, not yet done
         self.thread = threading.Thread(target=self._complete, name="actoff-simcompute", daemon=True)
         self.thread.start()
 
@@ -142,7 +145,7 @@ class ComputeStream:
             event.time = time.perf_counter()
             event.done.set()
 
-    def record(self, event: Any) -> None:
+    def record(self, event: SimEvent) -> None:
         event.done.clear()
         event.stream, event.seq, event.time = self, -1, None
         # In order: an event completes after every event recorded before it.
@@ -152,7 +155,7 @@ class ComputeStream:
         self.waited = [other for other in self.waited if not other.done.is_set()]
         self.lagging.put((event, self.last_due, tuple(self.waited)))
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: SimEvent) -> None:
         """Compute waits for ``event``: in stream order, every copy before it is ordered for
         the caching allocator at once. The host blocks only when a copy to the device is still
         to land (compute, which runs on the host, is about to read it); a copy to the host
@@ -166,7 +169,7 @@ class ComputeStream:
                 self.waited.append(event)
         self.streams.ordered(event, by_host=False)
 
-    def wait_stream(self, other: Any) -> None:
+    def wait_stream(self, other: SideStream | ComputeStream) -> None:
         event = self.streams.event()
         other.record(event)
         self.wait_event(event)

@@ -16,9 +16,12 @@ import errno as errno_codes
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from actoff.device.base import Ticket
 
 __all__ = ["ALIGNMENT", "CppEngine", "FailedFuture", "IoEngine", "PythonEngine", "describe_request"]
 
@@ -69,12 +72,12 @@ class IoEngine:
     def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
         raise NotImplementedError
 
-    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         """Write device ``buffer`` once ``after`` (a ticket: the compute stream has produced
         it) completes; only engines that `takes_device_buffers`."""
         raise NotImplementedError(f"{self.name} takes host buffers only")
 
-    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         """Read into device ``buffer`` once ``after`` (a ticket: the compute stream is done
         with the memory) completes; only engines that `takes_device_buffers`."""
         raise NotImplementedError(f"{self.name} takes host buffers only")

@@ -15,11 +15,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .engines import ALIGNMENT, FailedFuture, IoEngine, describe_request
+
+if TYPE_CHECKING:
+    from actoff.device.base import Ticket
 
 __all__ = ["KvikioEngine", "kvikio_available", "kvikio_compat_mode", "probe_kvikio"]
 
@@ -189,23 +192,22 @@ class KvikioEngine(IoEngine):
     def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
         return self._submit("pread", buffer, nbytes, offset)
 
-    # Note [direct device I/O]: with GDS active, kvikio's pread/pwrite of a device buffer first
-    # synchronises the legacy default stream in the *calling* thread, and a request under its
-    # gds_threshold (16 KiB by default) runs synchronously through a bounce buffer. cuFile's
-    # DMA itself is ordered against no CUDA stream: not the compute stream, not actoff's copy
-    # streams. So the training thread never calls kvikio with a device buffer: the engine's
-    # device thread does, once the request's ticket (`DeviceBackend.mark`, recorded on the
-    # compute stream) has completed, i.e. once the compute stream has produced the bytes
-    # (a write) or is done with the memory a read lands in (a fresh allocation may reuse a
-    # block that kernels queued earlier still use). The caller holds the buffer until the
-    # future is done.
-    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    # Note [direct device I/O]: the training thread never calls kvikio with a device buffer:
+    # the engine's device thread does, once the request's ticket (`DeviceBackend.mark`,
+    # recorded on the compute stream) has completed, i.e. once the compute stream has produced
+    # the bytes (a write) or is done with the memory a read lands in (a fresh allocation may
+    # reuse a block that kernels queued earlier still use). cuFile's DMA is ordered against no
+    # CUDA stream, and with GDS active kvikio's pread/pwrite of a device buffer first
+    # synchronises the legacy default stream in the *calling* thread (a request under its
+    # gds_threshold runs synchronously through a bounce buffer). The caller holds the buffer
+    # until the future is done.
+    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         return self._submit_device("pwrite", buffer, nbytes, offset, after)
 
-    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         return self._submit_device("pread", buffer, nbytes, offset, after)
 
-    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Any):
+    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
         if not self.gds:  # compat mode: kvikio would bounce through host memory, synchronously
             raise NotImplementedError(f"{self.name} takes host buffers only: stage through host memory")
         describe = describe_request(op, self.path, nbytes, offset)

@@ -12,7 +12,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from actoff.config import Config
 from . import engines
 from .engines import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine
 from .kvikio import KvikioEngine, probe_kvikio
+
+if TYPE_CHECKING:
+    from actoff.device.base import Ticket
 
 __all__ = ["Extent", "ExtentAllocator", "NvmeStore", "StoreRegistry", "open_engine"]
 
@@ -164,7 +167,7 @@ class NvmeStore:
         return extent, None
 
     def write(
-        self, buffer: torch.Tensor, nbytes: int, *, extent: Extent | None = None, after: Any = _HOST
+        self, buffer: torch.Tensor, nbytes: int, *, extent: Extent | None = None, after: Ticket = _HOST
     ) -> tuple[Extent, object]:
         """Start writing ``nbytes`` of contiguous ``buffer`` to ``extent`` (one `allocate`
         gave), or to a new extent; returns the extent and the request's future.
@@ -183,7 +186,7 @@ class NvmeStore:
         self._io[extent.offset] = future
         return extent, future
 
-    def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int, *, after: Any = _HOST) -> object:
+    def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int, *, after: Ticket = _HOST) -> object:
         """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer`` (device memory,
         once ticket ``after`` completes, when given: see `write`)."""
         if after is _HOST:

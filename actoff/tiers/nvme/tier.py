@@ -43,11 +43,11 @@ class NvmeTier(CpuTier):
         if run.backend.staged and not direct:
             super().place(record)  # the host copy first; the write starts in advance()
             if record.host_slot is not None:
-                # Note [extents at placement]: the write starts once the host sees the copy
-                # out end, in forward or in backward between the frees of later blocks'
-                # extents. Taken then, the extents would follow copy timing, and a step whose
-                # copies end earlier than the first step's would need more of them at once and
-                # grow the file after warm-up. Taken here, in forward order, they do not.
+                # Note [extents at placement]: a staged record's extent is taken here, in
+                # forward order, not when its write starts (once the host sees the copy out
+                # end, in forward or in backward between the frees of later blocks' extents).
+                # Taken then, extents would follow copy timing: a step whose copies end
+                # earlier than the first step's would need more at once and grow the file.
                 record.store = store
                 record.extent, error = store.allocate(record.host_slot.capacity)
                 if error is not None:  # the file cannot grow: the slot keeps the bytes
@@ -79,9 +79,10 @@ class NvmeTier(CpuTier):
                     if not (force or finish):
                         return
                     run.backend.wait(ticket)  # stream-side: the device tensor may go now
-                # Note [staged writes free the device early]: from here the slot holds the
-                # bytes (in stream order), so the device tensor goes at once rather than when
-                # the disk is done; backward before the write ends reads the slot.
+                # Note [staged writes free the device early]: once the copy into the staging
+                # slot is ordered, the device tensor goes, not when the disk is done: the slot
+                # holds the bytes (in stream order) and a backward that comes before the write
+                # ends is served from the slot (OFFLOADING -> FETCHING), the write going on.
                 record.device_tensor = record.copy_source = None
             if not ticket.query():  # the write reads what the host sees: the copy must be over
                 if not finish:
@@ -132,8 +133,9 @@ class NvmeTier(CpuTier):
         # device tensor, which the record still holds (-> keep).
         run = record.run
         if _timed_out(error):
-            # Note [hung I/O]: a worker that hangs may still write this extent later: never
-            # hand it out again (and keep the source it reads from alive).
+            # Note [hung I/O]: an extent or buffer that a timed-out request may still touch is
+            # never handed out again: it goes to the runtime's quarantine, with the source the
+            # request reads from kept alive. A worker that hangs may still write or read later.
             run.runtime.quarantine.append((record.extent, record.copy_source))
         else:
             record.store.free(record.extent)
@@ -188,8 +190,8 @@ class NvmeTier(CpuTier):
             record.device_tensor = geometry.rebuild(flat)
             record.copy_source = flat[geometry.pad :]
             if run.backend.staged:
-                # Note [direct device I/O]: the fresh allocation may reuse memory that kernels
-                # queued on the compute stream still use: the read lands after they ran.
+                # The fresh allocation may reuse memory that kernels queued on the compute
+                # stream still use: the read lands after they ran (Note [direct device I/O]).
                 record.write_future = store.read(
                     record.copy_source, record.extent, geometry.nbytes, after=run.backend.mark()
                 )
@@ -199,8 +201,8 @@ class NvmeTier(CpuTier):
 
     def materialize(self, record: Record) -> torch.Tensor:
         if record.state is State.OFFLOADING:
-            # Note [staged writes free the device early]: the device tensor is gone and the
-            # staging slot has the bytes; the write, if started, goes on.
+            # The device tensor is gone and the staging slot has the bytes; the write, if
+            # started, goes on (Note [staged writes free the device early]).
             self.advance(record, force=False)
             if record.tier is not self:  # the write failed just now: the record fell back
                 return record.tier.materialize(record)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .tokens import unique_dim
+
+if TYPE_CHECKING:
+    from .run import TokenwiseRun
 
 __all__ = [
     "ReforwardMismatch",
@@ -82,11 +85,11 @@ def mixer_token_dim(fn: Callable[..., Any], output: Any, seq_len: int) -> int | 
 class CaptureMode(TorchFunctionMode):
     """Forward pass of a token-wise run: notes each mixer call and keeps its output whole.
 
-    ``run`` is the run's token-wise state (actoff.tiers.tokenwise.run.TokenwiseRun): it counts
-    ``in_mixer``, knows ``seq_len`` and takes ``capture_mixer_output``.
+    ``run`` is the run's token-wise state: it counts ``in_mixer``, knows ``seq_len`` and takes
+    ``capture_mixer_output``.
     """
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: TokenwiseRun) -> None:
         super().__init__()
         self.run = run
 
@@ -121,7 +124,7 @@ class CollectiveWatch(TorchDispatchMode):
     Python call per operator.
     """
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: TokenwiseRun) -> None:
         super().__init__()
         self.run = run  # the token-wise state: its ``collective`` and ``in_mixer``
 

@@ -116,8 +116,8 @@ def _launch(strided: torch.Tensor, slot: torch.Tensor, *, strided_src: bool) -> 
         return False
     (n0, n1, n2, row_len), strides = shape
     num_rows = n0 * n1 * n2
-    # Note [index arithmetic] in _pack_triton: a tile of about _BLOCK elements, as many rows
-    # as fit when rows are short, so the row index split is paid once per row.
+    # A tile of about _BLOCK elements, as many rows as fit when rows are short, so the row index
+    # split is paid once per row (Note [index arithmetic], actoff.tiers.tokenwise.pack_triton).
     block_c = min(_BLOCK, triton.next_power_of_2(row_len))
     block_r = min(_BLOCK // block_c, triton.next_power_of_2(num_rows))
     grid = (triton.cdiv(num_rows, block_r) * triton.cdiv(row_len, block_c),)

@@ -1,18 +1,16 @@
 """Token plans: what a probe learned about a block, kept per module and per the conditions it ran
 under, and forgotten when the module dies.
 
-Note [probes per module and conditions]: a probe (actoff.tiers.tokenwise.reforward.probe) finds the token dimension
-of each tensor one module saves under one set of conditions, and checks the recomputed rows.
-Applied to another module, a probe result is wrong without a sound: a model rebuilt with the same layer
-names but with dropout recomputes other masks (wrong gradients); one with eager attention re-runs
-attention on a slice (a crash in backward). Applied under other conditions the records no longer
-line up: a smaller last batch, autocast switched on, adapters unfrozen, a dropout submodule put
-in eval mode all change what the block saves. So what probes learn is kept per owner (the
-module, or the function of a function scope), by identity and held weakly (`ByOwner`), then per
-`conditions` key. A result also keeps the saves it was probed on: a forward under the same key
-that saves something else (an attention implementation switched in place) is never split with
-it. A block that cannot be recomputed under some conditions is placed whole under them (a
-verdict), with one warning per module.
+Note [probes per module and conditions]: what a probe (actoff.tiers.tokenwise.reforward.probe)
+learned, the token dimension of each tensor a block saves and whether recomputed rows match,
+is used only for the same owner (the module, or a function scope's function), held by identity
+and weakly (`ByOwner`), under the same `conditions` key, for a forward that saves the same tensors. Applied to another module it
+is wrong without a sound: a model rebuilt with the same layer names but with dropout would
+recompute other masks (wrong gradients), one with eager attention would re-run attention on a
+slice (a crash in backward). Under other conditions (a smaller last batch, autocast on,
+adapters unfrozen, a dropout put in eval mode) or other saves (an attention implementation
+switched in place) the records no longer line up. A block that cannot be recomputed under some
+conditions is placed whole under them, with one warning per module.
 """
 
 from __future__ import annotations

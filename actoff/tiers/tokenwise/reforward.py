@@ -1,23 +1,23 @@
 """The re-forward of a token-wise run on a token slice: the probe of a block's first step, and
 the recompute of dropped rows in backward.
 
-Note [token-wise re-forward]: a slice of a block's input gives the same slice of every token-local
-activation; only the token mixer (attention) needs all tokens. So the dropped rows of every
-saved tensor are rebuilt by re-running the block's forward on the sliced inputs (RNG state
-restored) while `ReforwardMode` serves the mixer's output rows from its stored output. Saved
-tensors arrive in the same order as in the forward pass (parameters, recognised by storage,
-and the mixer's own saves are left out of the order on both passes), so the i-th repacked
-tensor gives record i its rows. Any difference in count or shape is a mismatch.
+Note [token-wise re-forward]: the dropped rows of every saved tensor are rebuilt by re-running
+the block's forward on the sliced inputs (RNG state restored) while `ReforwardMode` serves the
+token mixer's (attention's) output rows from its stored output. This is exact because a slice
+of a block's input gives the same slice of every token-local activation; only the mixer needs
+all tokens. Saved tensors arrive in the same order as in the forward pass (parameters,
+recognised by storage, and the mixer's own saves are left out of the order on both passes), so
+the i-th repacked tensor gives record i its rows. Any difference in count or shape is a
+mismatch.
 
-Note [re-forwards without forward hooks]: the probe runs during forward, and the recompute
-runs on some rows only; neither is a forward the user's program made. The forward hooks of the
-block's submodules do not fire in them: a hook that records outputs (Hugging Face's output
-capture: router logits, attentions, hidden states) recorded the probe's rows as one more layer
-(a mixture-of-experts model's auxiliary loss came out wrong, and its backward crashed). A hook
-that changes an output changes the forward's saves, so the probe finds a mismatch and the block
-is placed whole; nothing is recomputed without it. Pre-hooks still run (they may gather
-parameters or set weights). The hooks are lifted from the modules while a re-forward runs, so
-another thread running the same modules at that moment would miss them too.
+Note [re-forwards without forward hooks]: the forward hooks of the block's submodules do not
+fire in a re-forward (the probe during forward, the recompute of some rows in backward): neither
+is a forward the user's program made. A hook that records outputs (Hugging Face's output
+capture: router logits, attentions, hidden states) would record the probe's rows as one more
+layer, and a mixture-of-experts model's auxiliary loss would count it. A hook that changes an
+output changes the forward's saves, so the probe finds a mismatch and the block is placed whole.
+Pre-hooks still run (they may gather parameters or set weights). The hooks are lifted from the
+modules while a re-forward runs, so another thread running the same modules then misses them too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -34,6 +34,9 @@ from actoff.tiers.record import Record, param_like, serve
 
 from .mixers import ReforwardMismatch, ReforwardMode, rows_like, slice_inputs, with_status
 from .tokens import Canon, detect_canon
+
+if TYPE_CHECKING:
+    from .run import TokenwiseRun
 
 __all__ = [
     "Resave",
@@ -86,7 +89,7 @@ def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = Fal
     return bool(torch.stack([flag.to(pairs[0][0].device) for flag in flags]).any()) if flags else False
 
 
-def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | None, str]:
+def probe(tokenwise: TokenwiseRun, candidates: list[Record]) -> tuple[dict[int, Canon] | None, str]:
     """Re-run the block on its last tokens while everything is live: find each record's
     token dimension (the one that shrank) and check the rows against the real ones.
 
@@ -136,8 +139,8 @@ def probe(tokenwise: Any, candidates: list[Record]) -> tuple[dict[int, Canon] | 
 
 @contextlib.contextmanager
 def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
-    """Note [re-forwards without forward hooks]: the forward hooks of ``module`` and its
-    submodules do not fire inside the block (a function scope, ``None``: nothing to lift).
+    """The forward hooks of ``module`` and its submodules do not fire inside the block (a
+    function scope, ``None``: nothing to lift; Note [re-forwards without forward hooks]).
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
@@ -161,11 +164,11 @@ def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
 class Resave(NamedTuple):
     """What the probe keeps of a re-forward save: shapes and detached rows, never the tensor.
 
-    Note [probe keeps no graph]: a re-forward save is an intermediate whose ``grad_fn`` holds
-    the saved-tensor hooks of the re-forward, whose pack closure holds the dictionary of
-    saves, the token-wise run and its step: a cycle through C++ autograd that Python's
-    collector cannot see. Kept as it was, every probe (one per block and new sequence length)
-    leaked its step; detached tensors hold only memory.
+    Note [probe keeps no graph]: the probe keeps re-forward saves detached, never as they are.
+    A re-forward save is an intermediate whose ``grad_fn`` holds the saved-tensor hooks of the
+    re-forward, whose pack closure holds the dictionary of saves, the token-wise run and its
+    step: a cycle through C++ autograd that Python's collector cannot see, so every probe (one
+    per block and new sequence length) would leak its step. Detached tensors hold only memory.
     """
 
     shape: tuple[int, ...]
@@ -192,7 +195,7 @@ def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype, 
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def low_precision(tokenwise: Any) -> bool:
+def low_precision(tokenwise: TokenwiseRun) -> bool:
     """Whether a token-wise run's block computes in half precision: under half-precision autocast
     (`autocast_state`), with a half-precision parameter or input. A float32 value computed from
     a bf16 product (a norm's statistics) may be a bf16 rounding off on fewer rows."""
@@ -208,7 +211,7 @@ def low_precision(tokenwise: Any) -> bool:
 
 
 @contextlib.contextmanager
-def forward_state(tokenwise: Any) -> Iterator[None]:
+def forward_state(tokenwise: TokenwiseRun) -> Iterator[None]:
     """Note [re-forward state]: run under the grad mode and autocast state of the forward pass.
 
     Whether an operation saves an operand, and in which dtype, depends on grad mode and on
@@ -226,9 +229,9 @@ def forward_state(tokenwise: Any) -> Iterator[None]:
 
 
 def recompute(
-    tokenwise: Any, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
-) -> dict[int, Any]:
-    """Note [token-wise re-forward]: the block's forward on token rows ``[start, stop)``; of each
+    tokenwise: TokenwiseRun, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
+) -> dict[int, Resave | torch.Tensor]:
+    """The block's forward on token rows ``[start, stop)`` (Note [token-wise re-forward]); of each
     record, the rows from token ``keep_from`` on are kept (a copy, when it is not ``start``).
 
     Returns, per record, its re-forward save: for ``detect``'s records a `Resave` (to find

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -27,6 +27,12 @@ from .pack import pack_rows, scatter_rows
 from .probes import ModuleProbes, ProbeResult, conditions
 from .tokens import TokenRanges, base_info, token_ranges
 
+if TYPE_CHECKING:
+    from actoff.device.base import Stopwatch
+    from actoff.runtime.hooks import Handle
+    from actoff.runtime.runtime import Runtime
+    from actoff.runtime.step import ScopeRun
+
 __all__ = ["TokenwiseRun"]
 
 
@@ -35,27 +41,28 @@ class TokenwiseRun(Tier):
 
     name = "tokenwise"
 
-    def __init__(self, run: Any) -> None:
-        self.run = run  # the actoff.runtime.step.ScopeRun
+    def __init__(self, run: ScopeRun) -> None:
+        self.run = run
         self.events: list[int] = []  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
         self.seq_len = 0
-        # Note [probes per module and conditions]: what probes learned about the run's module,
-        # the key of the conditions it runs under, and the probe result for them if there is one yet.
+        # What probes learned about the run's module, the key of the conditions it runs under,
+        # and the probe result for them if there is one yet
+        # (Note [probes per module and conditions], actoff.tiers.tokenwise.probes).
         self.learned: ModuleProbes | None = None
         self.conditions: tuple = ()
         self.probed: ProbeResult | None = None
         self.fn: Callable[..., Any] | None = None
         self.module: torch.nn.Module | None = None  # its forward hooks are lifted in re-forwards
-        self.input_spec: Any = None  # pytree structure of (args, kwargs)
+        self.input_spec: pytree.TreeSpec | None = None  # pytree structure of (args, kwargs)
         self.inputs: list[Any] = []  # their flattened leaves: Record, or the value itself
         self.input_status: list[str | None] = []  # autograd_status of each input at capture
         # (Record or tensor, token dim, autograd_status): the re-forward serves its rows alike
         self.mixer_outputs: list[tuple[Any, int | None, str | None]] = []
         self.grad_enabled = True  # the forward's grad mode and autocast state (reforward.forward_state)
         self.autocast: tuple = ()
-        self.owned: list[Any] = []  # handles actoff holds for inputs and mixer outputs
+        self.owned: list[Handle] = []  # handles actoff holds for inputs and mixer outputs
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.ranges: TokenRanges | None = None
         self.children: list[Record] = []  # packed rows, one record per stored tier
@@ -67,7 +74,7 @@ class TokenwiseRun(Tier):
         # Note [sentinel rows] (actoff.tiers.tokenwise.sentinels): (record index, rows picked in the range or
         # None for all of them, the copy kept at forward time).
         self.checks: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
-        self.forward_watch: Any = None  # time of the forward (the auto policy's T_layer)
+        self.forward_watch: Stopwatch | None = None  # time of the forward (the auto policy's T_layer)
         self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
     # ------------------------------------------------------------------ forward
@@ -134,7 +141,7 @@ class TokenwiseRun(Tier):
         self.mixer_outputs.append((self.keep_whole(output), token_dim, autograd_status(output)))
 
     # ------------------------------------------------------------------ sealing
-    def prepare(self, runtime: Any) -> None:
+    def prepare(self, runtime: Runtime) -> None:
         """Choose the ranges and the records to split; probe and verify once per module and
         conditions (Note [probes per module and conditions]). A run that ends with no split
         records is placed whole."""

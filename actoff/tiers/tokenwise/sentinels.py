@@ -1,26 +1,26 @@
 """Sentinel rows: every step, token-wise recompute is checked against rows kept at forward time.
 
-Note [sentinel rows]: the probe checks a block's token locality once per module and conditions
-(Note [probes per module and conditions], actoff.tiers.tokenwise.probes), on the weights of that step; it cannot
-see a path that a weight switches off. A block that adds a scan over tokens (a cumulative sum, a
-state-space layer, a convolution over tokens) through a gate that starts at zero, as gates and
-adapters often do, matches its probe exactly; once the gate has learned a value, its recomputed
-rows miss what the tokens before them contributed: wrong gradients, with nothing said. So every
-step, forward keeps copies of a few recomputed rows of every split record: the first two of the
-range (they lack the most tokens before them) and its last. Backward checks the re-forward
-against them before any row is used: one wait for the device per block and step, and three rows
-per record of memory. The rows are compared within float32 reassociation of each value plus the
-rows' mean magnitude (a large feature does not hide the others), or within a bf16 rounding when
-the block computes in half precision: autocast, weights or inputs (`actoff.tiers.tokenwise.reforward.rows_differ`,
-`actoff.tiers.tokenwise.reforward.low_precision`). On a difference
-the rows are recomputed from the first token (exact: that re-forward has every token the forward
-had; only rows ``[start, stop)`` of it are kept), the block is placed whole under these
-conditions from then on, and a warning says why, once per block. It is a sample: a difference
-confined to rows between the kept ones (routing that depends on the data) goes unseen. If the
-rows recomputed from the first token differ too, the block computes something else in backward
-(changed weights or state, nondeterministic operations): an error, since training must not go
-on with a wrong activation. ``ACTOFF_VERIFY`` adds a copy of one whole recomputed range every
-``verify_interval`` steps, checked the same way.
+Note [sentinel rows]: every step, backward checks each split record's recomputed rows against
+copies of a few of them kept at forward time (the first two of the range, which lack the most
+tokens before them, and its last) before any row is used. The probe checks token locality once
+per module and conditions (Note [probes per module and conditions], actoff.tiers.tokenwise.probes),
+on that step's weights: it cannot see a path a weight switches off. A scan over tokens (a
+cumulative sum, a state-space layer, a convolution over tokens) behind a gate that starts at
+zero matches its probe exactly; once the gate has learned a value, recomputed rows miss what
+the tokens before them contributed: wrong gradients, with nothing said. The check is a sample:
+a difference confined to rows between the kept ones (data-dependent routing) goes unseen.
+
+The cost is one wait for the device per block and step, and three rows per record. Rows are
+compared within float32 reassociation of each value plus the rows' mean magnitude (a large
+feature does not hide the others), or within a bf16 rounding when the block computes in half
+precision: autocast, weights or inputs (`actoff.tiers.tokenwise.reforward.rows_differ`,
+`actoff.tiers.tokenwise.reforward.low_precision`). On a difference the rows are recomputed from
+the first token (exact: that re-forward has every token the forward had; only rows
+``[start, stop)`` of it are kept), the block is placed whole under these conditions from then
+on, and a warning says why, once per block. If the rows recomputed from the first token differ
+too, the block computes something else in backward (changed weights or state, nondeterministic
+operations): an error, since training must not go on with a wrong activation. ``ACTOFF_VERIFY``
+adds a copy of one whole recomputed range every ``verify_interval`` steps, checked the same way.
 
 A range that starts at the first token (``recompute``: every token re-run) lacks nothing and
 keeps no sentinels.
@@ -29,7 +29,7 @@ keeps no sentinels.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,10 +37,13 @@ from actoff.policy import whole_tier
 
 from . import reforward
 
+if TYPE_CHECKING:
+    from .run import TokenwiseRun
+
 __all__ = ["checked_recompute", "keep"]
 
 
-def keep(tokenwise: Any, start: int, stop: int) -> None:
+def keep(tokenwise: TokenwiseRun, start: int, stop: int) -> None:
     """At forward: copies of the rows of ``[start, stop)`` that backward checks, for each of the
     records ``tokenwise`` (an actoff.tiers.tokenwise.run.TokenwiseRun) splits, in ``tokenwise.checks``."""
     run = tokenwise.run
@@ -57,7 +60,7 @@ def keep(tokenwise: Any, start: int, stop: int) -> None:
         tokenwise.checks.append((record.index, None, whole))
 
 
-def checked_recompute(tokenwise: Any, start: int, stop: int) -> dict[int, torch.Tensor]:
+def checked_recompute(tokenwise: TokenwiseRun, start: int, stop: int) -> dict[int, torch.Tensor]:
     """At backward: the recomputed rows ``[start, stop)`` of every split record (by record index),
     checked against the copies `keep` made; recomputed from the first token on a difference."""
     rows = reforward.recompute(tokenwise, start, stop)
@@ -98,7 +101,7 @@ def checked_recompute(tokenwise: Any, start: int, stop: int) -> dict[int, torch.
     return rows
 
 
-def _differ(tokenwise: Any, rows: dict[int, torch.Tensor]) -> bool:
+def _differ(tokenwise: TokenwiseRun, rows: dict[int, torch.Tensor]) -> bool:
     """Whether any kept copy differs from the same rows of ``rows`` (one wait for the device)."""
     dims = {record.index: record.canon.dim for record in tokenwise.split_records}
     pairs = []

@@ -113,7 +113,7 @@ def test_host_buffer_reused_while_a_copy_touches_it_is_a_race(streams):
 
 
 def test_a_freed_host_buffers_addresses_become_device_memory_again(streams):
-    # Note [host ranges die with their buffer]: the CPU allocator hands a freed host chunk's
+    # (Note [host ranges die with their buffer]) the CPU allocator hands a freed host chunk's
     # addresses to the next tensor; a copy into it is host-to-device, and compute waits for it.
     host = streams.host_empty(1 << 20)
     address = host.data_ptr()
@@ -334,7 +334,7 @@ def test_a_graph_the_collector_frees_while_the_device_holds_its_lock_is_released
 
 
 def test_a_process_that_exits_with_copies_in_flight_exits_cleanly():
-    # Note [stop before the interpreter exits]: a worker still inside a copy when the
+    # (Note [stop before the interpreter exits]) a worker still inside a copy when the
     # interpreter finalized aborted the process (seen as test_nvme's SIGTERM test ending with
     # SIGABRT on the simulated device). Here long copies are queued just before the exit.
     script = textwrap.dedent(
@@ -410,7 +410,7 @@ def test_mutation_copy_source_dropped_early_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("lag_s", [0.0, 0.01])
 def test_offloading_lowers_the_device_peak_however_late_the_copies_run(lag_s):
-    """Note [copy sources and the allocator]: once the compute stream has waited for a copy out,
+    """(Note [copy sources and the allocator]) once the compute stream has waited for a copy out,
     the caching allocator hands the source's memory to new work when its owner drops it, even if
     the copy has not run yet. The memory model used to keep the source live until the copy ran,
     so late copies made offloading look useless (no saving at 10 ms of lag)."""

@@ -179,7 +179,7 @@ class _Gate:
 
 
 def test_device_requests_wait_for_their_ticket_and_never_run_on_the_callers_thread(kvikio, tmp_path):
-    # Note [direct device I/O]: kvikio would synchronise the default stream in the calling
+    # (Note [direct device I/O]) kvikio would synchronise the default stream in the calling
     # thread, and its DMA follows no stream: the request starts only once its ticket is done.
     with kvikio.defaults.set("compat_mode", kvikio.CompatMode.OFF):  # the stand-in's "GDS active"
         engine = KvikioEngine(str(tmp_path / "gds.bin"))

@@ -211,7 +211,7 @@ def test_phi3_fused_projections_are_recomputed_token_wise():
 
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
 def test_mixtral_router_logits_and_aux_loss_count_each_layer_once(policy):
-    """Note [re-forwards without forward hooks]: Hugging Face records the router logits with
+    """(Note [re-forwards without forward hooks]) Hugging Face records the router logits with
     forward hooks; the probe's re-forward recorded its rows as one more layer per block (the
     auxiliary loss came out wrong and backward crashed in an unpack hook)."""
     model = _hf(
@@ -359,7 +359,7 @@ def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
 
 
 # ---------------------------------------------------------------------------------- same names, other models
-# Note [probes per module and conditions]: a hyper-parameter sweep, two models trained side by
+# (Note [probes per module and conditions]) a hyper-parameter sweep, two models trained side by
 # side, a model rebuilt with dropout or another attention: the qualified layer names are the
 # same, the modules are not. A plan probed on one must never be applied to another.
 def _gpt2(dropout: float):

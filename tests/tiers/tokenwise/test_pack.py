@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-from _helpers import TESTS
 
 from actoff.tiers.tokenwise.pack import pack_rows, packed_offsets, scatter_rows
 
@@ -116,7 +115,7 @@ def test_triton_kernels_match_torch_in_the_interpreter():
         assert t._same_bits(got[: z.numel() * 8].view(torch.complex64).view(z.shape), z.resolve_conj())
         print("OK", len(t.ALL_DTYPES))
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": TESTS}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
     )

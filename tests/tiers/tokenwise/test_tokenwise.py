@@ -187,7 +187,7 @@ def test_blocks_that_cannot_be_recomputed_fall_back_with_one_warning(block_facto
 
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
 def test_forward_hooks_inside_a_block_see_the_forward_only(policy):
-    """Note [re-forwards without forward hooks]: neither the probe (during forward) nor the
+    """(Note [re-forwards without forward hooks]) neither the probe (during forward) nor the
     recompute (of some rows, in backward) fires the forward hooks of the block's submodules."""
     model = make_model()
     seen = []

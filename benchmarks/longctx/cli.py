@@ -1,0 +1,273 @@
+"""Long-context training benchmark: actoff's policies side by side with the alternatives.
+
+Each policy runs in a fresh process that builds the model once, on the device and in its
+dtype, and measures every sequence length in turn, shortest first; the first failure (out of
+memory, say) skips the longer lengths, and a crash takes only that policy. Records are
+printed as they are made: ``--jsonl`` appends each one to a file at once (flushed), so a run
+cut short keeps everything measured so far; ``--time-budget`` stops starting work that could
+not finish in time. ``--json`` writes all records at the end; ``--plot`` draws memory over
+one step and tokens/s and peak memory against sequence length.
+
+    python benchmarks/long_context.py                       # CPU default, about a minute
+    python benchmarks/long_context.py --preset 7b --seq 8k,16k,32k --layers 4 --jsonl out.jsonl
+    python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,checkpoint,cpu
+    torchrun --nproc-per-node 2 benchmarks/long_context.py --seq 1k   # DDP: per rank and in total
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+from _common import JsonLines, print_header, system_header, write_json
+
+import actoff
+
+from .ddp import gather_to_rank0, host_store, torchrun_launch
+from .maxseq import find_max
+from .paired import paired_worker
+from .plots import plot
+from .policies import (
+    ACTOFF_POLICIES,
+    ALLOCATOR_VARIANTS,
+    BASELINES,
+    DEFAULT_POLICIES,
+    MAXSEQ_CPU_POLICIES,
+    check_policies,
+    split_variants,
+)
+from .table import report, run_policies
+from .worker import worker
+
+DEFAULT_SIM_MEMORY = "128MiB"
+PRESETS = {
+    # name: model preset, layers, default lengths, batch, dtype
+    # On the CPU tiles and loss chunks of 256 tokens: the lengths that fit a small simulated
+    # device are a few thousand tokens, and 4096-token chunks would be most of the working memory.
+    "cpu": {
+        "model": "small",
+        "layers": 4,
+        "seq": "512,1024",
+        "batch": 1,
+        "dtype": "float32",
+        "tile_tokens": 256,
+        "loss_tokens": 256,
+    },
+    "1b": {"model": "1b", "layers": 8, "seq": "8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
+    "7b": {"model": "7b", "layers": 4, "seq": "4k,8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
+}
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"4k,8k,16384"`` -> ``[4096, 8192, 16384]``."""
+    lengths = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        lengths.append(int(float(part.rstrip("k")) * scale))
+    if not lengths or min(lengths) < 2:
+        raise SystemExit(f"--seq {text!r}: give lengths like 4k,8k,16384")
+    return lengths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also what benchmarks/gpu_session.sh's commands are checked against)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape and defaults (cpu without a GPU, else 7b)",
+    )
+    parser.add_argument("--seq", help="sequence lengths, e.g. 4k,8k,16k")
+    parser.add_argument("--layers", type=int, help="number of blocks")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument(
+        "--policies",
+        help=f"comma list of {', '.join(BASELINES + ACTOFF_POLICIES)}; tokenwise:CPU:NVME sets fractions; "
+        "+tile, +loss variants (default: all, or for --find-max-seq on a CPU each of keep, checkpoint, "
+        "save_on_cpu, cpu, recompute, auto, plain and +tile+loss)",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--nvme-dir", help="directory for the nvme policy (default: a temp dir)")
+    parser.add_argument("--json", help="write all records to this path at the end")
+    parser.add_argument("--jsonl", help="append each record to this path as it is made (JSON lines)")
+    parser.add_argument("--plot", help="write a PNG to this path")
+    parser.add_argument(
+        "--find-max-seq",
+        action="store_true",
+        help="longest trainable length per policy: doubling from the first --seq, then bisection (on a CPU: "
+        "on the simulated device with --sim-memory)",
+    )
+    parser.add_argument("--max-seq", help="upper limit for --find-max-seq (default 1024k; 8k on a CPU)")
+    parser.add_argument(
+        "--sim-memory",
+        help="on a CPU: train on the simulated device with this much device memory (e.g. 128MiB; sets "
+        "ACTOFF_SIM_DEVICE=1 and ACTOFF_SIM_DEVICE_MEMORY for the workers); past it a step is out of "
+        f"memory. --find-max-seq uses ACTOFF_SIM_DEVICE_MEMORY or {DEFAULT_SIM_MEMORY} without it",
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per process (one policy)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds for the whole run: no process outlives it, none starts late",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    if not args.worker and threading.current_thread() is threading.main_thread():
+        # Stopped from outside (timeout, a launcher): unwind, so that run_one's finally kills
+        # the worker process and the JSON lines file is closed, rather than leave a worker on.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.worker:
+        return _serve_worker(json.loads(args.worker))
+
+    preset_name = args.preset or ("7b" if torch.cuda.is_available() else "cpu")
+    preset = PRESETS[preset_name]
+    if preset_name != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
+    cuda = torch.cuda.is_available()
+    policies = _policies(args, cuda)
+    lengths = parse_lengths(args.seq or preset["seq"])
+    max_seq = parse_lengths(args.max_seq or ("1024k" if cuda else "8k"))[0]
+    nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
+    os.makedirs(nvme_dir, exist_ok=True)
+    base = _base_spec(args, preset, nvme_dir, capped=not cuda and bool(args.find_max_seq or args.sim_memory))
+
+    launch = torchrun_launch()
+    if launch is not None and args.find_max_seq:
+        raise SystemExit("--find-max-seq runs on one process; launch it without torchrun")
+    header = system_header(nvme_dir)
+    _store = host_store(launch) if launch is not None else None  # held: it serves every job of the launch
+    header.update(_describe(base, preset_name, launch))
+    lead = launch is None or launch["rank"] == 0
+    if lead:
+        print_header("actoff long-context benchmark", header)
+    time_left = _time_left(args)
+
+    out = JsonLines(args.jsonl if lead else None, header)
+    try:
+        if args.find_max_seq:
+            return find_max(policies, base, lengths[0], max_seq, time_left, header, args, out)
+        lengths.sort()  # shortest first: a failure skips the longer ones
+        records, interleaved = run_policies(policies, base, lengths, launch, time_left, out, lead)
+        if launch is not None:
+            records = gather_to_rank0(records, launch)
+            if records is None:
+                return 0
+    finally:
+        out.close()
+        if not args.nvme_dir:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+    return _report_table(records, interleaved, policies, base, header, args, lead)
+
+
+def _serve_worker(spec: dict) -> int:
+    """``--worker SPEC``: measure as the spec says, a JSON record a line on stdout."""
+    for record in paired_worker(spec) if spec.get("policy") == "interleaved" else worker(spec):
+        print(json.dumps(record), flush=True)
+    if spec.get("ddp") is not None:
+        # A gloo work freed by its thread during interpreter finalisation aborts the process
+        # (a torch bug; "terminate called without an active exception"): the record is out,
+        # so leave without finalising.
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _policies(args: argparse.Namespace, cuda: bool) -> list[str]:
+    """The policies to run: ``--policies``, checked, or the defaults of the mode."""
+    if args.policies is None:
+        args.policies = ",".join(MAXSEQ_CPU_POLICIES if args.find_max_seq and not cuda else DEFAULT_POLICIES)
+    policies = check_policies(args.policies)
+    cuda_only = [p for p in policies if split_variants(p)[1] & ALLOCATOR_VARIANTS.keys()]
+    if cuda_only and not cuda:
+        raise SystemExit(
+            f"policy {cuda_only[0]!r}: +expandable and +replay choose how CUDA memory is allocated; "
+            "this machine has no CUDA device (leave them out here)"
+        )
+    return policies
+
+
+def _base_spec(args: argparse.Namespace, preset: dict, nvme_dir: str, capped: bool) -> dict:
+    """What every worker's spec shares: the model, its dtype, the steps, the NVMe directory, the
+    chunk sizes and, on a capped simulated device, its memory."""
+    base = {"model": preset["model"], "layers": args.layers or preset["layers"], "batch": args.batch or preset["batch"],
+            "dtype": preset["dtype"], "steps": args.steps, "warmup": args.warmup, "nvme_dir": nvme_dir,
+            "tile_tokens": preset.get("tile_tokens"), "loss_tokens": preset.get("loss_tokens")}  # fmt: skip
+    if capped:  # Note [a capped device on a CPU]
+        size = args.sim_memory or os.environ.get("ACTOFF_SIM_DEVICE_MEMORY") or DEFAULT_SIM_MEMORY
+        try:
+            base["sim_memory"] = actoff.parse_size(size, what="--sim-memory")
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+        if base["sim_memory"] <= 0:
+            raise SystemExit(f"--sim-memory={size!r}: give a size > 0, e.g. 128MiB")
+    if args.find_max_seq:
+        # Each probe: a warm-up step, in which actoff traces its buffers and plans them, then
+        # the step measured, the first to hold the planned device arena: a length that fits only
+        # before the plan does not train.
+        base.update(steps=1, warmup=1)
+    return base
+
+
+def _describe(base: dict, preset_name: str, launch: dict | None) -> dict:
+    """The header's lines about this run: the ranks, the preset and model, chunks, device memory."""
+    lines = {}
+    if launch is not None:
+        lines["ranks"] = f"{launch['world']} (DDP; per rank and in total)"
+    lines.update(
+        preset=preset_name,
+        model=f"{base['model']}-shaped, {base['layers']} layers, batch {base['batch']}, {base['dtype']}",
+    )
+    if base.get("tile_tokens") or base.get("loss_tokens"):
+        lines["chunks"] = f"+tile {base['tile_tokens']} tokens, +loss {base['loss_tokens']} tokens"
+    if base.get("sim_memory"):
+        lines["device_memory"] = (f"simulated device of {actoff.format_bytes(base['sim_memory'])} "
+                                  "(ACTOFF_SIM_DEVICE_MEMORY; host buffers not counted)")  # fmt: skip
+    return lines
+
+
+def _time_left(args: argparse.Namespace):
+    """From now: a function of the seconds a new process may run, the per-process timeout
+    within what is left of the time budget."""
+    started_s = time.perf_counter()
+
+    def time_left() -> float:
+        if args.time_budget is None:
+            return args.timeout
+        return min(args.timeout, args.time_budget - (time.perf_counter() - started_s))
+
+    return time_left
+
+
+def _report_table(records: list[dict], interleaved: list[dict], policies: list[str], base: dict, header: dict,
+                  args: argparse.Namespace, lead: bool) -> int:  # fmt: skip
+    """The table and its ratio lines printed, then written as asked; 1 if a record is not ok."""
+    summary = report(records, interleaved, policies, base["layers"])
+    if args.jsonl and lead:
+        with open(args.jsonl, "a") as handle:
+            handle.write(json.dumps({"summary": summary}) + "\n")
+    if args.json:
+        write_json(args.json, header, records, summary=summary, interleaved=interleaved)
+    if args.plot:
+        plot(records, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if all(r.get("status") == "ok" for r in records) else 1

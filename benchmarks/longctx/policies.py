@@ -1,0 +1,184 @@
+"""The policies the benchmark compares, their variants, and applying one to a model.
+
+A policy is a baseline without actoff (``none``, ``checkpoint``, ``save_on_cpu``) or one of
+actoff's (``keep``, ``cpu``, ``nvme``, ``tokenwise:CPU:NVME``, ``recompute``, ``auto``), with
+suffixes: the variants of `VARIANTS` and ``+verify``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+# none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
+BASELINES = ("none", "checkpoint", "save_on_cpu")
+ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "auto")
+# tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
+# --find-max-seq on a CPU: the baselines and actoff's policies, each plain and with tiling and
+# the chunked loss. Of the token-wise family, recompute (block inputs and attention outputs in
+# host memory, the rest rebuilt in backward) needs the least device memory: its device arena
+# holds one block's rebuilt activations where cpu's holds two blocks' fetched ones.
+MAXSEQ_CPU_POLICIES = tuple(f"{name}{variant}" for variant in ("", "+tile+loss")
+                            for name in ("keep", "checkpoint", "save_on_cpu", "cpu", "recompute", "auto"))  # fmt: skip
+# ... and recompute+tile+loss with ACTOFF_PLANNER=off, to weigh what the device arena costs.
+MAXSEQ_CPU_POLICIES += ("recompute+tile+loss+noplan",)
+DEFAULT_POLICIES = ("none", "keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
+                    "tokenwise:0.25:0.25", "recompute", "auto")  # fmt: skip
+
+#: Variants a policy may carry as suffixes: ``+tile`` runs each block's MLP chunk by chunk
+#: (`actoff.tile_`, TILE_TOKENS positions at a time), ``+loss`` computes the head and the loss
+#: over chunks of LOSS_TOKENS rows (`actoff.chunked_cross_entropy`), e.g. ``cpu+tile+loss``;
+#: ``+noplan`` runs an actoff policy with ``ACTOFF_PLANNER=off``: no device arena, actoff's
+#: backward buffers allocated per request and freed after their last use (and the host arena
+#: bump-allocated), to weigh what the arena costs in device memory. On CUDA, ``+expandable`` runs
+#: the worker with PyTorch's ``expandable_segments:True`` and ``+replay`` under actoff's replay
+#: allocator (``ACTOFF_ALLOCATOR=replay``): with ``+noplan`` and the plain policy, four ways to
+#: allocate the device's memory, compared by fragmentation and longest sequence.
+VARIANTS = ("tile", "loss", "noplan", "expandable", "replay")
+#: The worker's environment under each allocator variant (set before CUDA starts).
+ALLOCATOR_VARIANTS = {
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "replay": {"ACTOFF_ALLOCATOR": "replay"},
+}
+TILE_TOKENS = 4096
+LOSS_TOKENS = 4096
+
+
+def split_variants(policy: str) -> tuple[str, frozenset[str]]:
+    """``"cpu+tile+loss"`` -> ``("cpu", {"tile", "loss"})``; other suffixes (``+verify``) stay.
+
+    >>> split_variants("checkpoint+loss")
+    ('checkpoint', frozenset({'loss'}))
+    """
+    name, *suffixes = policy.split("+")
+    extras = frozenset(s for s in suffixes if s in VARIANTS)
+    return "+".join([name, *(s for s in suffixes if s not in VARIANTS)]), extras
+
+
+def is_actoff_policy(policy: str) -> bool:
+    """Whether ``policy`` places activations with actoff (``cpu+tile+loss`` yes, ``checkpoint+loss`` no)."""
+    return split_variants(policy)[0].split(":")[0].split("+")[0] in ACTOFF_POLICIES
+
+
+def check_policies(text: str) -> list[str]:
+    """The policies of ``--policies``, or SystemExit naming the one that is not known."""
+    policies = [p.strip().lower() for p in text.split(",") if p.strip()]
+    for policy in policies:
+        base, *suffixes = policy.split("+")
+        unknown = [s for s in suffixes if s not in (*VARIANTS, "verify")]
+        if unknown:
+            raise SystemExit(
+                f"policy {policy!r}: unknown suffix +{unknown[0]}; known: +tile, +loss, +noplan, "
+                "+expandable, +replay, +verify"
+            )
+        name, *fractions = base.split(":")
+        needs_actoff = {"noplan": "turns off actoff's planner", "replay": "plans by actoff's scopes"}
+        for variant, what in needs_actoff.items():
+            if variant in suffixes and name not in ACTOFF_POLICIES:
+                raise SystemExit(f"policy {policy!r}: +{variant} {what}; {name} does not use actoff")
+        if name not in BASELINES + ACTOFF_POLICIES or (fractions and name != "tokenwise"):
+            raise SystemExit(
+                f"unknown policy {policy!r}: choose from {', '.join(BASELINES + ACTOFF_POLICIES)}"
+                " (each may end in +tile, +loss, +noplan, +expandable, +replay, +verify)"
+            )
+        try:
+            [float(f) for f in fractions]
+        except ValueError:
+            raise SystemExit(
+                f"policy {policy!r}: write tokenwise:CPU_FRACTION:NVME_FRACTION, e.g. tokenwise:0.5:0"
+            ) from None
+    return policies
+
+
+def build_model(config, device, dtype):
+    """The reference model with its parameters made on ``device`` in ``dtype``: no CPU copy
+    first (a 7B-shaped model built on the CPU in float32 took about 15 s per process)."""
+    import torch
+
+    from actoff.reference import Transformer
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the rotary tables are computed in float32 regardless
+    try:
+        with torch.device(device):
+            return Transformer(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def apply_policy(model, policy: str, nvme_dir: str | None, planner_off: bool = False):
+    """Returns a context manager to run each step under (for save_on_cpu). ``planner_off``: an
+    actoff policy with ``ACTOFF_PLANNER=off`` (the ``+noplan`` variant)."""
+    import torch
+
+    import actoff
+
+    if policy == "none":
+        return contextlib.nullcontext
+    if policy == "checkpoint":
+        _checkpoint_blocks(model)
+        return contextlib.nullcontext
+    if policy == "save_on_cpu":
+        pin = torch.cuda.is_available()
+        if not pin and actoff.get_config().sim_device_memory is not None:
+            return _save_on_simulated_host  # Note [save_on_cpu on the simulated device]
+        return lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
+    _offload(model, policy, nvme_dir, planner_off)
+    return contextlib.nullcontext
+
+
+def _checkpoint_blocks(model) -> None:
+    """Every block of ``model`` under activation checkpointing (PyTorch's, non-reentrant)."""
+    import torch
+    import torch.utils.checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x, cos, sin):
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+    model.layers = torch.nn.ModuleList(Checkpointed(b) for b in model.layers)
+
+
+def _offload(model, policy: str, nvme_dir: str | None, planner_off: bool) -> None:
+    """``model``'s blocks under one of actoff's policies (``tokenwise:CPU:NVME``, ``+verify``)."""
+    import actoff
+    from actoff.reference import Block
+
+    # actoff policies read the rest of their settings from ACTOFF_* (e.g. ACTOFF_KEEP_LAST).
+    policy, verify = policy.removesuffix("+verify"), policy.endswith("+verify")
+    name, *fractions = policy.split(":")
+    overrides: dict[str, object] = {"policy": name, "verify": verify or actoff.Config.from_env().verify}
+    if fractions:
+        overrides["cpu_fraction"] = float(fractions[0])
+        overrides["nvme_fraction"] = float(fractions[1]) if len(fractions) > 1 else 0.0
+    if nvme_dir and os.environ.get("ACTOFF_NVME_DIR") is None:
+        overrides["nvme_dir"] = nvme_dir
+    if planner_off:
+        overrides["planner"] = "off"
+    actoff.offload_(model, block_cls=Block, config=actoff.Config.from_env(**overrides))
+
+
+def _save_on_simulated_host():
+    """Note [save_on_cpu on the simulated device]: on a CPU ``torch.autograd.graph.save_on_cpu``
+    keeps each saved tensor as it is (``tensor.cpu()`` of a CPU tensor is the tensor), so under
+    the simulated device's memory model it would cost what ``keep`` costs. This is what it does
+    on a GPU: pack copies every saved tensor, parameters' views included, into host memory
+    (allocated outside the device's count, as pinned memory is), and unpack copies it back into
+    a new device tensor."""
+    import torch
+    from torch.utils._mode_utils import no_dispatch
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        with no_dispatch():  # host memory: not the device's
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout)
+            host.copy_(tensor)
+        return host
+
+    def unpack(host: torch.Tensor) -> torch.Tensor:
+        return host.clone()  # a device allocation, as ``.to(device)`` is
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
