@@ -27,7 +27,15 @@ from .device.base import backend_for, forget_backend
 from .device.sim.device import RaceError, SimSettings, SimStreams, _override, settings_for
 from .device.sim.memory import DeviceMemory
 
-__all__ = ["DeviceMemory", "RaceError", "SimSettings", "SimStreams", "device_memory", "simulated_device"]
+__all__ = [
+    "DeviceMemory",
+    "RaceError",
+    "SimSettings",
+    "SimStreams",
+    "active_device",
+    "device_memory",
+    "simulated_device",
+]
 
 _generations = itertools.count(1)
 
@@ -41,6 +49,7 @@ def simulated_device(
     capacity: int | str | None = None,
     track_memory: bool = True,
     bandwidth: int | str | None = None,
+    pageable_rate: float = 0.5,
 ) -> Iterator[SimStreams]:
     """Run the scopes on a CPU device inside the block on a fresh simulated device.
 
@@ -52,7 +61,8 @@ def simulated_device(
     ``"2GB/s"``) gives the device a host link of that rate each way: every copy off the compute
     stream then takes at least its bytes over that rate, copies in one direction queue, and
     compute waits for a copy it depends on, so step times compare as on a GPU with that
-    copy-to-compute ratio (``device.links`` has each direction's figures). On leaving, the
+    copy-to-compute ratio (``device.links`` has each direction's figures); a synchronous copy
+    from pageable memory (`SimStreams.transfer`) runs at ``pageable_rate`` of it. On leaving, the
     device is drained, and a race not yet raised in the block raises `RaceError`.
 
     Example:
@@ -77,7 +87,13 @@ def simulated_device(
     if rate is not None and rate <= 0:
         raise ValueError(f"simulated_device(bandwidth={bandwidth!r}): expected a rate > 0, e.g. '2GB/s'")
     settings = SimSettings(
-        seed, max_delay_s, max_lag_s, capacity=limit, bandwidth=rate, generation=next(_generations)
+        seed,
+        max_delay_s,
+        max_lag_s,
+        capacity=limit,
+        bandwidth=rate,
+        pageable_rate=pageable_rate,
+        generation=next(_generations),
     )
     cpu = torch.device("cpu")
     device = backend_for(cpu, settings).streams
@@ -136,3 +152,22 @@ def device_memory(config: Config | None = None) -> Iterator[DeviceMemory]:
     memory = backend_for(torch.device("cpu"), settings).streams.memory
     with memory:
         yield memory
+
+
+def active_device(config: Config | None = None) -> SimStreams | None:
+    """The simulated device a CPU scope would run on now: the innermost `simulated_device`
+    block's, else the one ``ACTOFF_SIM_DEVICE=1`` selects (``config``: the process's), else
+    ``None``. Baselines that copy outside actoff use it to pay the link's time
+    (`SimStreams.transfer`).
+
+    Example:
+        >>> from actoff.testing import active_device, simulated_device
+        >>> with simulated_device(bandwidth="1GB/s") as device:
+        ...     active_device() is device, round(device.transfer(1000, "device-to-host") * 1e9)
+        (True, 1000)
+    """
+    config = get_config() if config is None else config
+    settings = settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
+    if settings is None:
+        return None
+    return backend_for(torch.device("cpu"), settings).streams

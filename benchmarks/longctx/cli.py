@@ -10,7 +10,7 @@ one step and tokens/s and peak memory against sequence length.
 
     python benchmarks/long_context.py                       # CPU default, about a minute
     python benchmarks/long_context.py --preset 7b --seq 8k,16k,32k --layers 4 --jsonl out.jsonl
-    python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,checkpoint,cpu
+    python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,torch_checkpoint,cpu
     torchrun --nproc-per-node 2 benchmarks/long_context.py --seq 1k   # DDP: per rank and in total
 """
 
@@ -45,9 +45,12 @@ from .policies import (
     split_variants,
 )
 from .table import report, run_policies
+from .tunnel import parse_like, scale
 from .worker import worker
 
 DEFAULT_SIM_MEMORY = "128MiB"
+#: The tunnel of the CPU table (Note [scaling the tunnel]): a 7B block on an H100 at 8k tokens.
+DEFAULT_LIKE = "h100:7b@8k"
 PRESETS = {
     # name: model preset, layers, default lengths, batch, dtype
     # On the CPU tiles and loss chunks of 256 tokens: the lengths that fit a small simulated
@@ -97,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policies",
         help=f"comma list of {', '.join(BASELINES + ACTOFF_POLICIES)}; tokenwise:CPU:NVME sets fractions; "
-        "+tile, +loss variants (default: all, or for --find-max-seq on a CPU each of keep, checkpoint, "
-        "save_on_cpu, cpu, recompute, auto, plain and +tile+loss)",
+        "+tile, +loss variants (default: all, or for --find-max-seq on a CPU each of keep, torch_checkpoint, "
+        "torch_save_on_cpu, cpu, recompute, auto, plain and +tile+loss)",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -125,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds for the whole run: no process outlives it, none starts late",
     )
+    parser.add_argument(
+        "--like",
+        help="on a CPU: the wind tunnel, the simulated device's link scaled so a block's copy-to-compute "
+        "ratio is that of a target GPU and model at a length, e.g. h100:7b@8k, h100:8b@32k, h200:8b@128k "
+        f"(default on a CPU: {DEFAULT_LIKE}; 'none': no link, copies at memcpy speed). An explicit target "
+        "also sets --layers to the target model's unless given",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
 
@@ -149,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     max_seq = parse_lengths(args.max_seq or ("1024k" if cuda else "8k"))[0]
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
     os.makedirs(nvme_dir, exist_ok=True)
+    like = _like(args, cuda)  # before the spec: a target sets the layers
     base = _base_spec(args, preset, nvme_dir, capped=not cuda and bool(args.find_max_seq or args.sim_memory))
 
     launch = torchrun_launch()
@@ -157,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     header = system_header(nvme_dir)
     _store = host_store(launch) if launch is not None else None  # held: it serves every job of the launch
     header.update(_describe(base, preset_name, launch))
+    tunnel = (
+        _scale_tunnel(like, base, lengths, header) if like is not None and not args.find_max_seq else None
+    )
     lead = launch is None or launch["rank"] == 0
     if lead:
         print_header("actoff long-context benchmark", header)
@@ -167,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.find_max_seq:
             return find_max(policies, base, lengths[0], max_seq, time_left, header, args, out)
         lengths.sort()  # shortest first: a failure skips the longer ones
+        if tunnel is not None:
+            base["tunnel"] = {"bandwidth": {str(seq): scaled["bandwidth"] for seq, scaled in tunnel.items()},
+                              "pageable_rate": like.gpu.pageable}  # fmt: skip
         records, interleaved = run_policies(policies, base, lengths, launch, time_left, out, lead)
         if launch is not None:
             records = gather_to_rank0(records, launch)
@@ -176,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         out.close()
         if not args.nvme_dir:
             shutil.rmtree(nvme_dir, ignore_errors=True)
-    return _report_table(records, interleaved, policies, base, header, args, lead)
+    return _report_table(records, interleaved, policies, base, header, args, lead, tunnel)
 
 
 def _serve_worker(spec: dict) -> int:
@@ -245,6 +262,38 @@ def _describe(base: dict, preset_name: str, launch: dict | None) -> dict:
     return lines
 
 
+def _like(args: argparse.Namespace, cuda: bool):
+    """The tunnel's target (`tunnel.Like`), or None: on CUDA (the real thing), under
+    ``--like none``, or for ``--find-max-seq`` (memory, not time) unless asked for."""
+    text = args.like if args.like is not None else (None if cuda or args.find_max_seq else DEFAULT_LIKE)
+    if text is None or text.lower() == "none":
+        return None
+    if cuda:
+        raise SystemExit(
+            "--like scales the simulated device's link on a CPU; on CUDA the GPU is measured itself"
+        )
+    like = parse_like(text)
+    if args.like is not None and args.layers is None:
+        from actoff.reference import ModelConfig
+
+        args.layers = ModelConfig.preset(like.model).num_layers  # 2 of 4 blocks in flight is not 2 of 32
+    return like
+
+
+def _scale_tunnel(like, base: dict, lengths: list[int], header: dict) -> dict:
+    """Per length, the link rate that gives the CPU model the target's ratio (a warm-up on the
+    CPU measures its side), and a header line saying so."""
+    import torch
+
+    tunnel = {seq: scale(like, base["model"], base["layers"], seq, getattr(torch, base["dtype"]), base["batch"])
+              for seq in lengths}  # fmt: skip
+    first = next(iter(tunnel.values()))
+    rates = ", ".join(f"{seq}: {actoff.format_bytes(t['bandwidth'])}/s" for seq, t in tunnel.items())
+    header["tunnel"] = (f"like {like.text}: a block's copy / forward time = {first['ratio']:.2f} as there "
+                        f"(link {rates}; Note [scaling the tunnel])")  # fmt: skip
+    return tunnel
+
+
 def _time_left(args: argparse.Namespace):
     """From now: a function of the seconds a new process may run, the per-process timeout
     within what is left of the time budget."""
@@ -259,14 +308,15 @@ def _time_left(args: argparse.Namespace):
 
 
 def _report_table(records: list[dict], interleaved: list[dict], policies: list[str], base: dict, header: dict,
-                  args: argparse.Namespace, lead: bool) -> int:  # fmt: skip
+                  args: argparse.Namespace, lead: bool, tunnel: dict | None = None) -> int:  # fmt: skip
     """The table and its ratio lines printed, then written as asked; 1 if a record is not ok."""
     summary = report(records, interleaved, policies, base["layers"])
+    extra = {"tunnel": tunnel} if tunnel is not None else {}
     if args.jsonl and lead:
         with open(args.jsonl, "a") as handle:
-            handle.write(json.dumps({"summary": summary}) + "\n")
+            handle.write(json.dumps({"summary": summary, **extra}) + "\n")
     if args.json:
-        write_json(args.json, header, records, summary=summary, interleaved=interleaved)
+        write_json(args.json, header, records, summary=summary, interleaved=interleaved, **extra)
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")

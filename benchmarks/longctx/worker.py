@@ -87,7 +87,7 @@ def _capped_device_memory(cuda: bool):
     """Note [a capped device on a CPU]: the simulated device's memory model, capped at
     ``ACTOFF_SIM_DEVICE_MEMORY``, when that is set on a CPU (``--sim-memory`` sets it for the
     workers); else nothing. Entered before the model is built, so weights and gradients count
-    as a GPU's would; actoff's host buffers and save_on_cpu's copies do not. A run past the cap
+    as a GPU's would; actoff's host buffers and torch_save_on_cpu's copies do not. A run past the cap
     is out of memory, as on a GPU of that size. Kernels' internal scratch is not seen (the
     count is of the storages operators return), nor an optimizer's state (the steps have none).
     """

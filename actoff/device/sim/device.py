@@ -344,4 +344,8 @@ def settings_for(
     and ``ACTOFF_SIM_DEVICE_BANDWIDTH`` as ``bandwidth``."""
     if _override:
         return _override[-1]
-    return SimSettings(capacity=capacity, bandwidth=bandwidth) if sim_device else None
+    if not sim_device:
+        return None
+    if bandwidth is not None:  # the wind tunnel times copies by the link alone: no random delays
+        return SimSettings(max_delay_s=0.0, max_lag_s=0.0, capacity=capacity, bandwidth=bandwidth)
+    return SimSettings(capacity=capacity)
