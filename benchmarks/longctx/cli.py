@@ -31,6 +31,7 @@ from _common import JsonLines, print_header, system_header, write_json
 
 import actoff
 
+from . import calibrate
 from .ddp import gather_to_rank0, host_store, torchrun_launch
 from .maxseq import find_max
 from .paired import paired_worker
@@ -44,8 +45,8 @@ from .policies import (
     check_policies,
     split_variants,
 )
-from .table import report, run_policies
-from .tunnel import parse_like, scale
+from .table import add_derived, report, run_policies
+from .tunnel import matching_length, parse_like, scale
 from .worker import worker
 
 DEFAULT_SIM_MEMORY = "128MiB"
@@ -135,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default on a CPU: {DEFAULT_LIKE}; 'none': no link, copies at memcpy speed). An explicit target "
         "also sets --layers to the target model's unless given",
     )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="on a CPU: the tunnel against the committed H100 run (7B-shaped, 4 layers, 8k and 32k): "
+        "step-time ratios to none side by side with their errors",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
 
@@ -149,17 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return _serve_worker(json.loads(args.worker))
 
+    if args.calibrate:
+        return _calibrate(args)
     preset_name = args.preset or ("7b" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[preset_name]
     if preset_name != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
     cuda = torch.cuda.is_available()
     policies = _policies(args, cuda)
+    like = _like(args, cuda, preset)  # first: a target sets the layers and lengths not given
     lengths = parse_lengths(args.seq or preset["seq"])
     max_seq = parse_lengths(args.max_seq or ("1024k" if cuda else "8k"))[0]
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
     os.makedirs(nvme_dir, exist_ok=True)
-    like = _like(args, cuda)  # before the spec: a target sets the layers
     base = _base_spec(args, preset, nvme_dir, capped=not cuda and bool(args.find_max_seq or args.sim_memory))
 
     launch = torchrun_launch()
@@ -194,6 +203,45 @@ def main(argv: list[str] | None = None) -> int:
         if not args.nvme_dir:
             shutil.rmtree(nvme_dir, ignore_errors=True)
     return _report_table(records, interleaved, policies, base, header, args, lead, tunnel)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """``--calibrate``: each target of the GPU run through the tunnel, then the side-by-side table."""
+    if torch.cuda.is_available():
+        raise SystemExit(
+            "--calibrate runs the tunnel, on a CPU; on a GPU run --preset 7b --seq 8k,32k --layers 4"
+        )
+    nvme_dir = tempfile.mkdtemp(prefix="actoff-bench-")
+    header = system_header(nvme_dir)
+    print_header("actoff wind tunnel calibration", header)
+    time_left = _time_left(args)
+    runs, tunnels = {}, {}
+    out = JsonLines(args.jsonl, header)
+    try:
+        for text in calibrate.TARGETS:
+            args.like, args.seq, args.layers = text, None, calibrate.LAYERS
+            like = _like(args, False, PRESETS["cpu"])
+            base = _base_spec(args, PRESETS["cpu"], nvme_dir, capped=False)
+            seq = int(args.seq)
+            tunnel = _scale_tunnel(like, base, [seq], header)
+            base["tunnel"] = {
+                "bandwidth": {str(seq): tunnel[seq]["bandwidth"]},
+                "pageable_rate": like.gpu.pageable,
+            }
+            print(f"{text}: CPU model at {seq} tokens, {header['tunnel']}")
+            records, _ = run_policies(list(calibrate.POLICIES), {**base, "interleave": False}, [seq], None,
+                                      time_left, out, True)  # fmt: skip
+            add_derived(records)
+            runs[text], tunnels[text] = (like.seq, records), tunnel[seq]
+    finally:
+        out.close()
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+    rows = calibrate.calibration_rows(calibrate.measured_records(), runs)
+    calibrate.print_calibration(rows)
+    if args.json:
+        records = [r for _, recs in runs.values() for r in recs]
+        write_json(args.json, header, records, calibration=rows, tunnel=tunnels)
+    return 0 if all(row["within"] for row in rows) else 1
 
 
 def _serve_worker(spec: dict) -> int:
@@ -262,9 +310,11 @@ def _describe(base: dict, preset_name: str, launch: dict | None) -> dict:
     return lines
 
 
-def _like(args: argparse.Namespace, cuda: bool):
+def _like(args: argparse.Namespace, cuda: bool, preset: dict):
     """The tunnel's target (`tunnel.Like`), or None: on CUDA (the real thing), under
-    ``--like none``, or for ``--find-max-seq`` (memory, not time) unless asked for."""
+    ``--like none``, or for ``--find-max-seq`` (memory, not time) unless asked for. An explicit
+    target sets what is not given: the target model's layer count and the CPU length with the
+    target's share of attention (`tunnel.matching_length`)."""
     text = args.like if args.like is not None else (None if cuda or args.find_max_seq else DEFAULT_LIKE)
     if text is None or text.lower() == "none":
         return None
@@ -277,6 +327,8 @@ def _like(args: argparse.Namespace, cuda: bool):
         from actoff.reference import ModelConfig
 
         args.layers = ModelConfig.preset(like.model).num_layers  # 2 of 4 blocks in flight is not 2 of 32
+    if args.like is not None and args.seq is None:
+        args.seq = str(matching_length(like, preset["model"]))
     return like
 
 

@@ -49,7 +49,14 @@ def run_policies(policies: list[str], base: dict, lengths: list[int], launch: di
             continue
         records.extend(run_one(spec, time_left(), out.write))
     wanted = {name for pair in PAIRS for name in pair}
-    if not torch.cuda.is_available() and launch is None and wanted <= set(policies) and time_left() > 0:
+    paired = base.get("interleave", True)
+    if (
+        paired
+        and not torch.cuda.is_available()
+        and launch is None
+        and wanted <= set(policies)
+        and time_left() > 0
+    ):
         # (Note [timing on a shared CPU]) The ratio lines' step times, interleaved.
         spec = {
             **base,

@@ -104,6 +104,22 @@ def block_flops(config, seq: int) -> float:
     return 2 * config.block_params() * seq + 2 * seq * seq * config.hidden_size
 
 
+def matching_length(like: Like, model: str) -> int:
+    """The CPU model's length at which attention takes the share of a block's FLOPs it takes in
+    the target's (a multiple of 64): its cost grows as S^2 against the products' S, so a CPU
+    length picked this way keeps the mix of compute the target has.
+
+    >>> matching_length(parse_like("h100:7b@8k"), "small"), matching_length(parse_like("h100:7b@32k"), "small")
+    (448, 1856)
+    """
+    from actoff.reference import ModelConfig
+
+    target, cpu = ModelConfig.preset(like.model), ModelConfig.preset(model)
+    # attention / products = 2 S^2 H / (2 P S) = S H / P: equal on both sides.
+    seq = like.seq * target.hidden_size / target.block_params() * cpu.block_params() / cpu.hidden_size
+    return max(64, round(seq / 64) * 64)
+
+
 class _SavedBytes:
     """Bytes of the distinct tensors autograd saves (parameters left out), as actoff counts them."""
 
@@ -163,8 +179,9 @@ def target_ratio(like: Like) -> dict:
 def measure_cpu_block(
     model: str, layers: int, seq: int, dtype: torch.dtype, batch: int = 1, steps: int = 3
 ) -> dict:
-    """The CPU's side: the median forward time of the CPU model's blocks on ``seq`` tokens
-    (training steps, after one warm-up) and the bytes a block saves."""
+    """The CPU's side: the forward time of the CPU model's blocks on ``seq`` tokens (the least
+    of each step's median over the blocks, after one warm-up: what other processes add to a
+    step on a shared machine is noise, not the block's cost) and the bytes a block saves."""
     from actoff.reference import ModelConfig, Transformer, rope_tables
 
     torch.manual_seed(0)
@@ -187,11 +204,13 @@ def measure_cpu_block(
     hooks = [h for layer in net.layers for h in (layer.register_forward_pre_hook(before),
                                                   layer.register_forward_hook(after))]  # fmt: skip
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    medians = []
     try:
         for step in range(steps + 1):
-            if step == 1:
-                times.clear()  # the warm-up's first calls are cold
+            times.clear()
             net.loss(tokens).backward()
+            if step:  # the warm-up's first calls are cold
+                medians.append(statistics.median(times))
     finally:
         for hook in hooks:
             hook.remove()
@@ -200,7 +219,7 @@ def measure_cpu_block(
     counter = _SavedBytes(net)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
         net.layers[0](x, cos, sin)
-    return {"forward_ms": statistics.median(times) * 1e3, "saved_bytes": counter.total}
+    return {"forward_ms": min(medians) * 1e3, "saved_bytes": counter.total}
 
 
 def scale(like: Like, model: str, layers: int, seq: int, dtype: torch.dtype, batch: int = 1) -> dict:

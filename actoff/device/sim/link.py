@@ -21,7 +21,7 @@ import threading
 import time
 from typing import NamedTuple
 
-__all__ = ["Link", "Transfer", "sleep_until"]
+__all__ = ["Link", "Transfer", "forget_lateness", "sleep_until"]
 
 
 class Transfer(NamedTuple):
@@ -63,10 +63,21 @@ class Link:
         return transfer
 
 
+_lateness = threading.local()
+
+
 def sleep_until(deadline: float) -> None:
-    """Block the calling thread until ``time.perf_counter()`` reaches ``deadline``."""
-    while True:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            return
+    """Block the calling thread until ``time.perf_counter()`` reaches ``deadline``, or earlier
+    by what its previous sleeps overslept: a sleep wakes up late by a scheduler's tick, and
+    hundreds of copies a step would add those ticks up into time no link takes. So each
+    thread's timeline stays within one tick of the model, not within hundreds."""
+    late = getattr(_lateness, "seconds", 0.0)
+    left = deadline - late - time.perf_counter()
+    if left > 0:
         time.sleep(left)
+    _lateness.seconds = max(0.0, time.perf_counter() - deadline)
+
+
+def forget_lateness() -> None:
+    """Start the calling thread's timeline afresh: its next sleep lasts its whole time."""
+    _lateness.seconds = 0.0

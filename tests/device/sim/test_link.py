@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import actoff
-from actoff.device.sim.link import Link
+from actoff.device.sim.link import Link, forget_lateness, sleep_until
 from actoff.testing import simulated_device
 
 RATE = 200e6  # bytes per second: 4 MB take 20 ms
@@ -88,6 +88,7 @@ def test_compute_waiting_on_a_slow_copy_stalls_for_it(device):
 
 
 def test_a_synchronous_pageable_copy_blocks_the_caller_at_the_pageable_rate(device):
+    forget_lateness()  # what this thread overslept before is not repaid from this copy
     began = time.perf_counter()
     seconds = device.transfer(NBYTES, "device-to-host", pageable=True)
     assert seconds == pytest.approx(MODELLED_S / device.settings.pageable_rate)
@@ -125,3 +126,18 @@ def test_the_link_rate_is_a_validated_setting():
         actoff.Config(sim_device=True, sim_device_bandwidth="0GB/s")
     with pytest.raises(ValueError, match="moves nothing"):
         Link("device-to-host", 0)
+
+
+def test_oversleeping_is_remembered_and_a_fresh_timeline_waits_in_full():
+    from actoff.device.sim import link
+
+    forget_lateness()
+    start = time.perf_counter()
+    time.sleep(0.02)  # a thread woken 20 ms late (a loaded machine) ...
+    sleep_until(start + 0.001)
+    assert link._lateness.seconds >= 0.019  # ... owes it: its next waits are that much shorter
+    forget_lateness()
+    assert link._lateness.seconds == 0.0
+    began = time.perf_counter()
+    sleep_until(began + 0.01)
+    assert time.perf_counter() - began >= 0.01  # afresh: the whole wait
