@@ -25,6 +25,10 @@ import time
 
 import torch
 
+#: Threads of the tunnel's compute, its measurement and its runs alike: step-time ratios carry
+#: over, not speed, and one thread is the steadiest on a shared machine (two threads contending
+#: with another process there made single steps several times slower).
+TUNNEL_THREADS = 1
 #: Sequence length suffixes of ``--like``.
 _SCALE = {"k": 1024, "m": 1024 * 1024}
 
@@ -205,6 +209,8 @@ def measure_cpu_block(
                                                   layer.register_forward_hook(after))]  # fmt: skip
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     medians = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TUNNEL_THREADS)
     try:
         for step in range(steps + 1):
             times.clear()
@@ -212,6 +218,7 @@ def measure_cpu_block(
             if step:  # the warm-up's first calls are cold
                 medians.append(statistics.median(times))
     finally:
+        torch.set_num_threads(threads)
         for hook in hooks:
             hook.remove()
     x = net.embed(tokens[:, :-1])

@@ -34,6 +34,10 @@ def worker(spec: dict):
     from actoff.reference import ModelConfig
 
     cuda = torch.cuda.is_available()
+    if spec.get("tunnel"):
+        from .tunnel import TUNNEL_THREADS
+
+        torch.set_num_threads(TUNNEL_THREADS)  # as the tunnel's scale was measured
     ddp = spec.get("ddp")  # {rank, world, address, port} when launched by torchrun
     if ddp is not None:
         join_process_group(ddp, cuda)
