@@ -146,6 +146,11 @@ class Config:
     #: (`actoff.testing.device_memory`) count against it, and an allocation past it raises
     #: ``torch.OutOfMemoryError`` as CUDA's allocator does; host buffers do not count.
     sim_device_memory: int | None = None
+    #: Host link rate of the simulated device in bytes per second, each direction (a size like
+    #: ``2GB``, optionally ``/s``; ``None``: copies run at memcpy speed). Needs ``sim_device``.
+    #: A copy off the compute stream then takes at least bytes / rate of wall time, so the CPU
+    #: measures step time as a GPU with that copy-to-compute ratio would (the wind tunnel).
+    sim_device_bandwidth: int | None = None
     #: CUDA allocator: ``caching`` (PyTorch's) or ``replay`` (actoff's, which serves each
     #: step's allocations at offsets planned from the first step). ``replay`` takes effect only
     #: when set in the environment before actoff is imported (or after
@@ -203,6 +208,16 @@ class Config:
                     "ACTOFF_SIM_DEVICE_MEMORY"
                 )
             set_(self, "sim_device_memory", capacity)
+        if self.sim_device_bandwidth is not None:
+            rate = _as_size("sim_device_bandwidth", _per_second(self.sim_device_bandwidth), allow_bare=False)
+            if rate <= 0 or not self.sim_device:
+                raise ValueError(
+                    f"{_where('sim_device_bandwidth')}={self.sim_device_bandwidth!r}: "
+                    + ("expected a rate > 0, e.g. '2GB/s'" if rate <= 0 else
+                       "sets the simulated device's link, which is off: set ACTOFF_SIM_DEVICE=1 as well "
+                       "(Config.sim_device), or unset ACTOFF_SIM_DEVICE_BANDWIDTH")
+                )  # fmt: skip
+            set_(self, "sim_device_bandwidth", rate)
         for name in ("tile_chunks", "tile_max_tokens"):
             if getattr(self, name) is not None:
                 set_(self, name, _as_int(name, getattr(self, name), 1))
@@ -274,7 +289,15 @@ class Config:
 
 # Settings whose variable may say "none" (or be empty) for "not set".
 _OPTIONAL = frozenset(
-    {"host_budget", "gpu_budget", "host_bandwidth", "tile_chunks", "tile_max_tokens", "sim_device_memory"}
+    {
+        "host_budget",
+        "gpu_budget",
+        "host_bandwidth",
+        "tile_chunks",
+        "tile_max_tokens",
+        "sim_device_memory",
+        "sim_device_bandwidth",
+    }
 )
 
 # Variables that share the prefix but configure tests or builds, not the runtime.
@@ -314,6 +337,11 @@ def _as_size(name: str, value: object, *, allow_bare: bool) -> int:
     if number < 0:
         raise ValueError(f"{_where(name)}={value!r} is negative: expected a size >= 0")
     return number
+
+
+def _per_second(value: object) -> object:
+    """A rate written as a size per second (``2GB/s``) as the size alone."""
+    return value.strip().removesuffix("/s") if isinstance(value, str) else value
 
 
 def _as_bool(name: str, value: object) -> bool:

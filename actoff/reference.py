@@ -52,7 +52,7 @@ class ModelConfig:
 
     @staticmethod
     def preset(name: str, **changes: object) -> ModelConfig:
-        """``tiny`` (tests), ``small`` (CPU benchmark), ``1b`` and ``7b`` (GPU) shapes."""
+        """``tiny`` (tests), ``small`` (CPU benchmark), ``1b``, ``7b`` and ``8b`` (GPU) shapes."""
         presets = {
             "tiny": ModelConfig(),
             "small": ModelConfig(vocab_size=1024, hidden_size=256, num_heads=8, num_kv_heads=4,
@@ -61,6 +61,9 @@ class ModelConfig:
                               intermediate_size=5632, num_layers=22),
             "7b": ModelConfig(vocab_size=32000, hidden_size=4096, num_heads=32, num_kv_heads=32,
                               intermediate_size=11008, num_layers=32),
+            # Llama-3.1-8B's shapes: grouped KV heads, a wider MLP, a 128K vocabulary.
+            "8b": ModelConfig(vocab_size=128256, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                              intermediate_size=14336, num_layers=32, rope_theta=500000.0),
         }  # fmt: skip
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}: expected one of {', '.join(presets)}")

@@ -27,7 +27,15 @@ from .device.base import backend_for, forget_backend
 from .device.sim.device import RaceError, SimSettings, SimStreams, _override, settings_for
 from .device.sim.memory import DeviceMemory
 
-__all__ = ["DeviceMemory", "RaceError", "SimSettings", "SimStreams", "device_memory", "simulated_device"]
+__all__ = [
+    "DeviceMemory",
+    "RaceError",
+    "SimSettings",
+    "SimStreams",
+    "active_device",
+    "device_memory",
+    "simulated_device",
+]
 
 _generations = itertools.count(1)
 
@@ -40,6 +48,8 @@ def simulated_device(
     max_lag_s: float = 0.001,
     capacity: int | str | None = None,
     track_memory: bool = True,
+    bandwidth: int | str | None = None,
+    pageable_rate: float = 0.5,
 ) -> Iterator[SimStreams]:
     """Run the scopes on a CPU device inside the block on a fresh simulated device.
 
@@ -47,8 +57,13 @@ def simulated_device(
     one queued copy and ``max_lag_s`` how far the compute stream's events trail the host.
     With ``track_memory`` the device's live and peak bytes are counted while the block runs
     (``device.memory.live`` / ``.peak``), and ``capacity`` (bytes or ``"2GiB"``) makes an
-    allocation past it raise ``torch.OutOfMemoryError``. On leaving, the device is drained,
-    and a race not yet raised in the block raises `RaceError`.
+    allocation past it raise ``torch.OutOfMemoryError``. ``bandwidth`` (bytes per second or
+    ``"2GB/s"``) gives the device a host link of that rate each way: every copy off the compute
+    stream then takes at least its bytes over that rate, copies in one direction queue, and
+    compute waits for a copy it depends on, so step times compare as on a GPU with that
+    copy-to-compute ratio (``device.links`` has each direction's figures); a synchronous copy
+    from pageable memory (`SimStreams.transfer`) runs at ``pageable_rate`` of it. On leaving, the
+    device is drained, and a race not yet raised in the block raises `RaceError`.
 
     Example:
         >>> import torch, actoff
@@ -64,7 +79,22 @@ def simulated_device(
     from .config import parse_size
 
     limit = capacity if capacity is None or isinstance(capacity, int) else parse_size(capacity)
-    settings = SimSettings(seed, max_delay_s, max_lag_s, limit, next(_generations))
+    rate = (
+        bandwidth
+        if bandwidth is None or isinstance(bandwidth, int | float)
+        else parse_size(bandwidth.removesuffix("/s"))
+    )
+    if rate is not None and rate <= 0:
+        raise ValueError(f"simulated_device(bandwidth={bandwidth!r}): expected a rate > 0, e.g. '2GB/s'")
+    settings = SimSettings(
+        seed,
+        max_delay_s,
+        max_lag_s,
+        capacity=limit,
+        bandwidth=rate,
+        pageable_rate=pageable_rate,
+        generation=next(_generations),
+    )
     cpu = torch.device("cpu")
     device = backend_for(cpu, settings).streams
     _override.append(settings)
@@ -109,7 +139,7 @@ def device_memory(config: Config | None = None) -> Iterator[DeviceMemory]:
             "actoff.testing.device_memory counts the simulated device's memory, which is off: set "
             "ACTOFF_SIM_DEVICE=1 (Config.sim_device), or use actoff.testing.simulated_device"
         )
-    settings = settings_for(config.sim_device, config.sim_device_memory)
+    settings = settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
     if config.sim_device_memory is not None and settings.capacity != config.sim_device_memory:
         # Inside a simulated_device block its device is the one counted: a capacity asked of
         # the setting would be dropped without a word.
@@ -122,3 +152,22 @@ def device_memory(config: Config | None = None) -> Iterator[DeviceMemory]:
     memory = backend_for(torch.device("cpu"), settings).streams.memory
     with memory:
         yield memory
+
+
+def active_device(config: Config | None = None) -> SimStreams | None:
+    """The simulated device a CPU scope would run on now: the innermost `simulated_device`
+    block's, else the one ``ACTOFF_SIM_DEVICE=1`` selects (``config``: the process's), else
+    ``None``. Baselines that copy outside actoff use it to pay the link's time
+    (`SimStreams.transfer`).
+
+    Example:
+        >>> from actoff.testing import active_device, simulated_device
+        >>> with simulated_device(bandwidth="1GB/s") as device:
+        ...     active_device() is device, round(device.transfer(1000, "device-to-host") * 1e9)
+        (True, 1000)
+    """
+    config = get_config() if config is None else config
+    settings = settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
+    if settings is None:
+        return None
+    return backend_for(torch.device("cpu"), settings).streams

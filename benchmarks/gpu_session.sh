@@ -160,11 +160,11 @@ for stage in "${stages[@]}"; do
       run io.log python3 benchmarks/io_bandwidth.py --size 4GiB --repeats 2 --dir "$NVME_DIR/io" --jsonl "$OUT/io.jsonl" ;;
     long)
       run long.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k,32k --steps 3 --warmup 1 \
-        --policies none,keep,checkpoint,save_on_cpu,cpu,nvme,tokenwise:0.5:0,recompute,auto,cpu+tile+loss \
+        --policies none,keep,torch_checkpoint,torch_save_on_cpu,cpu,nvme,tokenwise:0.5:0,recompute,auto,cpu+tile+loss \
         --nvme-dir "$NVME_DIR" --timeout 150 --time-budget "$(inner_budget)" \
         --jsonl "$OUT/long.jsonl" --plot "$OUT/long.png" ;;
     maxseq-base|maxseq-actoff)
-      policies=none,checkpoint
+      policies=none,torch_checkpoint
       [ "$stage" = maxseq-actoff ] && policies=cpu+tile+loss,auto+tile+loss
       run "$stage.log" ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 7b --layers 4 \
         --seq 16k --find-max-seq --max-seq 512k --policies "$policies" --nvme-dir "$NVME_DIR" --timeout 120 \

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from longctx import maxseq
+from longctx import maxseq, tunnel
 from longctx.cli import build_parser, main, parse_lengths
 from longctx.maxseq import (
     _verdict,
@@ -43,6 +43,7 @@ __all__ = [
     "run_one",
     "split_variants",
     "summarize",
+    "tunnel",
     "where_memory_goes",
 ]
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from _helpers import free_port
 
 import actoff
@@ -31,10 +32,16 @@ def test_long_context_smoke(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["system"]["actoff"] == actoff.__version__
     policies = {r["policy"] for r in data["records"]}
-    assert policies == {"none", "keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
-                        "tokenwise:0.25:0.25", "recompute", "auto"}  # fmt: skip
+    assert policies == {"none", "keep", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "cpu",
+                        "nvme", "tokenwise:0.5:0", "tokenwise:0.25:0.25", "recompute", "auto"}  # fmt: skip
+    # The default CPU run is the wind tunnel: the link scaled like a 7B block on an H100 at 8k.
+    tunnel = data["tunnel"]["64"]
+    assert tunnel["target"] == "h100:7b@8k" and tunnel["ratio"] > 1 and tunnel["bandwidth"] > 0
+    assert tunnel["cpu_block"]["forward_ms"] > 0 and tunnel["cpu_block"]["saved_bytes"] > 0
+    assert "tunnel" in done.stdout and "like h100:7b@8k" in done.stdout
     for record in data["records"]:
         assert record["status"] == "ok"
+        assert record["step_vs_none"] > 0 and record["peak_vs_keep"] > 0  # the plane a user judges by
         for key in ("seq", "step_ms", "tokens_per_s", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
                     "fragmentation_bytes", "copy_gbps", "hidden_share", "rss_peak_bytes", "timeline"):  # fmt: skip
             assert key in record, key
@@ -51,12 +58,12 @@ def test_long_context_smoke(tmp_path):
     # single block's may all still be under way at backward (served from the device: no lower).
     assert by_policy["cpu"]["activation_peak_bytes"] < by_policy["keep"]["activation_peak_bytes"]
     whats = sorted(line["what"] for line in data["summary"])
-    assert [what.split(" (")[0] for what in whats] == ["cpu / save_on_cpu", "cpu activation peak / keep's",
+    assert [what.split(" (")[0] for what in whats] == ["cpu / torch_save_on_cpu", "cpu activation peak / keep's",
                                                        "keep overhead"], whats  # fmt: skip
     assert all(line["ratio"] > 0 and line["target"] > 0 for line in data["summary"])
     # Step-time ratios on a CPU: the four policies interleaved in one process.
     (interleaved,) = data["interleaved"]
-    assert set(interleaved["step_cpu_ms"]) == {"none", "keep", "cpu", "save_on_cpu"}
+    assert set(interleaved["step_cpu_ms"]) == {"none", "keep", "cpu", "torch_save_on_cpu"}
     assert "interleaved in one process" in whats[0] and "keep overhead (actoff keep / none" in done.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -324,7 +331,7 @@ def test_find_max_seq_on_the_cpu_runs_on_a_capped_simulated_device(tmp_path):
     # The failed probes ran out of the simulated device's memory, as CUDA's allocator would.
     assert any(p["policy"] == "keep" and p["status"] == "oom" for p in data["probes"])
     assert all(p["sim_capacity_bytes"] == 40 * 2**20 for p in data["probes"] if p["status"] == "ok")
-    (line,) = data["summary"]  # no checkpoint row: the line against keep alone
+    (line,) = data["summary"]  # no torch_checkpoint row: the line against keep alone
     assert line["policy"] == "cpu+tile+loss" and line["vs"] == "keep" and line["bound"] == ">="
     assert "where the device memory goes at the limit: cpu+tile+loss at seq 512" in done.stdout
     assert "<- the step's peak" in done.stdout
@@ -343,9 +350,9 @@ def test_max_seq_ratios_and_verdicts_say_which_side_a_bound_is_on():
     done, short = "done", "cut short by --time-budget (a lower bound)"
     rows = [
         {"policy": "keep", "max_seq": 1000, "search": done},
-        {"policy": "checkpoint", "max_seq": 3000, "search": done},
+        {"policy": "torch_checkpoint", "max_seq": 3000, "search": done},
         {
-            "policy": "save_on_cpu+tile+loss",
+            "policy": "torch_save_on_cpu+tile+loss",
             "max_seq": 8192,
             "search": "reached --max-seq 8192 (a lower bound)",
         },
@@ -354,15 +361,15 @@ def test_max_seq_ratios_and_verdicts_say_which_side_a_bound_is_on():
     ]
     bench.add_max_seq_ratios(rows)
     assert [r["x_keep"] for r in rows] == ["1.00", "3.00", ">=8.19", "4.00", "4.20"]
-    assert rows[3]["x_checkpoint"] == "1.33" and rows[2]["x_checkpoint"] == ">=2.73"
+    assert rows[3]["x_torch_checkpoint"] == "1.33" and rows[2]["x_torch_checkpoint"] == ">=2.73"
     lines = bench.max_seq_summary(rows)
-    # The best actoff configuration, not the longest row (save_on_cpu is no actoff policy).
+    # The best actoff configuration, not the longest row (torch_save_on_cpu is no actoff policy).
     assert [(line["policy"], line["vs"], line["verdict"]) for line in lines] == [
         ("recompute+tile+loss", "keep", "met"),
-        ("recompute+tile+loss", "checkpoint", "NOT met"),
-        ("recompute+tile+loss", "save_on_cpu+tile+loss", "for scale"),
+        ("recompute+tile+loss", "torch_checkpoint", "NOT met"),
+        ("recompute+tile+loss", "torch_save_on_cpu+tile+loss", "for scale"),
     ]
-    assert "4200 vs checkpoint 3000: 1.40x (target >= 1.5x: NOT met)" in lines[1]["text"]
+    assert "4200 vs torch_checkpoint 3000: 1.40x (target >= 1.5x: NOT met)" in lines[1]["text"]
     assert "reaches <=0.51x of it" in lines[2]["text"]
     assert bench.max_seq_ratio({"max_seq": 2000, "search": done}, {"max_seq": 1000, "search": short}) == (
         2.0,
@@ -411,11 +418,11 @@ def test_policy_variants_are_parsed_and_checked():
         "recompute",
         frozenset({"tile", "loss", "noplan"}),
     )
-    with pytest.raises(SystemExit, match="checkpoint does not use actoff"):
-        bench.check_policies("checkpoint+noplan")
+    with pytest.raises(SystemExit, match="torch_checkpoint does not use actoff"):
+        bench.check_policies("torch_checkpoint+noplan")
     # The allocator variants: expandable segments for any policy, the replay allocator for actoff's.
-    assert bench.check_policies("checkpoint+expandable,cpu+tile+loss+noplan+expandable,cpu+replay") == [
-        "checkpoint+expandable", "cpu+tile+loss+noplan+expandable", "cpu+replay",
+    assert bench.check_policies("torch_checkpoint+expandable,cpu+tile+loss+noplan+expandable,cpu+replay") == [
+        "torch_checkpoint+expandable", "cpu+tile+loss+noplan+expandable", "cpu+replay",
     ]  # fmt: skip
     with pytest.raises(SystemExit, match=r"\+replay plans by actoff's scopes; none does not use actoff"):
         bench.check_policies("none+replay")
@@ -456,3 +463,40 @@ def test_allocator_variants_set_the_workers_environment_and_need_cuda(monkeypatc
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode != 0 and "this machine has no CUDA device" in done.stderr
+
+
+def test_the_tunnel_scales_the_link_to_the_targets_ratio():
+    tunnel = _load_benchmark("long_context").tunnel
+    like = tunnel.parse_like("h100:7b@8k")
+    assert (like.gpu.name, like.model, like.seq) == ("H100", "7b", 8192)
+    for bad, message in (("h100", "GPU:MODEL@LENGTH"), ("a100:7b@8k", "unknown GPU"), ("h100:3b@8k", "unknown model"),
+                         ("h100:7b@1", "at least 2 tokens")):  # fmt: skip
+        with pytest.raises(SystemExit, match=message):
+            tunnel.parse_like(bad)
+    # The target's side, from its shapes: a 7B block saves 195,208 B per token in bf16 (what the
+    # H100 run's keep counted: 6,396,313,600 B for 4 blocks at 8k), and its forward is 3.87 TFLOP.
+    target = tunnel.target_ratio(like)
+    assert target["saved_bytes"] == pytest.approx(6_396_313_600 / 4, rel=1e-3)
+    assert target["copy_ms"] == pytest.approx(target["saved_bytes"] / 55e9 * 1e3)
+    assert target["ratio"] == pytest.approx(target["copy_ms"] / target["forward_ms"])
+    # Longer sequences: attention grows as S^2, saves as S: the ratio falls.
+    assert tunnel.target_ratio(tunnel.parse_like("h100:7b@32k"))["ratio"] < target["ratio"]
+    # The CPU's side sets the link: bytes over (ratio x forward time).
+    scaled = tunnel.scale(like, "tiny", 1, 32, torch.float32)
+    block = scaled["cpu_block"]
+    assert scaled["bandwidth"] == pytest.approx(
+        block["saved_bytes"] / (target["ratio"] * block["forward_ms"] / 1e3)
+    )
+
+
+def test_the_like_option_is_checked():
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "long_context.py"),
+        "--like",
+        "h100:7b",
+        "--seq",
+        "64",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "GPU:MODEL@LENGTH" in done.stderr

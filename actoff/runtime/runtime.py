@@ -163,7 +163,9 @@ class Runtime:
                 self.steps_started += 1
             if module_id is not None:
                 step.modules.add(module_id)
-            backend = backend_for(device, settings_for(config.sim_device, config.sim_device_memory))
+            backend = backend_for(
+                device, settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
+            )
             run = ScopeRun(self, step, name, config, backend, _param_storages(module))
             if tokenwise and config.policy in TOKENWISE_POLICIES:
                 run.tokenwise = TokenwiseRun(run)

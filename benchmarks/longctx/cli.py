@@ -10,7 +10,7 @@ one step and tokens/s and peak memory against sequence length.
 
     python benchmarks/long_context.py                       # CPU default, about a minute
     python benchmarks/long_context.py --preset 7b --seq 8k,16k,32k --layers 4 --jsonl out.jsonl
-    python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,checkpoint,cpu
+    python benchmarks/long_context.py --preset 7b --find-max-seq --policies keep,torch_checkpoint,cpu
     torchrun --nproc-per-node 2 benchmarks/long_context.py --seq 1k   # DDP: per rank and in total
 """
 
@@ -31,6 +31,7 @@ from _common import JsonLines, print_header, system_header, write_json
 
 import actoff
 
+from . import calibrate
 from .ddp import gather_to_rank0, host_store, torchrun_launch
 from .maxseq import find_max
 from .paired import paired_worker
@@ -44,10 +45,13 @@ from .policies import (
     check_policies,
     split_variants,
 )
-from .table import report, run_policies
+from .table import add_derived, report, run_policies
+from .tunnel import matching_length, parse_like, scale
 from .worker import worker
 
 DEFAULT_SIM_MEMORY = "128MiB"
+#: The tunnel of the CPU table (Note [scaling the tunnel]): a 7B block on an H100 at 8k tokens.
+DEFAULT_LIKE = "h100:7b@8k"
 PRESETS = {
     # name: model preset, layers, default lengths, batch, dtype
     # On the CPU tiles and loss chunks of 256 tokens: the lengths that fit a small simulated
@@ -97,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policies",
         help=f"comma list of {', '.join(BASELINES + ACTOFF_POLICIES)}; tokenwise:CPU:NVME sets fractions; "
-        "+tile, +loss variants (default: all, or for --find-max-seq on a CPU each of keep, checkpoint, "
-        "save_on_cpu, cpu, recompute, auto, plain and +tile+loss)",
+        "+tile, +loss variants (default: all, or for --find-max-seq on a CPU each of keep, torch_checkpoint, "
+        "torch_save_on_cpu, cpu, recompute, auto, plain and +tile+loss)",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -125,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds for the whole run: no process outlives it, none starts late",
     )
+    parser.add_argument(
+        "--like",
+        help="on a CPU: the wind tunnel, the simulated device's link scaled so a block's copy-to-compute "
+        "ratio is that of a target GPU and model at a length, e.g. h100:7b@8k, h100:8b@32k, h200:8b@128k "
+        f"(default on a CPU: {DEFAULT_LIKE}; 'none': no link, copies at memcpy speed). An explicit target "
+        "also sets --layers to the target model's unless given",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="on a CPU: the tunnel against the committed H100 run (7B-shaped, 4 layers, 8k and 32k): "
+        "step-time ratios to none side by side with their errors",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
 
@@ -139,12 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return _serve_worker(json.loads(args.worker))
 
+    if args.calibrate:
+        return _calibrate(args)
     preset_name = args.preset or ("7b" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[preset_name]
     if preset_name != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
     cuda = torch.cuda.is_available()
     policies = _policies(args, cuda)
+    like = _like(args, cuda, preset)  # first: a target sets the layers and lengths not given
     lengths = parse_lengths(args.seq or preset["seq"])
     max_seq = parse_lengths(args.max_seq or ("1024k" if cuda else "8k"))[0]
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
@@ -157,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     header = system_header(nvme_dir)
     _store = host_store(launch) if launch is not None else None  # held: it serves every job of the launch
     header.update(_describe(base, preset_name, launch))
+    tunnel = (
+        _scale_tunnel(like, base, lengths, header) if like is not None and not args.find_max_seq else None
+    )
     lead = launch is None or launch["rank"] == 0
     if lead:
         print_header("actoff long-context benchmark", header)
@@ -167,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.find_max_seq:
             return find_max(policies, base, lengths[0], max_seq, time_left, header, args, out)
         lengths.sort()  # shortest first: a failure skips the longer ones
+        if tunnel is not None:
+            base["tunnel"] = {"bandwidth": {str(seq): scaled["bandwidth"] for seq, scaled in tunnel.items()},
+                              "pageable_rate": like.gpu.pageable}  # fmt: skip
         records, interleaved = run_policies(policies, base, lengths, launch, time_left, out, lead)
         if launch is not None:
             records = gather_to_rank0(records, launch)
@@ -176,7 +202,46 @@ def main(argv: list[str] | None = None) -> int:
         out.close()
         if not args.nvme_dir:
             shutil.rmtree(nvme_dir, ignore_errors=True)
-    return _report_table(records, interleaved, policies, base, header, args, lead)
+    return _report_table(records, interleaved, policies, base, header, args, lead, tunnel)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """``--calibrate``: each target of the GPU run through the tunnel, then the side-by-side table."""
+    if torch.cuda.is_available():
+        raise SystemExit(
+            "--calibrate runs the tunnel, on a CPU; on a GPU run --preset 7b --seq 8k,32k --layers 4"
+        )
+    nvme_dir = tempfile.mkdtemp(prefix="actoff-bench-")
+    header = system_header(nvme_dir)
+    print_header("actoff wind tunnel calibration", header)
+    time_left = _time_left(args)
+    runs, tunnels = {}, {}
+    out = JsonLines(args.jsonl, header)
+    try:
+        for text in calibrate.TARGETS:
+            args.like, args.seq, args.layers = text, None, calibrate.LAYERS
+            like = _like(args, False, PRESETS["cpu"])
+            base = _base_spec(args, PRESETS["cpu"], nvme_dir, capped=False)
+            seq = int(args.seq)
+            tunnel = _scale_tunnel(like, base, [seq], header)
+            base["tunnel"] = {
+                "bandwidth": {str(seq): tunnel[seq]["bandwidth"]},
+                "pageable_rate": like.gpu.pageable,
+            }
+            print(f"{text}: CPU model at {seq} tokens, {header['tunnel']}")
+            records, _ = run_policies(list(calibrate.POLICIES), {**base, "interleave": False}, [seq], None,
+                                      time_left, out, True)  # fmt: skip
+            add_derived(records)
+            runs[text], tunnels[text] = (like.seq, records), tunnel[seq]
+    finally:
+        out.close()
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+    rows = calibrate.calibration_rows(calibrate.measured_records(), runs)
+    calibrate.print_calibration(rows)
+    if args.json:
+        records = [r for _, recs in runs.values() for r in recs]
+        write_json(args.json, header, records, calibration=rows, tunnel=tunnels)
+    return 0 if all(row["within"] for row in rows) else 1
 
 
 def _serve_worker(spec: dict) -> int:
@@ -245,6 +310,42 @@ def _describe(base: dict, preset_name: str, launch: dict | None) -> dict:
     return lines
 
 
+def _like(args: argparse.Namespace, cuda: bool, preset: dict):
+    """The tunnel's target (`tunnel.Like`), or None: on CUDA (the real thing), under
+    ``--like none``, or for ``--find-max-seq`` (memory, not time) unless asked for. An explicit
+    target sets what is not given: the target model's layer count and the CPU length with the
+    target's share of attention (`tunnel.matching_length`)."""
+    text = args.like if args.like is not None else (None if cuda or args.find_max_seq else DEFAULT_LIKE)
+    if text is None or text.lower() == "none":
+        return None
+    if cuda:
+        raise SystemExit(
+            "--like scales the simulated device's link on a CPU; on CUDA the GPU is measured itself"
+        )
+    like = parse_like(text)
+    if args.like is not None and args.layers is None:
+        from actoff.reference import ModelConfig
+
+        args.layers = ModelConfig.preset(like.model).num_layers  # 2 of 4 blocks in flight is not 2 of 32
+    if args.like is not None and args.seq is None:
+        args.seq = str(matching_length(like, preset["model"]))
+    return like
+
+
+def _scale_tunnel(like, base: dict, lengths: list[int], header: dict) -> dict:
+    """Per length, the link rate that gives the CPU model the target's ratio (a warm-up on the
+    CPU measures its side), and a header line saying so."""
+    import torch
+
+    tunnel = {seq: scale(like, base["model"], base["layers"], seq, getattr(torch, base["dtype"]), base["batch"])
+              for seq in lengths}  # fmt: skip
+    first = next(iter(tunnel.values()))
+    rates = ", ".join(f"{seq}: {actoff.format_bytes(t['bandwidth'])}/s" for seq, t in tunnel.items())
+    header["tunnel"] = (f"like {like.text}: a block's copy / forward time = {first['ratio']:.2f} as there "
+                        f"(link {rates}; Note [scaling the tunnel])")  # fmt: skip
+    return tunnel
+
+
 def _time_left(args: argparse.Namespace):
     """From now: a function of the seconds a new process may run, the per-process timeout
     within what is left of the time budget."""
@@ -259,14 +360,15 @@ def _time_left(args: argparse.Namespace):
 
 
 def _report_table(records: list[dict], interleaved: list[dict], policies: list[str], base: dict, header: dict,
-                  args: argparse.Namespace, lead: bool) -> int:  # fmt: skip
+                  args: argparse.Namespace, lead: bool, tunnel: dict | None = None) -> int:  # fmt: skip
     """The table and its ratio lines printed, then written as asked; 1 if a record is not ok."""
     summary = report(records, interleaved, policies, base["layers"])
+    extra = {"tunnel": tunnel} if tunnel is not None else {}
     if args.jsonl and lead:
         with open(args.jsonl, "a") as handle:
-            handle.write(json.dumps({"summary": summary}) + "\n")
+            handle.write(json.dumps({"summary": summary, **extra}) + "\n")
     if args.json:
-        write_json(args.json, header, records, summary=summary, interleaved=interleaved)
+        write_json(args.json, header, records, summary=summary, interleaved=interleaved, **extra)
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")

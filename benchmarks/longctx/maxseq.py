@@ -1,6 +1,6 @@
 """``--find-max-seq``: the longest sequence each policy trains, by doubling then bisection, a
 fresh process per probe; the ratios of the best actoff configuration to keep's and
-checkpoint's longest, against their targets; and where the device memory goes at the limit.
+torch_checkpoint's longest, against their targets; and where the device memory goes at the limit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .worker import run_one
 
 #: Targets of the longest-sequence search (issue 16), as ratios within one run, same model and
 #: memory: the best actoff configuration trains at least this many times keep's longest length,
-#: and checkpoint's.
+#: and torch_checkpoint's.
 MAXSEQ_VS_KEEP_TARGET = 4.0
 MAXSEQ_VS_CHECKPOINT_TARGET = 1.5
 
@@ -146,10 +146,10 @@ def print_max_seq(rows: list[dict], where: str) -> list[dict]:
     configuration (and the best with the default planner), where its memory goes; the ratio lines."""
     print()
     print(format_table(rows, [("policy", "policy"), ("max_seq", "longest seq"), ("fails_at", "fails at"),
-                              ("x_keep", "x keep"), ("x_checkpoint", "x checkpoint"), ("peak_mib", "peak MiB"),
+                              ("x_keep", "x keep"), ("x_torch_checkpoint", "x torch_checkpoint"), ("peak_mib", "peak MiB"),
                               ("probes", "probes"), ("search", "search")]))  # fmt: skip
     print(f"\nlongest seq: the longest length that trained (forward, loss, backward, two steps) on {where}; "
-          "fails at: the shortest that ran out of memory; x keep / x checkpoint: longest seq over theirs "
+          "fails at: the shortest that ran out of memory; x keep / x torch_checkpoint: longest seq over theirs "
           "(>=: a lower bound, <=: an upper bound, ?: both sides bounds); peak MiB: the device peak at the "
           "longest length. actoff configurations: keep, cpu, nvme, tokenwise, recompute, auto (+tile: "
           "actoff.tile_ on the MLPs, +loss: actoff.chunked_cross_entropy).\n")  # fmt: skip
@@ -174,17 +174,17 @@ def _search_state(result: MaxSeq, limit: int) -> str:
 
 
 def add_max_seq_ratios(rows: list[dict]) -> None:
-    """Add ``x_keep`` and ``x_checkpoint`` (text: ``"4.50"``, ``">=4.50"``, ``"<=0.80"``, ``"?"``)
-    and their values to rows of `search`, against the plain ``keep`` and ``checkpoint`` rows.
+    """Add ``x_keep`` and ``x_torch_checkpoint`` (text: ``"4.50"``, ``">=4.50"``, ``"<=0.80"``, ``"?"``)
+    and their values to rows of `search`, against the plain ``keep`` and ``torch_checkpoint`` rows.
 
     >>> rows = [{"policy": "keep", "max_seq": 1000, "search": "done"},
     ...         {"policy": "cpu", "max_seq": 4500, "search": "cut short by --time-budget (a lower bound)"}]
     >>> add_max_seq_ratios(rows)
-    >>> rows[1]["x_keep"], rows[1]["x_keep_value"], rows[1]["x_checkpoint"]
+    >>> rows[1]["x_keep"], rows[1]["x_keep_value"], rows[1]["x_torch_checkpoint"]
     ('>=4.50', 4.5, None)
     """
     by_policy = {row["policy"]: row for row in rows}
-    for name in ("keep", "checkpoint"):
+    for name in ("keep", "torch_checkpoint"):
         bottom = by_policy.get(name)
         for row in rows:
             ratio = max_seq_ratio(row, bottom) if bottom is not None else None
@@ -225,16 +225,16 @@ def best_actoff(rows: list[dict], *, default_planner: bool = False) -> dict | No
 
 def max_seq_summary(rows: list[dict]) -> list[dict]:
     """The ratio lines: the best actoff configuration (the longest length among actoff's
-    policies, with any variants) against keep and checkpoint with their targets; the same for
+    policies, with any variants) against keep and torch_checkpoint with their targets; the same for
     the best with actoff's default planner when the best turned it off (``+noplan``); then the
     best against the longest configuration without actoff's placement, for scale.
 
     >>> rows = [{"policy": "keep", "max_seq": 1000, "search": "done"},
-    ...         {"policy": "checkpoint", "max_seq": 3000, "search": "done"},
+    ...         {"policy": "torch_checkpoint", "max_seq": 3000, "search": "done"},
     ...         {"policy": "recompute+tile+loss", "max_seq": 4800, "search": "done"}]
     >>> [line["text"] for line in max_seq_summary(rows)]  # doctest: +NORMALIZE_WHITESPACE
     ['best actoff configuration: recompute+tile+loss, longest 4800 vs keep 1000: 4.80x (target >= 4x: met)',
-     'best actoff configuration: recompute+tile+loss, longest 4800 vs checkpoint 3000: 1.60x (target >= 1.5x: met)']
+     'best actoff configuration: recompute+tile+loss, longest 4800 vs torch_checkpoint 3000: 1.60x (target >= 1.5x: met)']
     """
     best = best_actoff(rows)
     if best is None:
@@ -245,7 +245,7 @@ def max_seq_summary(rows: list[dict]) -> list[dict]:
         contenders.append(("best with actoff's default planner", default))
     lines = [line for what, top in contenders for line in _target_lines(what, top, rows)]
     others = [r for r in rows if not is_actoff_policy(r["policy"]) and r["max_seq"]
-              and r["policy"] not in ("keep", "checkpoint")]  # fmt: skip
+              and r["policy"] not in ("keep", "torch_checkpoint")]  # fmt: skip
     if others and lines:
         rival = max(others, key=lambda r: r["max_seq"])
         ratio = max_seq_ratio(best, rival)
@@ -259,10 +259,10 @@ def max_seq_summary(rows: list[dict]) -> list[dict]:
 
 
 def _target_lines(what: str, top: dict, rows: list[dict]) -> list[dict]:
-    """``top``'s longest length against keep's and checkpoint's, each with its target and verdict."""
+    """``top``'s longest length against keep's and torch_checkpoint's, each with its target and verdict."""
     by_policy = {row["policy"]: row for row in rows}
     lines = []
-    for name, target in (("keep", MAXSEQ_VS_KEEP_TARGET), ("checkpoint", MAXSEQ_VS_CHECKPOINT_TARGET)):
+    for name, target in (("keep", MAXSEQ_VS_KEEP_TARGET), ("torch_checkpoint", MAXSEQ_VS_CHECKPOINT_TARGET)):
         bottom = by_policy.get(name)
         ratio = max_seq_ratio(top, bottom) if bottom is not None else None
         if ratio is None:

@@ -150,7 +150,8 @@ def measure(spec: dict, seq: int, model, net, step_context, config, device, capp
     step = Step(spec, model, net, tokens, step_context, cuda, capped, timeline)
     hooks = timeline.watch(model.layers)
     try:
-        static_bytes, times = _run_steps(spec, step, model, cuda, capped)
+        with _tunnel(spec, seq):
+            static_bytes, times = _run_steps(spec, step, model, cuda, capped)
         stats = actoff.stats()  # of the timed steps
         memory_fields = _memory_fields(spec, step, model, tokens, static_bytes, stats)
     except torch.cuda.OutOfMemoryError as error:
@@ -181,6 +182,22 @@ def measure(spec: dict, seq: int, model, net, step_context, config, device, capp
         if spec.get("ddp") is None:
             record.update(memory_fields)
     return record
+
+
+def _tunnel(spec: dict, seq: int):
+    """The warm-up and timed steps' device: under ``--like``, the simulated device with the link
+    rate scaled for this length (Note [scaling the tunnel]), copies without random delays;
+    else the worker's own."""
+    import contextlib
+
+    from actoff.testing import simulated_device
+
+    tunnel = spec.get("tunnel") or {}
+    rate = tunnel.get("bandwidth", {}).get(str(seq))
+    if rate is None:
+        return contextlib.nullcontext()
+    return simulated_device(seed=0, max_delay_s=0.0, max_lag_s=0.0, bandwidth=rate, track_memory=False,
+                            pageable_rate=tunnel["pageable_rate"])  # fmt: skip
 
 
 def _run_steps(spec: dict, step: Step, model, cuda: bool, capped) -> tuple[int | None, list[float]]:

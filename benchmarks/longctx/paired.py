@@ -1,5 +1,5 @@
 """The ratio lines under the long-context table, and the interleaved timing they read on a CPU:
-actoff ``keep`` over ``none`` (hook overhead), ``cpu`` over ``save_on_cpu`` (step time), and
+actoff ``keep`` over ``none`` (hook overhead), ``cpu`` over ``torch_save_on_cpu`` (step time), and
 ``cpu``'s activation peak over ``keep``'s, each against its target.
 """
 
@@ -11,11 +11,11 @@ import time
 from .policies import build_model
 
 #: Policies the interleaved timing compares, in pairs (top, bottom) of the ratio lines.
-PAIRS = (("keep", "none"), ("cpu", "save_on_cpu"))
+PAIRS = (("keep", "none"), ("cpu", "torch_save_on_cpu"))
 PAIR_ROUNDS = 6
 
 #: Targets for the CPU run (ratios within one run; issue 13): actoff's hooks alone cost at most
-#: 3% of a step, the host tier at most 5% more than save_on_cpu, and under ``cpu`` the device
+#: 3% of a step, the host tier at most 5% more than torch_save_on_cpu, and under ``cpu`` the device
 #: holds the activations of about two blocks (MEMO's double buffering) out of ``L``.
 KEEP_OVERHEAD_TARGET = 1.03
 CPU_VS_SAVE_ON_CPU_TARGET = 1.05
@@ -26,7 +26,7 @@ def paired_worker(spec: dict):
     """Yield, per sequence length, the least step time (wall and process CPU) of each policy of
     `PAIRS`, measured interleaved in this one process (Note [timing on a shared CPU]).
 
-    The policies share one set of weights: ``none`` and ``save_on_cpu`` run the plain model,
+    The policies share one set of weights: ``none`` and ``torch_save_on_cpu`` run the plain model,
     ``keep`` and ``cpu`` a copy under actoff each. Every round steps each policy once, in a
     rotated order, so that a burst of load from elsewhere falls on all of them alike. Its step
     times are on one thread: they are not the policies' own rows.
@@ -83,7 +83,7 @@ def _paired_models(spec: dict, config) -> dict:
     plain = build_model(config, torch.device("cpu"), getattr(torch, spec["dtype"]))
     models = {
         "none": (plain, contextlib.nullcontext),
-        "save_on_cpu": (plain, torch.autograd.graph.save_on_cpu),
+        "torch_save_on_cpu": (plain, torch.autograd.graph.save_on_cpu),
     }
     for policy in ("keep", "cpu"):
         model = copy.deepcopy(plain)
@@ -94,7 +94,7 @@ def _paired_models(spec: dict, config) -> dict:
 
 def summarize(records: list[dict], layers: int, *, cuda: bool) -> list[dict]:
     """The ratio lines, per sequence length where their records are all ``ok``: actoff ``keep``
-    over ``none`` (hook overhead), ``cpu`` over ``save_on_cpu`` (step time), and ``cpu``'s
+    over ``none`` (hook overhead), ``cpu`` over ``torch_save_on_cpu`` (step time), and ``cpu``'s
     activation peak over ``keep``'s (``none``'s without a keep row) against ``2/L + 5%``.
 
     Note [timing on a shared CPU]: each policy runs in its own process, minutes apart from the
@@ -126,7 +126,7 @@ def summarize(records: list[dict], layers: int, *, cuda: bool) -> list[dict]:
         candidates = [
             (f"keep overhead (actoff keep / none, {what_time})", ratio("keep", "none", step_key, seq),
              KEEP_OVERHEAD_TARGET),
-            (f"cpu / save_on_cpu ({what_time})", ratio("cpu", "save_on_cpu", step_key, seq), CPU_VS_SAVE_ON_CPU_TARGET),
+            (f"cpu / torch_save_on_cpu ({what_time})", ratio("cpu", "torch_save_on_cpu", step_key, seq), CPU_VS_SAVE_ON_CPU_TARGET),
             (f"cpu activation peak / {keep}'s", ratio("cpu", keep, "activation_peak_bytes", seq), target),
         ]  # fmt: skip
         for what, value, bound in candidates:

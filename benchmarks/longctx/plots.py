@@ -1,5 +1,6 @@
-"""``--plot``: memory over one step and tokens/s and peak memory against sequence length (the
-table), or the longest sequence per policy and the device memory at it (``--find-max-seq``).
+"""``--plot``: the time/memory plane per length (step time over no offload's against the device
+peak, the Pareto front drawn) and memory over one step (the table), or the longest sequence per
+policy and the device memory at it (``--find-max-seq``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def plot(records: list[dict], path: str) -> None:
     plt = _pyplot()
     ok = [r for r in records if r.get("status") == "ok"]
     policies = list(dict.fromkeys(r["policy"] for r in ok))
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    lengths = sorted({r["seq"] for r in ok})
+    fig, axes = plt.subplots(1, len(lengths) + 1, figsize=(6 * (len(lengths) + 1), 5), squeeze=False)
     sources = {r.get("memory_source") for r in ok}
     if "cuda" in sources:
         memory_label = "GPU allocated"
@@ -29,20 +31,44 @@ def plot(records: list[dict], path: str) -> None:
         memory_label = "device allocated (simulated)"
     else:
         memory_label = "process RSS"
-    _plot_timelines(axes[0], ok, policies, memory_label)
-    for policy in policies:
-        rows = sorted((r for r in ok if r["policy"] == policy), key=lambda r: r["seq"])
-        seqs = [r["seq"] for r in rows]
-        axes[1].plot(seqs, [r["tokens_per_s"] for r in rows], marker="o", label=policy)
-        peak = [gib(r.get("peak_allocated_bytes") or r.get("rss_peak_bytes")) for r in rows]
-        axes[2].plot(seqs, peak, marker="o", label=policy)
-    axes[1].set(title="throughput", xlabel="sequence length", ylabel="tokens/s", xscale="log")
-    ylabel = f"peak {memory_label} (GiB)"
-    axes[2].set(title="peak memory", xlabel="sequence length", ylabel=ylabel, xscale="log")
-    for axis in axes[1:]:
-        axis.legend(fontsize=8)
+    for axis, seq in zip(axes[0], lengths, strict=False):
+        _plot_plane(axis, [r for r in ok if r["seq"] == seq], seq, memory_label)
+    _plot_timelines(axes[0][-1], ok, policies, memory_label)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The points no other point beats on both axes (less memory and less time), by memory.
+
+    >>> pareto_front([(1, 5, "a"), (2, 2, "b"), (3, 3, "c"), (4, 1, "d")])
+    [(1, 5, 'a'), (2, 2, 'b'), (4, 1, 'd')]
+    """
+    front: list[tuple[float, float, str]] = []
+    for point in sorted(points):
+        if not front or point[1] < front[-1][1]:
+            front.append(point)
+    return front
+
+
+def _plot_plane(axis, rows: list[dict], seq: int, memory_label: str) -> None:
+    """Step time over none's (y) against the device peak (x), each policy a labelled point,
+    actoff's filled and PyTorch's hollow, the front a line."""
+    points = [(gib(r["peak_allocated_bytes"]) * 1024, r["step_vs_none"], r["policy"]) for r in rows
+              if r.get("peak_allocated_bytes") and r.get("step_vs_none")]  # fmt: skip
+    for x, y, policy in points:
+        actoff_policy = is_actoff_policy(policy)
+        axis.scatter([x], [y], s=40, marker="o" if actoff_policy else "s",
+                     facecolors="C0" if actoff_policy else "none", edgecolors="C0" if actoff_policy else "C3")  # fmt: skip
+        axis.annotate(policy, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    front = pareto_front(points)
+    if front:
+        axis.step([x for x, _, _ in front], [y for _, y, _ in front], where="post", color="0.5", lw=1,
+                  label="front: less memory costs more time")  # fmt: skip
+        axis.legend(fontsize=7)
+    axis.set(title=f"time against memory, seq {seq}", xlabel=f"peak {memory_label} (MiB)",
+             ylabel="step time / none's")  # fmt: skip
+    axis.grid(alpha=0.3)
 
 
 def _plot_timelines(axis, ok: list[dict], policies: list[str], memory_label: str) -> None:
@@ -62,7 +88,7 @@ def _plot_timelines(axis, ok: list[dict], policies: list[str], memory_label: str
 
 
 def plot_max_seq(rows: list[dict], path: str, where: str) -> None:
-    """Longest length per policy (hatched: a lower bound), with keep's and checkpoint's marked,
+    """Longest length per policy (hatched: a lower bound), with keep's and torch_checkpoint's marked,
     and the device memory at each one's limit split into weights and gradients, actoff's device
     arena and the rest (activations and working memory)."""
     plt = _pyplot()
@@ -89,7 +115,7 @@ def plot_max_seq(rows: list[dict], path: str, where: str) -> None:
 
 def _plot_longest(axis, rows: list[dict], where: str) -> None:
     """A bar per policy, its longest length and ratios written at its end; keep's and
-    checkpoint's lengths as vertical lines."""
+    torch_checkpoint's lengths as vertical lines."""
     names = [row["policy"] for row in rows][::-1]
     shown = rows[::-1]
     colors = ["tab:blue" if is_actoff_policy(r["policy"]) else "tab:gray" for r in shown]
@@ -97,11 +123,13 @@ def _plot_longest(axis, rows: list[dict], where: str) -> None:
     for bar, row in zip(bars, shown, strict=True):
         if "lower bound" in row["search"]:
             bar.set_hatch("//")
-        ratios = [f"{row[f'x_{name}']}x {name}" for name in ("keep", "checkpoint") if row.get(f"x_{name}")]
+        ratios = [
+            f"{row[f'x_{name}']}x {name}" for name in ("keep", "torch_checkpoint") if row.get(f"x_{name}")
+        ]
         label = f" {row['max_seq']}" + (f"  ({', '.join(ratios)})" if ratios else "")
         axis.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
     by_policy = {row["policy"]: row for row in rows}
-    for name, style in (("keep", ":"), ("checkpoint", "--")):
+    for name, style in (("keep", ":"), ("torch_checkpoint", "--")):
         if by_policy.get(name, {}).get("max_seq"):
             axis.axvline(by_policy[name]["max_seq"], color="black", linestyle=style, linewidth=1, label=name)
     axis.set(title=f"longest sequence that trains on {where}", xlabel="tokens (hatched: a lower bound; "

@@ -1,6 +1,6 @@
 """The policies the benchmark compares, their variants, and applying one to a model.
 
-A policy is a baseline without actoff (``none``, ``checkpoint``, ``save_on_cpu``) or one of
+A policy is a baseline without actoff (``none``, ``torch_checkpoint``, ``torch_save_on_cpu``) or one of
 actoff's (``keep``, ``cpu``, ``nvme``, ``tokenwise:CPU:NVME``, ``recompute``, ``auto``), with
 suffixes: the variants of `VARIANTS` and ``+verify``.
 """
@@ -11,7 +11,7 @@ import contextlib
 import os
 
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
-BASELINES = ("none", "checkpoint", "save_on_cpu")
+BASELINES = ("none", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu")
 ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "auto")
 # tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
 # --find-max-seq on a CPU: the baselines and actoff's policies, each plain and with tiling and
@@ -19,10 +19,11 @@ ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "auto")
 # host memory, the rest rebuilt in backward) needs the least device memory: its device arena
 # holds one block's rebuilt activations where cpu's holds two blocks' fetched ones.
 MAXSEQ_CPU_POLICIES = tuple(f"{name}{variant}" for variant in ("", "+tile+loss")
-                            for name in ("keep", "checkpoint", "save_on_cpu", "cpu", "recompute", "auto"))  # fmt: skip
+                            for name in ("keep", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "cpu",
+                                         "recompute", "auto"))  # fmt: skip
 # ... and recompute+tile+loss with ACTOFF_PLANNER=off, to weigh what the device arena costs.
 MAXSEQ_CPU_POLICIES += ("recompute+tile+loss+noplan",)
-DEFAULT_POLICIES = ("none", "keep", "checkpoint", "save_on_cpu", "cpu", "nvme", "tokenwise:0.5:0",
+DEFAULT_POLICIES = ("none", "keep", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "cpu", "nvme", "tokenwise:0.5:0",
                     "tokenwise:0.25:0.25", "recompute", "auto")  # fmt: skip
 
 #: Variants a policy may carry as suffixes: ``+tile`` runs each block's MLP chunk by chunk
@@ -47,8 +48,8 @@ LOSS_TOKENS = 4096
 def split_variants(policy: str) -> tuple[str, frozenset[str]]:
     """``"cpu+tile+loss"`` -> ``("cpu", {"tile", "loss"})``; other suffixes (``+verify``) stay.
 
-    >>> split_variants("checkpoint+loss")
-    ('checkpoint', frozenset({'loss'}))
+    >>> split_variants("torch_checkpoint+loss")
+    ('torch_checkpoint', frozenset({'loss'}))
     """
     name, *suffixes = policy.split("+")
     extras = frozenset(s for s in suffixes if s in VARIANTS)
@@ -56,7 +57,7 @@ def split_variants(policy: str) -> tuple[str, frozenset[str]]:
 
 
 def is_actoff_policy(policy: str) -> bool:
-    """Whether ``policy`` places activations with actoff (``cpu+tile+loss`` yes, ``checkpoint+loss`` no)."""
+    """Whether ``policy`` places activations with actoff (``cpu+tile+loss`` yes, ``torch_checkpoint+loss`` no)."""
     return split_variants(policy)[0].split(":")[0].split("+")[0] in ACTOFF_POLICIES
 
 
@@ -107,28 +108,26 @@ def build_model(config, device, dtype):
 
 
 def apply_policy(model, policy: str, nvme_dir: str | None, planner_off: bool = False):
-    """Returns a context manager to run each step under (for save_on_cpu). ``planner_off``: an
+    """Returns a context manager to run each step under (for torch_save_on_cpu). ``planner_off``: an
     actoff policy with ``ACTOFF_PLANNER=off`` (the ``+noplan`` variant)."""
     import torch
 
-    import actoff
-
     if policy == "none":
         return contextlib.nullcontext
-    if policy == "checkpoint":
-        _checkpoint_blocks(model)
+    if policy in ("torch_checkpoint", "torch_checkpoint_cpu"):
+        _checkpoint_blocks(model, offload_input=policy == "torch_checkpoint_cpu")
         return contextlib.nullcontext
-    if policy == "save_on_cpu":
-        pin = torch.cuda.is_available()
-        if not pin and actoff.get_config().sim_device_memory is not None:
-            return _save_on_simulated_host  # Note [save_on_cpu on the simulated device]
-        return lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
+    if policy == "torch_save_on_cpu":
+        return lambda: save_on_host(pinned=torch.cuda.is_available())
     _offload(model, policy, nvme_dir, planner_off)
     return contextlib.nullcontext
 
 
-def _checkpoint_blocks(model) -> None:
-    """Every block of ``model`` under activation checkpointing (PyTorch's, non-reentrant)."""
+def _checkpoint_blocks(model, *, offload_input: bool = False) -> None:
+    """Every block of ``model`` under PyTorch's activation checkpointing: non-reentrant, or
+    with ``offload_input`` the offloaded checkpoint that Unsloth and ALST ship: reentrant
+    checkpointing (which saves the block's inputs with ``save_for_backward``) under
+    ``save_on_cpu(pin_memory=True)``, so only the inputs are stored, on the host."""
     import torch
     import torch.utils.checkpoint
 
@@ -138,7 +137,10 @@ def _checkpoint_blocks(model) -> None:
             self.block = block
 
         def forward(self, x, cos, sin):
-            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+            if not offload_input:
+                return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+            with save_on_host(pinned=True):
+                return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=True)
 
     model.layers = torch.nn.ModuleList(Checkpointed(b) for b in model.layers)
 
@@ -162,13 +164,27 @@ def _offload(model, policy: str, nvme_dir: str | None, planner_off: bool) -> Non
     actoff.offload_(model, block_cls=Block, config=actoff.Config.from_env(**overrides))
 
 
-def _save_on_simulated_host():
+def save_on_host(*, pinned: bool):
+    """PyTorch's ``save_on_cpu(pin_memory=pinned)``; on a simulated device its equivalent
+    (Note [save_on_cpu on the simulated device])."""
+    import torch
+
+    import actoff.testing
+
+    device = actoff.testing.active_device()
+    if device is None:
+        return torch.autograd.graph.save_on_cpu(pin_memory=pinned and torch.cuda.is_available())
+    return _save_on_simulated_host(device, pinned)
+
+
+def _save_on_simulated_host(device, pinned: bool):
     """Note [save_on_cpu on the simulated device]: on a CPU ``torch.autograd.graph.save_on_cpu``
-    keeps each saved tensor as it is (``tensor.cpu()`` of a CPU tensor is the tensor), so under
-    the simulated device's memory model it would cost what ``keep`` costs. This is what it does
-    on a GPU: pack copies every saved tensor, parameters' views included, into host memory
-    (allocated outside the device's count, as pinned memory is), and unpack copies it back into
-    a new device tensor."""
+    keeps each saved tensor as it is (``tensor.cpu()`` of a CPU tensor is the tensor), so on the
+    simulated device it would cost what ``keep`` costs. This is what it does on a GPU: pack
+    copies every saved tensor, parameters' views included, into host memory (allocated outside
+    the device's count, as pinned memory is) and unpack copies it back into a new device
+    tensor, both synchronously: under a link model each copy blocks for its time on the link,
+    at the pageable rate unless ``pinned`` (`actoff.testing.SimStreams.transfer`)."""
     import torch
     from torch.utils._mode_utils import no_dispatch
 
@@ -176,9 +192,11 @@ def _save_on_simulated_host():
         with no_dispatch():  # host memory: not the device's
             host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout)
             host.copy_(tensor)
+        device.transfer(host.numel() * host.element_size(), "device-to-host", pageable=not pinned)
         return host
 
     def unpack(host: torch.Tensor) -> torch.Tensor:
+        device.transfer(host.numel() * host.element_size(), "host-to-device", pageable=not pinned)
         return host.clone()  # a device allocation, as ``.to(device)`` is
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

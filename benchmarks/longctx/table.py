@@ -11,7 +11,8 @@ from .paired import PAIRS, print_ratios, summarize
 from .worker import run_one
 
 COLUMNS = [
-    ("policy", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"), ("step_cpu_ms", "CPU ms"),
+    ("policy", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"),
+    ("step_vs_none", "x none"), ("peak_vs_keep", "peak/keep"), ("step_cpu_ms", "CPU ms"),
     ("tokens_per_s", "tok/s"), ("mfu", "MFU"), ("peak_allocated_gib", "peak GiB"),
     ("peak_reserved_gib", "reserved GiB"), ("fragmentation_gib", "frag GiB"),
     ("activation_peak_gib", "act peak GiB"), ("act_keep_gib", "keep GiB"), ("act_cpu_gib", "cpu GiB"),
@@ -48,9 +49,22 @@ def run_policies(policies: list[str], base: dict, lengths: list[int], launch: di
             continue
         records.extend(run_one(spec, time_left(), out.write))
     wanted = {name for pair in PAIRS for name in pair}
-    if not torch.cuda.is_available() and launch is None and wanted <= set(policies) and time_left() > 0:
+    paired = base.get("interleave", True)
+    if (
+        paired
+        and not torch.cuda.is_available()
+        and launch is None
+        and wanted <= set(policies)
+        and time_left() > 0
+    ):
         # (Note [timing on a shared CPU]) The ratio lines' step times, interleaved.
-        spec = {**base, "policy": "interleaved", "seqs": lengths, "sim_memory": None}  # uncapped
+        spec = {
+            **base,
+            "policy": "interleaved",
+            "seqs": lengths,
+            "sim_memory": None,
+            "tunnel": None,
+        }  # plain CPU
         interleaved = run_one(spec, time_left(), out.write)
     return records, interleaved
 
@@ -60,15 +74,29 @@ def add_derived(records: list[dict]) -> None:
     plain = {
         (r["seq"], r.get("rank")): r for r in records if r["policy"] == "none" and r.get("status") == "ok"
     }
+    kept = {
+        (r["seq"], r.get("rank")): r for r in records if r["policy"] == "keep" and r.get("status") == "ok"
+    }
     for record in records:
+        if record.get("status") != "ok":
+            continue
         base = plain.get((record["seq"], record.get("rank")))
+        # The plane a user judges by: step time over no offload's, device peak over keep's.
+        if base is not None:
+            record["step_vs_none"] = record["step_ms"] / base["step_ms"]
+        reference = kept.get((record["seq"], record.get("rank"))) or base
+        peak, reference_peak = (
+            record.get("peak_allocated_bytes"),
+            (reference or {}).get("peak_allocated_bytes"),
+        )
+        if peak and reference_peak:
+            record["peak_vs_keep"] = peak / reference_peak
         transfer_s = (record.get("copy_ms") or 0) / 1e3 + (record.get("fetch_ms") or 0) / 1e3
-        if record.get("status") != "ok" or base is None or transfer_s <= 0:
+        if base is None or transfer_s <= 0:
             record["hidden_share"] = None
             continue
         overhead_s = max(0.0, (record["step_ms"] - base["step_ms"]) / 1e3)
         record["hidden_share"] = max(0.0, 1.0 - overhead_s / transfer_s)
-        record["step_vs_none"] = record["step_ms"] / base["step_ms"]
     plain = {(r["policy"], r["seq"], r.get("rank")): r for r in records if r.get("status") == "ok"}
     for record in records:
         base = plain.get((record["policy"].removesuffix("+verify"), record["seq"], record.get("rank")))

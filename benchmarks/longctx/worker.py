@@ -34,6 +34,10 @@ def worker(spec: dict):
     from actoff.reference import ModelConfig
 
     cuda = torch.cuda.is_available()
+    if spec.get("tunnel"):
+        from .tunnel import TUNNEL_THREADS
+
+        torch.set_num_threads(TUNNEL_THREADS)  # as the tunnel's scale was measured
     ddp = spec.get("ddp")  # {rank, world, address, port} when launched by torchrun
     if ddp is not None:
         join_process_group(ddp, cuda)
@@ -87,7 +91,7 @@ def _capped_device_memory(cuda: bool):
     """Note [a capped device on a CPU]: the simulated device's memory model, capped at
     ``ACTOFF_SIM_DEVICE_MEMORY``, when that is set on a CPU (``--sim-memory`` sets it for the
     workers); else nothing. Entered before the model is built, so weights and gradients count
-    as a GPU's would; actoff's host buffers and save_on_cpu's copies do not. A run past the cap
+    as a GPU's would; actoff's host buffers and torch_save_on_cpu's copies do not. A run past the cap
     is out of memory, as on a GPU of that size. Kernels' internal scratch is not seen (the
     count is of the storages operators return), nor an optimizer's state (the steps have none).
     """

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from .link import Link, sleep_until
 from .memory import DeviceMemory, poison
 from .streams import ComputeStream, Gate, SideStream
 
@@ -58,6 +59,12 @@ class SimSettings:
     #: Device memory in bytes (``None``: unlimited); an allocation past it raises
     #: ``torch.OutOfMemoryError`` as CUDA's allocator does.
     capacity: int | None = None
+    #: Host link rate in bytes per second, each direction (``None``: copies run at memcpy
+    #: speed). Note [the wind tunnel] in actoff.device.sim.link.
+    bandwidth: float | None = None
+    #: A synchronous copy from pageable host memory (`SimStreams.transfer`) runs at this
+    #: share of the link: the driver stages it through a pinned bounce buffer.
+    pageable_rate: float = 0.5
     #: Tells apart the devices of two `actoff.testing.simulated_device` blocks.
     generation: int = field(default=0, repr=False)
 
@@ -124,6 +131,10 @@ class SimStreams:
         self.copies_gate, self.compute_gate = Gate(), Gate()
         self.forced = 0  # holds the host had to break (a wait on work not yet run)
         self.memory = DeviceMemory(settings.capacity)
+        #: The host link's two directions when the settings give it a rate, else ``None``.
+        self.links: dict[str, Link] | None = None
+        if settings.bandwidth is not None:
+            self.links = {d: Link(d, settings.bandwidth) for d in ("device-to-host", "host-to-device")}
         _running.add(self)
 
     # ------------------------------------------------------------------ the stream API
@@ -142,6 +153,17 @@ class SimStreams:
     def copy(self, stream: SideStream, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         self.surface()
         stream.copy(dst, src, what)
+
+    def transfer(self, nbytes: int, direction: str, *, pageable: bool = False) -> float:
+        """Block the calling thread for a synchronous copy of ``nbytes`` over the link (a
+        ``cudaMemcpy``; from pageable memory at the settings' ``pageable_rate``), queued behind
+        the copies already on that direction. Returns the modelled seconds; 0 without a link."""
+        if self.links is None:
+            return 0.0
+        rate = self.settings.pageable_rate if pageable else 1.0
+        moved = self.links[direction].reserve(nbytes, rate=rate)
+        sleep_until(moved.end)
+        return moved.end - moved.start
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
@@ -314,9 +336,16 @@ def _stop_at_exit() -> None:
 _override: list[SimSettings] = []  # actoff.testing.simulated_device, innermost last
 
 
-def settings_for(sim_device: bool, capacity: int | None = None) -> SimSettings | None:
+def settings_for(
+    sim_device: bool, capacity: int | None = None, bandwidth: float | None = None
+) -> SimSettings | None:
     """The settings of the innermost `actoff.testing.simulated_device`, else, with
-    ``ACTOFF_SIM_DEVICE`` on, the defaults and ``ACTOFF_SIM_DEVICE_MEMORY`` as ``capacity``."""
+    ``ACTOFF_SIM_DEVICE`` on, the defaults with ``ACTOFF_SIM_DEVICE_MEMORY`` as ``capacity``
+    and ``ACTOFF_SIM_DEVICE_BANDWIDTH`` as ``bandwidth``."""
     if _override:
         return _override[-1]
-    return SimSettings(capacity=capacity) if sim_device else None
+    if not sim_device:
+        return None
+    if bandwidth is not None:  # the wind tunnel times copies by the link alone: no random delays
+        return SimSettings(max_delay_s=0.0, max_lag_s=0.0, capacity=capacity, bandwidth=bandwidth)
+    return SimSettings(capacity=capacity)

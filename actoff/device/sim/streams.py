@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from .link import sleep_until
 from .memory import poison
 
 if TYPE_CHECKING:
@@ -79,7 +80,15 @@ class SideStream:
                     payload.time = time.perf_counter()
                     payload.done.set()
                 else:
-                    payload.dst.copy_(payload.src)
+                    links = self.streams.links
+                    if links is None:
+                        payload.dst.copy_(payload.src)
+                    else:  # the link's time, whatever the memcpy took (Note [the wind tunnel])
+                        moved = links[payload.direction].reserve(
+                            payload.dst.numel() * payload.dst.element_size()
+                        )
+                        payload.dst.copy_(payload.src)
+                        sleep_until(moved.end)
                     with self.streams.lock:
                         payload.dst = payload.src = None  # the device alias alone stays
                         payload.ran = True
@@ -150,10 +159,11 @@ class ComputeStream:
         """Compute waits for ``event``: in stream order, every copy before it is ordered for
         the caching allocator at once. The host blocks only when a copy to the device is still
         to land (compute, which runs on the host, is about to read it); a copy to the host
-        need not have run, and the host is not told it has."""
+        need not have run, and the host is not told it has. Under a link model the host is the
+        compute stream's clock: it waits for any copy (Note [the wind tunnel])."""
         self.streams.surface()
         if not event.done.is_set():
-            if self.streams.h2d_pending(event):
+            if self.streams.links is not None or self.streams.h2d_pending(event):
                 self.streams.reach(event, by="compute")
             else:
                 self.waited.append(event)

@@ -1,0 +1,245 @@
+"""The wind tunnel: the simulated device's link scaled so that a CPU run sees a GPU's ratio of
+copy time to compute time, and step times compare as on that GPU.
+
+Note [scaling the tunnel]: whether an offloading policy pays is decided by one ratio per
+block, R = (bytes the block saves / the host link's rate) / (the block's forward time). On
+the target GPU both sides come from its shapes: the bytes a block of the target model saves
+per token, counted on the CPU on a short sequence of the target's shapes in its dtype (the
+same kernels' saves: flash attention keeps q, k, v, its output and the log-sum-exp, on a CPU
+as on a GPU) times the target's length, over the link's measured rate; the forward time from
+the block's FLOPs at the GPU's dense peak times a block-level utilisation (`Gpu.mfu`,
+calibrated on the measured step times of no offload). On the CPU, a warm-up measures the
+forward time of the CPU model's blocks and the bytes they save; the simulated device's link
+is then set to ``bytes / (R * time)``, so its copies take the share of a step they would take
+on the GPU. Compute, recompute included, runs at the CPU's own speed: ratios of step times
+are what carry over, not the times. The tunnel does not model what differs beyond that
+ratio: kernel launch overheads, memory-bound kernels, the allocator, the share of the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import torch
+
+#: Threads of the tunnel's compute, its measurement and its runs alike: step-time ratios carry
+#: over, not speed, and one thread is the steadiest on a shared machine (two threads contending
+#: with another process there made single steps several times slower).
+TUNNEL_THREADS = 1
+#: Sequence length suffixes of ``--like``.
+_SCALE = {"k": 1024, "m": 1024 * 1024}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What a target GPU's side of the ratio needs: its dense bf16 FLOP/s (``flops``), the
+    share of it a transformer block's forward reaches (``mfu``), the pinned host link in bytes
+    per second each way (``link``), the share of the link a synchronous copy from pageable
+    memory gets (``pageable``), and its memory."""
+
+    name: str
+    flops: float
+    mfu: float
+    link: float
+    pageable: float
+    memory: int
+
+
+#: The targets. H100: 790 TFLOP/s measured on random 8192-cubed bf16 products, a 55 GB/s
+#: pinned link, and two figures fitted to the H100 run of benchmarks/results/h100-2026-11-23/:
+#: block utilisation 0.58 (no offload: 117 ms at 8k and 628 ms at 32k for four 7B-shaped
+#: blocks and the head, 0.57 and 0.58 of 790 TFLOP/s) and the pageable share 0.9 (save_on_cpu's
+#: 488 ms over no offload at 8k for about 12 GB copied each way, synchronously). H200: the same
+#: compute and link with 141 GiB. Add a target here with the same figures.
+GPUS = {
+    "h100": Gpu("H100", 790e12, 0.58, 55e9, 0.9, 80 * 2**30),
+    "h200": Gpu("H200", 790e12, 0.58, 55e9, 0.9, 141 * 2**30),
+}
+#: Target models: presets of `actoff.reference.ModelConfig`.
+MODELS = ("1b", "7b", "8b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Like:
+    """A target: a GPU, a model preset and a sequence length (``h100:7b@8k``)."""
+
+    gpu: Gpu
+    model: str
+    seq: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.gpu.name.lower()}:{self.model}@{self.seq // 1024}k"
+
+
+def parse_like(text: str) -> Like:
+    """``"h100:7b@8k"`` -> the target, or SystemExit naming what is wrong.
+
+    >>> like = parse_like("h100:8b@32k")
+    >>> like.gpu.name, like.model, like.seq
+    ('H100', '8b', 32768)
+    """
+    try:
+        gpu_name, rest = text.lower().split(":")
+        model, seq_text = rest.split("@")
+        scale = _SCALE.get(seq_text[-1], 1)
+        seq = int(float(seq_text.rstrip("km")) * scale)
+    except ValueError:
+        raise SystemExit(f"--like {text!r}: write GPU:MODEL@LENGTH, e.g. h100:7b@8k") from None
+    if gpu_name not in GPUS:
+        raise SystemExit(f"--like {text!r}: unknown GPU {gpu_name!r}; known: {', '.join(GPUS)} (tunnel.GPUS)")
+    if model not in MODELS:
+        raise SystemExit(f"--like {text!r}: unknown model {model!r}; known: {', '.join(MODELS)}")
+    if seq < 2:
+        raise SystemExit(f"--like {text!r}: the length must be at least 2 tokens")
+    return Like(GPUS[gpu_name], model, seq)
+
+
+def block_flops(config, seq: int) -> float:
+    """Forward FLOPs of one block on ``seq`` tokens: its products and causal attention.
+
+    >>> from actoff.reference import ModelConfig
+    >>> round(block_flops(ModelConfig.preset("7b"), 8192) / 1e12, 2)
+    3.87
+    """
+    return 2 * config.block_params() * seq + 2 * seq * seq * config.hidden_size
+
+
+def matching_length(like: Like, model: str) -> int:
+    """The CPU model's length at which attention takes the share of a block's FLOPs it takes in
+    the target's (a multiple of 64): its cost grows as S^2 against the products' S, so a CPU
+    length picked this way keeps the mix of compute the target has.
+
+    >>> matching_length(parse_like("h100:7b@8k"), "small"), matching_length(parse_like("h100:7b@32k"), "small")
+    (448, 1856)
+    """
+    from actoff.reference import ModelConfig
+
+    target, cpu = ModelConfig.preset(like.model), ModelConfig.preset(model)
+    # attention / products = 2 S^2 H / (2 P S) = S H / P: equal on both sides.
+    seq = like.seq * target.hidden_size / target.block_params() * cpu.block_params() / cpu.hidden_size
+    return max(64, round(seq / 64) * 64)
+
+
+class _SavedBytes:
+    """Bytes of the distinct tensors autograd saves (parameters left out), as actoff counts them."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.seen: dict[tuple, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in self.params:
+            key = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            self.seen[key] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+@functools.lru_cache(maxsize=8)
+def saved_bytes_per_token(model: str, dtype: torch.dtype = torch.bfloat16, tokens: int = 64) -> float:
+    """Bytes one block of the ``model`` preset saves per token in ``dtype``: counted on the CPU
+    on ``tokens`` tokens (Note [scaling the tunnel]).
+
+    >>> round(saved_bytes_per_token("7b") / 1e3, 1)  # the H100 run's keep: 195.2 KB per token
+    195.2
+    """
+    from actoff.reference import Block, ModelConfig, rope_tables
+
+    config = ModelConfig.preset(model)
+    torch.manual_seed(0)
+    block = Block(config).to(dtype)
+    x = torch.randn(1, tokens, config.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(tokens, config.head_dim, config.rope_theta, dtype=dtype)
+    counter = _SavedBytes(block)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
+        block(x, cos, sin)
+    return counter.total / tokens
+
+
+def target_ratio(like: Like) -> dict:
+    """The target's side: a block's saved bytes, their copy time, its forward time and R."""
+    from actoff.reference import ModelConfig
+
+    config = ModelConfig.preset(like.model)
+    saved = saved_bytes_per_token(like.model) * like.seq
+    copy_s = saved / like.gpu.link
+    forward_s = block_flops(config, like.seq) / (like.gpu.flops * like.gpu.mfu)
+    return {
+        "saved_bytes": saved,
+        "copy_ms": copy_s * 1e3,
+        "forward_ms": forward_s * 1e3,
+        "ratio": copy_s / forward_s,
+    }
+
+
+def measure_cpu_block(
+    model: str, layers: int, seq: int, dtype: torch.dtype, batch: int = 1, steps: int = 3
+) -> dict:
+    """The CPU's side: the forward time of the CPU model's blocks on ``seq`` tokens (the least
+    of each step's median over the blocks, after one warm-up: what other processes add to a
+    step on a shared machine is noise, not the block's cost) and the bytes a block saves."""
+    from actoff.reference import ModelConfig, Transformer, rope_tables
+
+    torch.manual_seed(0)
+    config = ModelConfig.preset(model, num_layers=layers)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        net = Transformer(config)
+    finally:
+        torch.set_default_dtype(previous)
+    times: list[float] = []
+    started: dict[int, float] = {}
+
+    def before(module, args):
+        started[id(module)] = time.perf_counter()
+
+    def after(module, args, output):
+        times.append(time.perf_counter() - started.pop(id(module)))
+
+    hooks = [h for layer in net.layers for h in (layer.register_forward_pre_hook(before),
+                                                  layer.register_forward_hook(after))]  # fmt: skip
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    medians = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TUNNEL_THREADS)
+    try:
+        for step in range(steps + 1):
+            times.clear()
+            net.loss(tokens).backward()
+            if step:  # the warm-up's first calls are cold
+                medians.append(statistics.median(times))
+    finally:
+        torch.set_num_threads(threads)
+        for hook in hooks:
+            hook.remove()
+    x = net.embed(tokens[:, :-1])
+    cos, sin = rope_tables(seq, config.head_dim, config.rope_theta, dtype=x.dtype)
+    counter = _SavedBytes(net)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
+        net.layers[0](x, cos, sin)
+    return {"forward_ms": min(medians) * 1e3, "saved_bytes": counter.total}
+
+
+def scale(like: Like, model: str, layers: int, seq: int, dtype: torch.dtype, batch: int = 1) -> dict:
+    """The link rate that gives the CPU run (``model``, ``layers``, ``seq``) the target's ratio,
+    with both sides: the record's ``tunnel`` object."""
+    target = target_ratio(like)
+    cpu = measure_cpu_block(model, layers, seq, dtype, batch)
+    bandwidth = cpu["saved_bytes"] / (target["ratio"] * cpu["forward_ms"] / 1e3)
+    return {
+        "target": like.text,
+        "gpu": dataclasses.asdict(like.gpu),
+        "ratio": target["ratio"],
+        "target_block": {key: target[key] for key in ("saved_bytes", "copy_ms", "forward_ms")},
+        "cpu_block": {"model": model, "layers": layers, "seq": seq, **cpu},
+        "bandwidth": bandwidth,
+    }
