@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 __all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "set_config"]
 
 # Every value of ACTOFF_POLICY (README.md, Settings).
-POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "auto")
+POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "checkpoint", "auto")
 PLANNERS = ("mip", "greedy", "off")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 ALLOCATORS = ("caching", "replay")
@@ -94,8 +94,10 @@ class Config:
     #: Where activations go: ``keep`` (stay on the device), ``cpu`` (host memory), ``nvme``
     #: (a file under ``nvme_dir``), ``tokenwise`` (token ranges split between cpu, nvme and
     #: recompute by the fractions below), ``recompute`` (every token-local activation
-    #: recomputed; block inputs and attention outputs kept in host memory), ``auto`` (the
-    #: stored fraction from MEMO's closed form, decided after the first step).
+    #: recomputed; block inputs and attention outputs kept in host memory), ``checkpoint``
+    #: (only the block's inputs kept, in host memory; the whole block run again in backward,
+    #: attention included), ``auto`` (the stored fraction from MEMO's closed form, decided
+    #: after the first step).
     policy: str = "cpu"
     #: Token fraction stored in host memory under ``tokenwise`` (the rest: nvme, recompute).
     cpu_fraction: float = 1.0

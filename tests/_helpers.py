@@ -53,7 +53,9 @@ def train(model: torch.nn.Module, steps: int = 3, *, batch: int = 2, seq: int = 
         loss.backward(retain_graph=retain_graph)
         if retain_graph:
             loss.backward()
-        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        # A trainable parameter without a gradient is kept as None, for the comparison to catch.
+        grads = {name: None if p.grad is None else p.grad.detach().clone()
+                 for name, p in model.named_parameters() if p.requires_grad}  # fmt: skip
         history.append((loss.detach().clone(), grads))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -45,6 +45,7 @@ from actoff.tiers.tokenwise.probes import ByOwner, ModuleProbes
 from actoff.tiers.tokenwise.run import TokenwiseRun
 
 from .auto import decide_auto
+from .checkpoint import run_checkpointed
 from .distributed import agree_with_rank0, local_world_size
 from .hooks import unpack
 from .lock import RuntimeLock
@@ -104,7 +105,9 @@ class Runtime:
             if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module):
                 run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
-                if tokenwise is None:
+                if config.policy == "checkpoint":
+                    output = run_checkpointed(self, fn, args, kwargs)
+                elif tokenwise is None:
                     output = fn(*args, **kwargs)
                 else:
                     tokenwise.forward_watch = run.backend.stopwatch().start()

@@ -12,7 +12,7 @@ import os
 
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
 BASELINES = ("none", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu")
-ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "auto")
+ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "checkpoint", "auto")
 # tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
 # --find-max-seq on a CPU: the baselines and actoff's policies, each plain and with tiling and
 # the chunked loss. Of the token-wise family, recompute (block inputs and attention outputs in

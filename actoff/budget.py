@@ -1,0 +1,240 @@
+"""Fitting a device budget at the least step time: per block a placement, the step's predicted
+device peak and added time, and the plan with the least time whose peak fits.
+
+Pure functions on what a first step measured: no tensors, no devices, tested on numbers
+against brute force.
+
+Note [the budget model]: a block saves three classes of bytes in forward: its input, what
+attention saves (q, k, v, its output, the log-sum-exp) and the token-local rest. A placement
+says which stay on the device until the block's backward:
+
+- ``keep``: all of them; it adds no time.
+- ``tokenwise`` with a stored fraction ``a``: the input, attention's saves and a share ``a``
+  of the rest go to the host; the rest is recomputed in backward (``(1 - a)`` of the block's
+  forward time outside attention).
+- ``checkpoint``: the input goes to the host; the whole block is run again (its forward time).
+
+Copies out overlap the next block's forward and copies back the previous block's backward
+(twice a forward, times the prefetch depth): only the part a copy takes beyond that is added.
+The device peak is what the step holds outside the blocks, plus every kept block's bytes,
+plus the largest backward working set: one offloaded block's bytes back on the device (fetched
+or rebuilt) and the prefetch of ``depth`` more blocks' stored bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["PLACEMENTS", "BlockCost", "Placement", "Plan", "brute_force", "plan", "predict"]
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block as its first step measured it: forward time, attention's share of it, and
+    the bytes it saves by class."""
+
+    forward_s: float
+    attention_s: float
+    input_bytes: int
+    attention_bytes: int
+    local_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.input_bytes + self.attention_bytes + self.local_bytes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``keep``, ``tokenwise`` with the token fraction ``stored`` of the token-local bytes kept
+    on the host (the rest recomputed), or ``checkpoint``."""
+
+    kind: str
+    stored: float = 1.0
+
+    def __str__(self) -> str:
+        return f"tokenwise:{self.stored:g}" if self.kind == "tokenwise" else self.kind
+
+
+#: From most to least device memory held through the step (Note [the budget model]).
+PLACEMENTS = (
+    Placement("keep"),
+    *(Placement("tokenwise", stored) for stored in (1.0, 0.75, 0.5, 0.25, 0.0)),
+    Placement("checkpoint"),
+)
+
+
+def _host_bytes(block: BlockCost, placement: Placement) -> float:
+    """Bytes copied to the host and back."""
+    if placement.kind == "keep":
+        return 0.0
+    if placement.kind == "checkpoint":
+        return block.input_bytes
+    return block.input_bytes + block.attention_bytes + placement.stored * block.local_bytes
+
+
+def _recompute_s(block: BlockCost, placement: Placement) -> float:
+    if placement.kind == "checkpoint":
+        return block.forward_s
+    if placement.kind == "tokenwise":
+        return (1.0 - placement.stored) * (block.forward_s - block.attention_s)
+    return 0.0
+
+
+def added_seconds(block: BlockCost, placement: Placement, link_bytes_per_s: float, depth: int = 1) -> float:
+    """Time a placement adds to a step over ``keep``: copies not hidden, and recompute.
+
+    >>> block = BlockCost(0.01, 0.002, 10_000_000, 10_000_000, 30_000_000)
+    >>> round(added_seconds(block, Placement("checkpoint"), 1e9), 4)  # re-run the forward
+    0.01
+    >>> round(added_seconds(block, Placement("tokenwise", 1.0), 1e9), 4)  # 50 ms each way: 40 + 30 over
+    0.07
+    """
+    copy_s = _host_bytes(block, placement) / link_bytes_per_s
+    out_stall = max(0.0, copy_s - block.forward_s)
+    in_stall = max(0.0, copy_s - 2 * block.forward_s * depth)
+    return out_stall + in_stall + _recompute_s(block, placement)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placements per block (in forward order), the prefetch depth, and what they predict."""
+
+    placements: tuple[Placement, ...]
+    depth: int
+    peak_bytes: float
+    seconds: float
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for placement in self.placements:
+            counts[str(placement)] = counts.get(str(placement), 0) + 1
+        return ", ".join(f"{n} {name}" for name, n in counts.items()) + f"; prefetch depth {self.depth}"
+
+
+def predict(
+    blocks: Sequence[BlockCost],
+    placements: Sequence[Placement],
+    link_bytes_per_s: float,
+    *,
+    outside_bytes: int = 0,
+    depth: int = 1,
+) -> tuple[float, float]:
+    """The step's device peak and the time the placements add (Note [the budget model]).
+
+    >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 2
+    >>> predict(blocks, [Placement("keep")] * 2, 1e9, outside_bytes=100)
+    (200.0, 0.0)
+    >>> peak, _ = predict(blocks, [Placement("checkpoint"), Placement("keep")], 1e9, outside_bytes=100)
+    >>> peak  # the kept block, and the checkpointed one back whole in its backward
+    200.0
+    """
+    held = sum(b.saved_bytes for b, p in zip(blocks, placements, strict=True) if p.kind == "keep")
+    working = 0.0
+    offloaded = [b for b, p in zip(blocks, placements, strict=True) if p.kind != "keep"]
+    fetched = [_host_bytes(b, p) for b, p in zip(blocks, placements, strict=True) if p.kind != "keep"]
+    for index, block in enumerate(offloaded):
+        ahead = sum(fetched[max(0, index - depth) : index])
+        working = max(working, block.saved_bytes + ahead)
+    seconds = sum(
+        added_seconds(b, p, link_bytes_per_s, depth) for b, p in zip(blocks, placements, strict=True)
+    )
+    return float(outside_bytes + held + working), seconds
+
+
+def plan(
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    budget_bytes: float,
+    *,
+    outside_bytes: int = 0,
+    depths: Sequence[int] = (1, 2),
+) -> Plan | None:
+    """The least added time whose predicted peak fits ``budget_bytes``, or None if nothing does.
+
+    Keeping is free in time, so each count of kept blocks is tried (the last ones: their
+    backward comes first, with nothing to hide a fetch under; where a kept block sits does not
+    change the peak); the offloaded ones get placements by dynamic programming over the blocks
+    in order, the state being the last ``depth`` placements (what is fetched ahead of a block's
+    backward). Exact when the blocks are alike (a transformer's are); for blocks that differ,
+    among plans that keep the last blocks.
+
+    >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4  # 50 bytes each: copies take no time
+    >>> plan(blocks, 1e9, 200).describe()  # keep fits: keep
+    '4 keep; prefetch depth 1'
+    >>> plan(blocks, 1e9, 150).describe()  # one kept (50), one back (50) and one fetched ahead (50)
+    '3 tokenwise:1, 1 keep; prefetch depth 1'
+    >>> plan(blocks, 1e9, 60).describe(), plan(blocks, 1e9, 59)  # the floor: one block back whole
+    ('3 checkpoint, 1 tokenwise:1; prefetch depth 1', None)
+    >>> # (the last block's stored bytes are never fetched ahead of another's: it may store more)
+    """
+    best: Plan | None = None
+    count = len(blocks)
+    for kept in range(count, -1, -1):
+        held = sum(b.saved_bytes for b in blocks[count - kept :])
+        cap = budget_bytes - outside_bytes - held
+        if cap < 0:
+            continue
+        for depth in depths if kept < count else depths[:1]:
+            offloaded = _cheapest(blocks[: count - kept], link_bytes_per_s, cap, depth)
+            if offloaded is None:
+                continue
+            placements = (*offloaded, *(PLACEMENTS[0],) * kept)
+            peak, seconds = predict(
+                blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, depth=depth
+            )
+            if best is None or seconds < best.seconds - 1e-12:
+                best = Plan(placements, depth, peak, seconds)
+        if best is not None and best.seconds == 0.0:
+            break  # nothing is faster than adding no time: keeping more only holds more
+    return best
+
+
+def _cheapest(
+    blocks: Sequence[BlockCost], link_bytes_per_s: float, cap: float, depth: int
+) -> tuple[Placement, ...] | None:
+    """Offloaded placements for ``blocks`` (in forward order) with the least added time such
+    that each block's bytes back plus the ``depth`` stored ones before it stay within ``cap``."""
+    choices = PLACEMENTS[1:]
+    # state: the last ``depth`` placements (fewer at the start) -> (seconds, placements so far)
+    states: dict[tuple[Placement, ...], tuple[float, tuple[Placement, ...]]] = {(): (0.0, ())}
+    for block in blocks:
+        following: dict[tuple[Placement, ...], tuple[float, tuple[Placement, ...]]] = {}
+        for window, (seconds, chosen) in states.items():
+            before = chosen[-depth:] if depth else ()
+            ahead = sum(
+                _host_bytes(b, p) for b, p in zip(blocks[len(chosen) - len(before) :], before, strict=False)
+            )
+            if block.saved_bytes + ahead > cap:
+                continue
+            for placement in choices:
+                total = seconds + added_seconds(block, placement, link_bytes_per_s, depth)
+                key = (*window, placement)[-depth:]
+                if key not in following or total < following[key][0] - 1e-15:
+                    following[key] = (total, (*chosen, placement))
+        states = following
+        if not states:
+            return None
+    return min(states.values(), key=lambda state: state[0])[1]
+
+
+def brute_force(
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    budget_bytes: float,
+    *,
+    outside_bytes: int = 0,
+    depths: Sequence[int] = (1, 2),
+) -> Plan | None:
+    """Every combination of placements and depths: the reference `plan` is tested against."""
+    best: Plan | None = None
+    for placements in itertools.product(PLACEMENTS, repeat=len(blocks)):
+        for depth in depths:
+            peak, seconds = predict(
+                blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, depth=depth
+            )
+            if peak <= budget_bytes and (best is None or seconds < best.seconds - 1e-12):
+                best = Plan(tuple(placements), depth, peak, seconds)
+    return best

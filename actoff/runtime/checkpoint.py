@@ -1,0 +1,52 @@
+"""The checkpoint placement: a block's inputs stored (on the host by default), the whole block
+run again in backward, attention included.
+
+Note [offloaded checkpoint]: the block runs inside PyTorch's reentrant checkpoint, under the
+scope's hooks: reentrant checkpointing saves the block's tensor inputs with
+``save_for_backward`` and runs the body without grad, so the scope's records are the inputs
+alone, placed like any record (copied to the host off the compute stream, fetched back when
+backward reaches the next block: the prefetch that PyTorch's ``save_on_cpu`` around a
+checkpoint does not do). In backward the checkpoint unpacks them and runs the body again
+with grad, RNG and autocast state restored, with actoff switched off: the recompute is not a
+scope. Reentrant checkpointing runs its backward only if an input requires grad, or the
+block's parameters would get no gradient without a word (a frozen embedding before the first
+block): a zero-size leaf that requires grad is passed along, always. Tensors in keyword
+arguments become positional inputs (reentrant checkpointing takes no keywords), so they are
+stored, and come back, like the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["run_checkpointed"]
+
+
+def run_checkpointed(runtime: Runtime, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` under reentrant checkpointing (Note [offloaded checkpoint]); the
+    caller has installed the scope's saved-tensor hooks."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    backward_always = torch.empty(0, requires_grad=True)
+
+    def body(_always: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        values = list(leaves)
+        for index, tensor in zip(where, tensors, strict=True):
+            values[index] = tensor
+        call_args, call_kwargs = pytree.tree_unflatten(values, spec)
+        runtime.thread.disabled += 1  # the recompute in backward is not a scope
+        try:
+            return fn(*call_args, **call_kwargs)
+        finally:
+            runtime.thread.disabled -= 1
+
+    inputs = [leaves[i] for i in where]
+    return torch.utils.checkpoint.checkpoint(body, backward_always, *inputs, use_reentrant=True)
