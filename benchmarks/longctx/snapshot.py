@@ -16,8 +16,9 @@ from collections import defaultdict
 
 __all__ = ["start_history", "summarize_snapshot", "take_snapshot"]
 
-#: Allocations the history keeps (a 7B-shaped step makes a few thousand).
-HISTORY_ENTRIES = 200_000
+#: Alloc and free events the trace keeps (a 7B-shaped step makes a few thousand). Live blocks
+#: keep their stacks whatever this is; it bounds the pickle's size.
+HISTORY_ENTRIES = 20_000
 #: Groups the summary lists.
 TOP = 12
 
