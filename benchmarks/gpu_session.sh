@@ -1,32 +1,49 @@
 #!/usr/bin/env bash
-# Everything a GPU run should check, as stages under one time budget. Usage:
+# Everything a GPU run should check, as stages, and three planned calls of stages, each under
+# its own time budget. Usage:
 #
-#   bash benchmarks/gpu_session.sh [--dry-run] STAGE [STAGE...]
-#   bash benchmarks/gpu_session.sh --list
+#   bash benchmarks/gpu_session.sh [--dry-run] CALL|STAGE [CALL|STAGE...]
+#   bash benchmarks/gpu_session.sh --list     # the stages
+#   bash benchmarks/gpu_session.sh --calls    # the calls: budget in seconds, then their stages
 #
-# Stages (several may share one call; they share its time):
-#   env            versions, the GPU, the NVMe directory's file system, O_DIRECT, kvikio GDS or compat
-#   tests          the gpu-marked tests, then the NVMe and kvikio tests on the real disk
-#   sanitizer      the gpu-marked tests under TORCH_CUDA_SANITIZER=1 (stream-ordering checker)
-#   io-gdb         the I/O and NVMe tests under cuda-gdb (a native backtrace if they crash)
-#   suite          the whole test suite, stopped at the deadline
-#   io             I/O bandwidth on the NVMe directory (engine, kvikio host and device buffers, pinned)
-#   long           7B-shaped long-context table and plot (4 layers, 8k and 32k, every policy, cpu+tile+loss)
-#   maxseq-base    longest trainable sequence without actoff and with checkpointing
-#   maxseq-actoff  longest trainable sequence under actoff's cpu and auto policies, with tiling and chunked loss
-#   alloc          fragmentation (reserved minus allocated at the peak) at 8k and 32k under cpu+tile+loss
-#                  for four allocators: PyTorch's caching allocator (+noplan), expandable segments,
-#                  actoff's planned device arena (the default), actoff's replay allocator (+replay)
-#   maxseq-alloc   longest trainable sequence for the same four
-#   planner        planner benchmark (CPU work; run it only when a call has time to spare)
+# Calls (one command each, most valuable first; each call's budget counts from its start,
+# setup included; GPU_SESSION_BUDGET overrides it):
+#   call1  (450 s) env calib snapshot frag: the wind tunnel's calibration table on CUDA, what
+#          holds the device at a step's start under cpu, and fragmentation. Worth a session alone.
+#   call2  (510 s) env maxseq-8b: the longest sequence an 8B-shaped model with LoRA trains.
+#   call3  (510 s) env replay-exact gdb-engine tests sanitizer: the checks that need a GPU.
 #
-# The stages of one invocation share GPU_SESSION_BUDGET seconds (default 540) counted from
-# the start; each command gets what is left (minus a margin) through `timeout`, and the
-# benchmarks get it as --time-budget, so they stop starting work they could not finish.
-# Records are written as they are made (--jsonl), so a stage cut short keeps what it measured.
-# `--dry-run` prints every command a stage would run (one per line, after "+ "), runs nothing
-# and installs nothing: tests/test_benchmarks.py checks those commands against the benchmarks'
-# parsers on every CI run.
+# Stages:
+#   env           the header every benchmark prints (versions, GPU, file system, O_DIRECT, kvikio)
+#   calib         7B-shaped, 4 layers, 8k and 32k: none, keep, torch_checkpoint, cpu, auto,
+#                 torch_save_on_cpu, torch_checkpoint_cpu (auto decides from a warm step): the
+#                 table `long_context.py --calibrate` compares the tunnel with
+#   snapshot      cpu at 8k with torch.cuda.memory._snapshot() at the start of the first timed
+#                 step: what holds the device's memory there, by the code that allocated it
+#   frag          cpu and auto at 32k, caching allocator and +replay: peak reserved over peak
+#                 allocated, actoff's device arena and the replay plan against their lower bounds
+#   maxseq-8b     the longest sequence from 128k: 8B-shaped, a frozen base with rank-16 LoRA, 32
+#                 layers emulated on 4 (a ballast and the host budget scaled by 4/32), for
+#                 torch_checkpoint+tile+loss, recompute+tile+loss, cpu+tile+loss, auto+tile+loss;
+#                 each probe's time limit sized from the last probe's time
+#   replay-exact  the replay allocator's bit-exactness tests (keep and cpu)
+#   gdb-engine    the NVMe engine and tier tests under cuda-gdb with the C++ engine (not kvikio):
+#                 a native backtrace of every thread if the error paths crash
+#   tests         the gpu-marked tests, then the NVMe and kvikio tests on the real disk
+#   sanitizer     the gpu-marked tests under TORCH_CUDA_SANITIZER=1 (stream-ordering checker)
+#   suite         the whole test suite (8 processes where pytest-xdist is there)
+#   io            I/O bandwidth on the NVMe directory (engine, kvikio host and device buffers, pinned)
+#   planner       planner benchmark (CPU work; run it only when a call has time to spare)
+#
+# Each command gets what is left of its call's budget (minus a margin) through `timeout`, and
+# the benchmarks get less as --time-budget, so they stop starting work they could not finish.
+# Everything is written as it is made: benchmarks append JSON lines (--jsonl), pytest prints a
+# test's name before it runs (-v) and appends a JSON line when it starts and ends (--jsonl,
+# tests/conftest.py), so a call cut short keeps what it measured and names what it was running.
+# Setup (device, kvikio wheels, the extension's build, the header) goes to one file, setup.log.
+# `--dry-run` prints every command (one per line, after "+ "), runs nothing and installs
+# nothing: tests/test_benchmarks.py checks those commands against the benchmarks' parsers and
+# pytest's markers on every CI run.
 #
 # The script works without network access, and where pip's editable install is refused: the
 # package is used in place (PYTHONPATH=$PWD, extension built with setup.py build_ext --inplace)
@@ -38,30 +55,47 @@
 #     --platform manylinux2014_x86_64 -d .whl kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 \
 #     rapids-logger==0.3.0 cuda-pathfinder==1.9.0
 #   (about 4 MB, checked 2026-11; kvikio's other needs, cupy-cuda13x, numpy and cuda-toolkit[cufile],
-#   are in the GPU image. Optional, for the planner tests: add pulp highspy.)
-# Then copy the checkout with .whl/ to the GPU machine and run, e.g.,
-# `OUT=results bash benchmarks/gpu_session.sh env tests`. Results land in $OUT (logs and JSON
+#   are in the GPU image. Optional: peft for --lora (else actoff's benchmark adapters), pulp highspy
+#   for the planner tests.)
+# Then copy the checkout with .whl/ to the GPU machine and run one call per command, e.g.
+# `OUT=results bash benchmarks/gpu_session.sh call1`. Results land in $OUT (logs and JSON
 # lines); commit the ones worth keeping under benchmarks/results/<device>-<date>/.
 set -u
 
+STAGES="env calib snapshot frag maxseq-8b replay-exact gdb-engine tests sanitizer suite io planner"
+declare -A CALL_STAGES=(
+  [call1]="env calib snapshot frag"
+  [call2]="env maxseq-8b"
+  [call3]="env replay-exact gdb-engine tests sanitizer"
+)
+declare -A CALL_BUDGET=([call1]=450 [call2]=510 [call3]=510)
+
 dry_run=0
-stages=()
+groups=()   # "NAME BUDGET STAGE..." per call; plain stages form a group of their own
+plain=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
-    --list) echo "env tests sanitizer io-gdb suite io long maxseq-base maxseq-actoff alloc maxseq-alloc planner"; exit 0 ;;
+    --list) echo "$STAGES"; exit 0 ;;
+    --calls) for call in call1 call2 call3; do echo "$call ${CALL_BUDGET[$call]} ${CALL_STAGES[$call]}"; done; exit 0 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
-    *) stages+=("$arg") ;;
+    call*)
+      [ -n "${CALL_STAGES[$arg]:-}" ] || { echo "unknown call $arg: call1 call2 call3" >&2; exit 2; }
+      groups+=("$arg ${GPU_SESSION_BUDGET:-${CALL_BUDGET[$arg]}} ${CALL_STAGES[$arg]}") ;;
+    *)
+      case " $STAGES " in *" $arg "*) ;; *) echo "unknown stage $arg: $STAGES" >&2; exit 2 ;; esac
+      plain+=("$arg") ;;
   esac
 done
-[ ${#stages[@]} -gt 0 ] || { echo "usage: $0 [--dry-run] STAGE... (--list names them)" >&2; exit 2; }
+[ ${#plain[@]} -gt 0 ] && groups+=("stages ${GPU_SESSION_BUDGET:-540} ${plain[*]}")
+[ ${#groups[@]} -gt 0 ] || { echo "usage: $0 [--dry-run] CALL|STAGE... (--calls, --list name them)" >&2; exit 2; }
 
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/actoff-gpu-out}
 # Not ACTOFF_*: actoff refuses unknown ACTOFF_ settings, and the benchmarks inherit the environment.
-budget_s=${GPU_SESSION_BUDGET:-540}
 margin_s=20
-started_s=$(date +%s)
+started_s=$(date +%s)  # the first call's clock starts before setup: setup is part of its budget
+budget_s=540
 export PYTHONUNBUFFERED=1
 
 left() {  # seconds a command may still run
@@ -76,7 +110,7 @@ run() {
   [ "$dry_run" = 1 ] && return 0
   local seconds; seconds=$(left)
   if [ "$seconds" -le 10 ]; then
-    echo "   skipped: the session budget is spent" | tee -a "$OUT/$log"
+    echo "   skipped: the call's budget is spent" | tee -a "$OUT/$log"
     return 0
   fi
   timeout --signal=TERM --kill-after=10 "$seconds" env "$@" 2>&1 | tee -a "$OUT/$log" | tail -40
@@ -86,9 +120,13 @@ run() {
 }
 
 # What a benchmark gets as --time-budget: less than its command's timeout, so that it ends
-# its worker processes itself (a timeout stops only the process it started).
+# its worker processes itself (a timeout stops only the process it started); at most $1 when
+# given, so that the stages after it in the call keep their share.
 inner_budget() {
-  echo $(( $(left) - 30 ))
+  local seconds=$(( $(left) - 30 ))
+  if [ $# -gt 0 ] && [ "$1" -lt "$seconds" ]; then seconds=$1; fi
+  [ "$seconds" -gt 1 ] || seconds=1
+  echo "$seconds"
 }
 
 # A directory on a real disk for the NVMe tier (never tmpfs: that is RAM).
@@ -104,7 +142,8 @@ pick_nvme_dir() {
   echo /tmp/actoff-nvme
 }
 
-# A real host budget for the longest-sequence search: 60% of the memory available now.
+# The host budget of a whole model for the longest-sequence search: 60% of the memory available
+# now (an emulated run scales it by its built layers over the model's: Note [emulated layers]).
 host_budget() {
   local kib; kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo 2>/dev/null)
   [ -n "$kib" ] || { echo "32GiB"; return; }
@@ -120,67 +159,87 @@ export ACTOFF_TEST_NVME_DIR=$NVME_DIR
 
 if [ "$dry_run" = 0 ]; then
   mkdir -p "$OUT"
+  {
+    echo "== setup $(date -u +%FT%TZ), revision $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  } >>"$OUT/setup.log" 2>&1
   # Wheels carried in .whl/ (kvikio and what it needs), into a folder on PYTHONPATH: no network,
   # no change to the image's Python.
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+      .whl/*.whl >>"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   fi
   export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   # The extension in place (pybind11 only, seconds): no pip, no editable install.
   if ! python3 -c "import actoff._C" 2>/dev/null; then
-    python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+    python3 setup.py -q build_ext --inplace >>"$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
   fi
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+  head -2 "$OUT/setup.log"
 else
   echo "# dry run: nothing is installed or run"
 fi
 
-# The four allocators the alloc stages compare, under one actoff policy.
-ALLOCATORS=cpu+tile+loss+noplan,cpu+tile+loss+noplan+expandable,cpu+tile+loss,cpu+tile+loss+replay
+# pytest, verbose (a test's name before it runs), its JSON lines to $OUT/$1.jsonl.
+pytest_cmd() {
+  echo python3 -m pytest -v -p no:cacheprovider -rfE --jsonl "$OUT/$1.jsonl"
+}
 
-for stage in "${stages[@]}"; do
-  echo "== stage $stage ($(left) s left)"
-  case "$stage" in
-    env)  # the header every benchmark prints: versions, GPU, file system, O_DIRECT, kvikio GDS or compat
-      run env.log python3 benchmarks/_common.py --header "$NVME_DIR" ;;
+stage() {
+  local name=$1
+  echo "== stage $name ($(left) s left)"
+  case "$name" in
+    env)  # the header every benchmark prints, into the setup log
+      run setup.log python3 benchmarks/_common.py --header "$NVME_DIR" ;;
+    calib)  # the slow baselines last: the H100 run has them; a cut call loses them first
+      run calib.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k,32k --steps 3 --warmup 1 \
+        --policies none,keep,torch_checkpoint,cpu,auto,torch_save_on_cpu,torch_checkpoint_cpu \
+        --nvme-dir "$NVME_DIR" --timeout 100 --time-budget "$(inner_budget 250)" \
+        --jsonl "$OUT/calib.jsonl" --plot "$OUT/calib.png" ;;
+    snapshot)  # its own process: recording the allocator's stacks slows it, so it is not timed
+      run snapshot.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k --steps 1 --warmup 1 \
+        --policies cpu --memory-snapshot "$OUT/snapshot" --timeout 90 --time-budget "$(inner_budget 50)" \
+        --jsonl "$OUT/snapshot.jsonl" ;;
+    frag)
+      run frag.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 32k --steps 2 --warmup 1 \
+        --policies cpu,cpu+replay,auto,auto+replay --timeout 100 --time-budget "$(inner_budget)" \
+        --jsonl "$OUT/frag.jsonl" ;;
+    maxseq-8b)
+      run maxseq-8b.log ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 8b \
+        --layers 4 --emulate-layers 32 --lora 16 --seq 128k --find-max-seq --max-seq 1024k \
+        --policies torch_checkpoint+tile+loss,recompute+tile+loss,cpu+tile+loss,auto+tile+loss \
+        --nvme-dir "$NVME_DIR" --timeout 300 --time-budget "$(inner_budget)" \
+        --jsonl "$OUT/maxseq-8b.jsonl" --plot "$OUT/maxseq-8b.png" ;;
+    replay-exact)
+      run replay-exact.log $(pytest_cmd replay-exact) -m gpu -k bit_exact tests/memory/test_replay_steps.py ;;
+    gdb-engine)  # the C++ engine: ACTOFF_IO_BACKEND=posix, which the tests keep (tests/conftest.py)
+      run gdb-engine.log ACTOFF_IO_BACKEND=posix cuda-gdb -q -batch -ex "set pagination off" -ex run \
+        -ex "thread apply all bt 12" --args $(pytest_cmd gdb-engine) tests/tiers/nvme/test_engines.py \
+        tests/tiers/nvme/test_nvme.py ;;
     tests)
-      run tests.log python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests
-      run tests.log python3 -m pytest -q -p no:cacheprovider -rA tests/tiers/nvme/test_nvme.py tests/tiers/nvme/test_engines.py tests/tiers/nvme/test_kvikio.py tests/memory/test_host_arena.py ;;
+      run tests.log $(pytest_cmd tests) -m gpu tests
+      run tests.log $(pytest_cmd tests) tests/tiers/nvme/test_nvme.py tests/tiers/nvme/test_engines.py \
+        tests/tiers/nvme/test_kvikio.py tests/memory/test_host_arena.py ;;
     sanitizer)
-      run sanitizer.log TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests ;;
-    io-gdb)  # the I/O tests under cuda-gdb: a native backtrace of every thread if one crashes
-      run io-gdb.log cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "thread apply all bt 12" \
-        --args python3 -m pytest -q -p no:cacheprovider tests/tiers/nvme/test_engines.py tests/tiers/nvme/test_nvme.py ;;
+      run sanitizer.log TORCH_CUDA_SANITIZER=1 $(pytest_cmd sanitizer) -m gpu tests ;;
     suite)  # in 8 processes where pytest-xdist is there (the GPU image has it): the CPU tests dominate
       workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-      # -v: one line per test as it ends, so a run cut at the deadline still names its failures.
-      run suite.log python3 -m pytest -v -p no:cacheprovider -p no:benchmark -rfE "${workers[@]}" tests ;;
+      run suite.log $(pytest_cmd suite) -p no:benchmark "${workers[@]}" tests ;;
     io)
       run io.log python3 benchmarks/io_bandwidth.py --size 4GiB --repeats 2 --dir "$NVME_DIR/io" --jsonl "$OUT/io.jsonl" ;;
-    long)
-      run long.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k,32k --steps 3 --warmup 1 \
-        --policies none,keep,torch_checkpoint,torch_save_on_cpu,cpu,nvme,tokenwise:0.5:0,recompute,auto,cpu+tile+loss \
-        --nvme-dir "$NVME_DIR" --timeout 150 --time-budget "$(inner_budget)" \
-        --jsonl "$OUT/long.jsonl" --plot "$OUT/long.png" ;;
-    maxseq-base|maxseq-actoff)
-      policies=none,torch_checkpoint
-      [ "$stage" = maxseq-actoff ] && policies=cpu+tile+loss,auto+tile+loss
-      run "$stage.log" ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 7b --layers 4 \
-        --seq 16k --find-max-seq --max-seq 512k --policies "$policies" --nvme-dir "$NVME_DIR" --timeout 120 \
-        --time-budget "$(inner_budget)" --jsonl "$OUT/$stage.jsonl" ;;
-    alloc)
-      run alloc.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k,32k --steps 3 --warmup 1 \
-        --policies "$ALLOCATORS" --nvme-dir "$NVME_DIR" --timeout 150 --time-budget "$(inner_budget)" \
-        --jsonl "$OUT/alloc.jsonl" ;;
-    maxseq-alloc)
-      run maxseq-alloc.log ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 7b \
-        --layers 4 --seq 16k --find-max-seq --max-seq 512k --policies "$ALLOCATORS" --nvme-dir "$NVME_DIR" \
-        --timeout 120 --time-budget "$(inner_budget)" --jsonl "$OUT/maxseq-alloc.jsonl" ;;
     planner)
       run planner.log python3 benchmarks/planner.py --time-limit 10 --json "$OUT/planner.json" ;;
-    *)
-      echo "unknown stage $stage: $(bash "$0" --list)" >&2; exit 2 ;;
   esac
+}
+
+first=1
+for group in "${groups[@]}"; do
+  read -r name budget stages_of_group <<<"$group"
+  budget_s=$budget
+  [ "$first" = 1 ] || started_s=$(date +%s)  # a later call's clock starts at its own start
+  first=0
+  echo "== $name: budget $budget_s s ($(left) s left)"
+  for name in $stages_of_group; do
+    stage "$name"
+  done
 done
 [ "$dry_run" = 1 ] || rm -rf "$NVME_DIR/io"

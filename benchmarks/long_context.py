@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from longctx import maxseq, tunnel
+from longctx import emulate, lora, maxseq, snapshot, tunnel
 from longctx.cli import build_parser, main, parse_lengths
 from longctx.maxseq import (
     _verdict,
@@ -34,13 +34,16 @@ __all__ = [
     "add_max_seq_ratios",
     "build_parser",
     "check_policies",
+    "emulate",
     "find_max_seq",
+    "lora",
     "main",
     "max_seq_ratio",
     "max_seq_summary",
     "maxseq",
     "parse_lengths",
     "run_one",
+    "snapshot",
     "split_variants",
     "summarize",
     "tunnel",

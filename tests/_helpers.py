@@ -198,3 +198,39 @@ def run_without_deadlock(script: str, done: str, what: str, timeout: float) -> N
     except subprocess.TimeoutExpired:
         pytest.fail(f"deadlocked: {what} waited for a lock it held")
     assert result.returncode == 0 and done in result.stdout, result.stderr
+
+
+class HostEngine:
+    """The host core behind the methods `Replay` calls (arenas are torch uint8 tensors)."""
+
+    def __init__(self):
+        from actoff._C import HostReplayAllocator
+
+        self.core = HostReplayAllocator()
+        self.arenas = []
+        self._log = []
+
+    def begin_record(self):
+        self.core.begin_record()
+
+    def begin_step(self):
+        self.core.begin_step()
+
+    def end_step(self):
+        self._log = self.core.end_step()
+
+    def log(self):
+        return self._log
+
+    def set_plan(self, sizes, offsets, arena_bytes, lower_bound=0):
+        self.lower_bound = lower_bound  # what CudaEngine keeps for actoff.replay_allocator_stats()
+        if not self.arenas or self.arenas[-1].numel() < arena_bytes:
+            self.arenas.append(torch.empty(max(arena_bytes, 1), dtype=torch.uint8))
+        arena = self.arenas[-1]
+        self.core.set_plan(list(sizes), list(offsets), arena.data_ptr(), arena.numel())
+
+    def clear_plan(self):
+        self.core.clear_plan()
+
+    def stats(self):
+        return self.core.stats()

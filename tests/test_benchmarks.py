@@ -216,10 +216,21 @@ def _check_command(words: list[str], markers: set[str]) -> None:
     assert words[0] == "python3", words
     if words[1:3] == ["-m", "pytest"]:
         arguments = words[3:]
+        # Names as they run and JSON lines as they end: a call cut short still says what ran.
+        assert "-v" in arguments and "--jsonl" in arguments, arguments
+        paths = [word for word in arguments if word.startswith("tests")]
         for index, word in enumerate(arguments):
             if word == "-m":
                 expression = arguments[index + 1]
                 assert set(re.findall(r"\w+", expression)) - {"and", "or", "not"} <= markers, expression
+            elif word == "-k":  # selects tests that exist in the files named
+                sources = ""
+                for path in paths:
+                    if path.endswith(".py"):
+                        with open(os.path.join(ROOT, path)) as handle:
+                            sources += handle.read()
+                for name in set(re.findall(r"\w+", arguments[index + 1])) - {"and", "or", "not"}:
+                    assert re.search(rf"def test_\w*{name}", sources), f"-k {name} selects nothing"
             elif word.startswith("tests"):
                 assert os.path.exists(os.path.join(ROOT, word)), word
         return
@@ -251,9 +262,10 @@ def test_gpu_session_script_parses_and_every_stage_dry_runs():
     markers = set(re.findall(r'^\s*"(\w+):', section, flags=re.MULTILINE))
     assert {"gpu", "nvme", "slow"} <= markers
     stages = _session_stages()
-    assert {"env", "tests", "sanitizer", "io", "long", "maxseq-base", "maxseq-actoff"} <= set(stages)
-    for stage in stages:
-        done = subprocess.run(["bash", GPU_SESSION, "--dry-run", stage], capture_output=True, text=True,
+    assert {"env", "calib", "snapshot", "frag", "maxseq-8b", "replay-exact", "gdb-engine", "tests",
+            "sanitizer"} <= set(stages)  # fmt: skip
+    for stage in [*stages, "call1 call2 call3"]:
+        done = subprocess.run(["bash", GPU_SESSION, "--dry-run", *stage.split()], capture_output=True, text=True,
                               timeout=60, env={**os.environ, "OUT": "/nonexistent/out"})  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
@@ -264,6 +276,55 @@ def test_gpu_session_script_parses_and_every_stage_dry_runs():
     sanitizer = subprocess.run(["bash", GPU_SESSION, "--dry-run", "sanitizer"], capture_output=True, text=True,
                                timeout=60).stdout  # fmt: skip
     assert "TORCH_CUDA_SANITIZER=1" in sanitizer and "-m gpu" in sanitizer
+
+
+def test_gpu_session_plans_three_calls_that_each_fit_one_command():
+    """call1, call2 and call3 are stage lists with budgets: each fits a 9-minute command with
+    margin, call1 (setup included) under 8 minutes; together they run the questions the first
+    H100 run left open, most valuable first."""
+    done = subprocess.run(["bash", GPU_SESSION, "--calls"], capture_output=True, text=True, timeout=60)
+    calls = {line.split()[0]: (int(line.split()[1]), line.split()[2:]) for line in done.stdout.splitlines()}
+    assert list(calls) == ["call1", "call2", "call3"]
+    assert calls["call1"][0] < 8 * 60 and all(budget <= 540 for budget, _ in calls.values())
+    assert calls["call1"][1] == ["env", "calib", "snapshot", "frag"]
+    assert calls["call2"][1] == ["env", "maxseq-8b"]
+    assert calls["call3"][1] == ["env", "replay-exact", "gdb-engine", "tests", "sanitizer"]
+    dry = subprocess.run(["bash", GPU_SESSION, "--dry-run", "call1", "call2", "call3"], capture_output=True,
+                         text=True, timeout=60).stdout  # fmt: skip
+    commands = {
+        line.split(":")[0].removeprefix("== "): [] for line in dry.splitlines() if line.startswith("== call")
+    }
+    current = None
+    for line in dry.splitlines():
+        if line.startswith("== call"):
+            current = line.split(":")[0].removeprefix("== ")
+        elif line.startswith("+ "):
+            commands[current].append(shlex.split(line[2:]))
+    assert list(commands) == ["call1", "call2", "call3"]
+    bench = _load_benchmark("long_context")
+    parsed = {call: [bench.build_parser().parse_args(words[words.index("benchmarks/long_context.py") + 1 :])
+                     for words in found if "benchmarks/long_context.py" in words] for call, found in commands.items()}  # fmt: skip
+    # call1: the calibration table at 8k and 32k with every policy the tunnel models, auto
+    # included; a snapshot under cpu; fragmentation with and without the replay allocator.
+    calib, snapshot, frag = parsed["call1"]
+    assert calib.preset == "7b" and calib.layers == 4 and bench.parse_lengths(calib.seq) == [8192, 32768]
+    assert set(bench.check_policies(calib.policies)) == {"none", "keep", "torch_checkpoint", "torch_save_on_cpu",
+                                                         "torch_checkpoint_cpu", "cpu", "auto"}  # fmt: skip
+    assert snapshot.memory_snapshot and snapshot.policies == "cpu"
+    assert set(bench.check_policies(frag.policies)) == {"cpu", "cpu+replay", "auto", "auto+replay"}
+    assert calib.time_budget + snapshot.time_budget + 2 * 60 < calls["call1"][0]  # frag keeps two minutes
+    # call2: the 8B-shaped frozen-base search from 128k, 32 layers emulated, the fair baseline first.
+    (search,) = parsed["call2"]
+    assert search.find_max_seq and search.preset == "8b" and search.lora and search.emulate_layers == 32
+    assert bench.parse_lengths(search.seq) == [131072]
+    assert bench.check_policies(search.policies) == ["torch_checkpoint+tile+loss", "recompute+tile+loss",
+                                                     "cpu+tile+loss", "auto+tile+loss"]  # fmt: skip
+    assert any(w.startswith("ACTOFF_HOST_BUDGET=") for words in commands["call2"] for w in words)
+    # call3: the replay allocator's exactness, the engine's error paths under the debugger with
+    # the C++ engine, the gpu tests and the sanitizer.
+    gdb = next(words for words in commands["call3"] if "cuda-gdb" in words)
+    assert "ACTOFF_IO_BACKEND=posix" in gdb and "tests/tiers/nvme/test_engines.py" in gdb and "-x" not in gdb
+    assert any("bit_exact" in words for words in commands["call3"])
 
 
 def test_gpu_session_refuses_unknown_stages():
@@ -500,3 +561,158 @@ def test_the_like_option_is_checked():
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "GPU:MODEL@LENGTH" in done.stderr
+
+
+# ------------------------------------------- the 8B shape, a frozen base, emulated layers
+def test_the_8b_preset_with_a_frozen_base_and_emulated_layers_runs_on_the_cpu(tmp_path):
+    """What call2 of gpu_session.sh runs on the GPU, at a tiny size: the 8b preset's shape with
+    its widths divided (--shrink), rank-4 LoRA on a frozen base, 8 blocks emulated on 2 with
+    the host budget scaled by 2/8, on a capped simulated device; each policy trains, and the
+    ballast stands for the 6 blocks not built as Note [emulated layers] says."""
+    out_json = tmp_path / "lora.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--preset", "8b", "--shrink", "32",
+               "--layers", "2", "--seq", "128", "--steps", "1", "--warmup", "1", "--lora", "4",
+               "--emulate-layers", "8", "--sim-memory", "256MiB", "--policies", "torch_checkpoint+tile+loss,cpu+tile+loss",
+               "--json", str(out_json)]  # fmt: skip
+    env = {**os.environ, "ACTOFF_HOST_BUDGET": "64MiB", "ACTOFF_MIN_BYTES": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "widths / 32" in done.stdout and "rank 4 adapters on a frozen base" in done.stdout
+    assert "host budget 16.00 MiB (ACTOFF_HOST_BUDGET x 2/8" in done.stdout
+    records = {r["policy"]: r for r in json.loads(out_json.read_text())["records"]}
+    assert set(records) == {"torch_checkpoint+tile+loss", "cpu+tile+loss"}
+    hidden, dtype_bytes = 4096 // 32, 2
+    # A block's static bytes: its frozen weights (bf16) and its adapters' weights and gradients.
+    from actoff.reference import Block, ModelConfig
+
+    config = ModelConfig.preset(
+        "8b", hidden_size=hidden, intermediate_size=14336 // 32, vocab_size=128256 // 32
+    )
+    block_bytes = sum(p.numel() for p in Block(config).parameters()) * dtype_bytes
+    for record in records.values():
+        assert record["status"] == "ok", record
+        assert record["lora"]["rank"] == 4 and record["lora"]["made_by"]
+        assert record["emulated_layers"] == 8
+        assert record["ballast_static_bytes"] > 6 * block_bytes  # + the adapters and their gradients
+        assert record["static_bytes"] >= record["ballast_static_bytes"] + record["ballast_held_bytes"]
+    checkpoint, offloaded = records["torch_checkpoint+tile+loss"], records["cpu+tile+loss"]
+    assert checkpoint["ballast_held_bytes"] == 6 * 128 * hidden * dtype_bytes  # each block's input
+    assert offloaded["act_cpu_bytes"] > 0  # the adapters' saved tensors went to the host
+
+
+def test_lora_freezes_the_base_and_trains_only_adapters():
+    lora = _load_benchmark("long_context").lora
+    from actoff.reference import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.preset("tiny"))
+    tokens = torch.randint(0, 256, (2, 33))
+    base_loss = model.loss(tokens)
+    assert lora.lora_(model, 4, use_peft=False) == "actoff LoRALinear"
+    adapted = model.loss(tokens)
+    torch.testing.assert_close(adapted, base_loss, rtol=0, atol=0)  # B starts at zero
+    adapted.backward()
+    trained = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert trained and all(name.split(".")[-1] in ("lora_A", "lora_B") for name in trained)
+    assert len(trained) == 2 * 7 * model.config.num_layers  # q, k, v, o, gate, up, down per block
+    assert lora.trainable_bytes(model) == sum(
+        p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n
+    )
+    with pytest.raises(ValueError, match="at least 1"):
+        lora.lora_(Transformer(ModelConfig.preset("tiny")), 0)
+
+
+def test_lora_uses_peft_where_installed():
+    pytest.importorskip("peft")
+    lora = _load_benchmark("long_context").lora
+    from actoff.reference import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig.preset("tiny"))
+    assert lora.lora_(model, 4).startswith("peft ")
+    model.loss(torch.randint(0, 256, (1, 17))).backward()
+    trained = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in name for name in trained)
+
+
+def test_emulation_refuses_what_it_cannot_count_and_scales_the_host_budget(monkeypatch):
+    bench = _load_benchmark("long_context")
+    emulate = bench.emulate
+    with pytest.raises(SystemExit, match="run keep"):
+        emulate.check_emulation(["none"], 4, 32)
+    with pytest.raises(SystemExit, match="at least --layers"):
+        emulate.check_emulation(["cpu"], 4, 2)
+    emulate.check_emulation(["keep", "cpu+tile+loss", "torch_checkpoint", "torch_save_on_cpu"], 4, 32)
+    seen = []
+
+    class Worker:
+        def __init__(self, command, env=None, **_):
+            seen.append(env)
+            self.stdout, self.returncode = iter(()), 0
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(subprocess, "Popen", Worker)
+    bench.run_one({"policy": "cpu", "seq": 64, "host_budget": 8 * 2**30}, 60.0)
+    assert seen[0]["ACTOFF_HOST_BUDGET"] == f"{8 * 2**30}B"
+    assert actoff.parse_size(seen[0]["ACTOFF_HOST_BUDGET"], what="x") == 8 * 2**30
+
+
+def test_probe_limits_follow_the_last_probe_and_a_probe_that_cannot_finish_is_not_started(monkeypatch):
+    """(Note [probe time limits]) each probe's limit is sized from the last one that trained,
+    and a probe predicted to outlast the time left ends the search with a lower bound."""
+    bench = _load_benchmark("long_context")
+    maxseq = bench.maxseq
+    limits, clock = [], {"now": 0.0}
+
+    def fake_run_one(spec, timeout_s, on_record=None):
+        limits.append((spec["seq"], timeout_s))
+        clock["now"] += spec["seq"] / 1000  # a probe takes 1 s per 1000 tokens
+        return [{"status": "ok" if spec["seq"] <= 40_000 else "oom"}]
+
+    monkeypatch.setattr(maxseq, "run_one", fake_run_one)
+    monkeypatch.setattr(maxseq.time, "monotonic", lambda: clock["now"])
+    found = bench.find_max_seq("cpu", {}, 8192, 1 << 20, 1000.0)
+    assert found.finished and found.longest <= 40_000 < found.failed
+    assert limits[0] == (8192, 1000.0)  # nothing measured yet: the time left
+    # 16384 after 8192 took 8.192 s: (16384 / 8192)^2 x 8.192 s, twice, plus 30 s
+    assert limits[1][0] == 16384 and limits[1][1] == pytest.approx(2 * 4 * 8.192 + 30)
+    # Too little time for the next probe's prediction: not started, a lower bound.
+    found = bench.find_max_seq("cpu", {}, 8192, 1 << 20, lambda: 60.0)
+    assert not found.finished and found.longest == 16384 and found.failed is None
+
+
+def test_a_memory_snapshot_is_summarized_by_where_its_blocks_were_allocated():
+    snapshot = _load_benchmark("long_context").snapshot
+    frames = [{"filename": "/x/site-packages/torch/autograd/graph.py", "line": 3, "name": "pack"},
+              {"filename": "/w/actoff/tiers/cpu.py", "line": 30, "name": "place"}]  # fmt: skip
+    summary = snapshot.summarize_snapshot({"segments": [
+        {"total_size": 3 << 30, "blocks": [{"size": 1 << 30, "state": "active_allocated", "frames": frames},
+                                           {"size": 1 << 29, "state": "active_allocated", "frames": []},
+                                           {"size": 1 << 29, "state": "inactive", "frames": frames}]}]})  # fmt: skip
+    assert summary["reserved_bytes"] == 3 << 30 and summary["live_bytes"] == (1 << 30) + (1 << 29)
+    assert summary["top"][0] == {"origin": "cpu.py:30 place", "bytes": 1 << 30, "blocks": 1}
+    assert summary["top"][1]["origin"].startswith("no Python frame")
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--memory-snapshot", "x"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--memory-snapshot reads CUDA's caching allocator" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["emulate", "lora", "maxseq", "policies", "snapshot", "calibrate"])
+def test_benchmark_docstring_examples(name):
+    """The examples in the long-context benchmark's docstrings run and print what they say."""
+    import doctest
+
+    module = getattr(_load_benchmark("long_context"), name, None) or importlib.import_module(
+        f"longctx.{name}"
+    )
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0, (
+        f"{result.failed} of {result.attempted} failed in {name}"
+    )

@@ -72,3 +72,28 @@ def test_links_and_cited_results_exist(document):
             assert os.path.exists(os.path.join(folder, target)), f"{document} links to missing {target}"
     for cited in re.findall(r"benchmarks/results/[\w./-]*[\w/]", text):
         assert os.path.exists(os.path.join(ROOT, cited)), f"{document} cites missing {cited}"
+
+
+def _claims(text: str):
+    """Paragraphs, and each table row apart: a table's header row goes with the paragraph that
+    introduces the table."""
+    before = ""
+    for paragraph in re.split(r"\n\s*\n", text):
+        lines = paragraph.strip().splitlines()
+        if lines and lines[0].startswith("|"):
+            yield lines[0] + "\n" + before  # the header, with what introduces it
+            yield from lines[2:]
+        else:
+            yield paragraph
+        before = paragraph
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_gpu_claim_cites_a_committed_result(document):
+    """What a GPU did is said only with the file under benchmarks/results/ that shows it: every
+    paragraph or table row that names the GPU a run measured on cites a results file."""
+    for claim in _claims(_read(document)):
+        if re.search(r"\bH[12]00\b", claim):
+            assert re.search(r"results/[\w.-]+", claim), (
+                f"{document}: no results file cited for: {claim[:300]}"
+            )

@@ -40,6 +40,7 @@ ABI_VERSION = 1
 _library: ctypes.CDLL | None = None
 _pluggable: Any = None  # torch's CUDAPluggableAllocator: kept alive while it is installed
 _install_failure: str | None = None  # why the install on import was refused
+_plan_lower_bounds: dict[int, int] = {}  # device -> the lower bound of its last plan (bytes)
 
 
 def library_path() -> str | None:
@@ -230,6 +231,7 @@ class AllocatorStats:
     peak_reserved_bytes: int = 0  # most arena + fallback bytes at once
     errors: int = 0  # errors recorded and not yet raised
     last_error: str | None = None  # the first of them
+    plan_lower_bound_bytes: int = 0  # most planned bytes live at once in the last plan's window
 
     @property
     def fallbacks(self) -> int:
@@ -268,7 +270,12 @@ class CudaEngine:
         self._ok(self.library.actoff_replay_copy_log(self.device, sizes, starts, ends, count))
         return list(zip(sizes, starts, ends, strict=True))
 
-    def set_plan(self, sizes: Sequence[int], offsets: Sequence[int], arena_bytes: int) -> None:
+    def set_plan(
+        self, sizes: Sequence[int], offsets: Sequence[int], arena_bytes: int, lower_bound: int = 0
+    ) -> None:
+        """Serve the next windows by this plan; ``lower_bound`` (bytes no layout of the planned
+        requests can undercut) is kept for `stats`, to set the arena against."""
+        _plan_lower_bounds[self.device] = lower_bound
         count = len(sizes)
         c_sizes, c_offsets = (ctypes.c_ulonglong * count)(*sizes), (ctypes.c_ulonglong * count)(*offsets)
         self._ok(self.library.actoff_replay_set_plan(self.device, c_sizes, c_offsets, count, arena_bytes))
@@ -297,4 +304,11 @@ def stats(device: int | torch.device | None = None) -> AllocatorStats:
     index = torch.cuda.current_device() if device is None else int(device)
     figures = CudaEngine(_library, index).stats()
     errors, message = _error(_library, clear=False)
-    return AllocatorStats(True, index, **figures, errors=errors, last_error=message or None)
+    return AllocatorStats(
+        True,
+        index,
+        **figures,
+        errors=errors,
+        last_error=message or None,
+        plan_lower_bound_bytes=_plan_lower_bounds.get(index, 0),
+    )

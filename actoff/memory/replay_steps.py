@@ -109,7 +109,7 @@ class Replay:
                 "that vary by step?): every allocation now comes from cudaMallocAsync"
             )
         plan = plan_window(self.engine.log())
-        self.engine.set_plan(plan.sizes, plan.offsets, plan.arena_bytes)
+        self.engine.set_plan(plan.sizes, plan.offsets, plan.arena_bytes, plan.lower_bound)
         self.planned = True
         return None
 

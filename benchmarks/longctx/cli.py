@@ -33,6 +33,7 @@ import actoff
 
 from . import calibrate
 from .ddp import gather_to_rank0, host_store, torchrun_launch
+from .emulate import check_emulation, scaled_budget
 from .maxseq import find_max
 from .paired import paired_worker
 from .plots import plot
@@ -67,6 +68,8 @@ PRESETS = {
     },
     "1b": {"model": "1b", "layers": 8, "seq": "8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
     "7b": {"model": "7b", "layers": 4, "seq": "4k,8k,16k,32k", "batch": 1, "dtype": "bfloat16"},
+    # Llama-3.1-8B's shapes; on a CPU only with --shrink (its widths divided: the same shape, small).
+    "8b": {"model": "8b", "layers": 4, "seq": "32k,128k", "batch": 1, "dtype": "bfloat16"},
 }
 
 
@@ -97,6 +100,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seq", help="sequence lengths, e.g. 4k,8k,16k")
     parser.add_argument("--layers", type=int, help="number of blocks")
+    parser.add_argument(
+        "--shrink",
+        type=int,
+        help="divide the preset's hidden, MLP and vocabulary sizes by this (heads kept): its shape at a size "
+        "a CPU trains; any preset runs on a CPU with it (e.g. --preset 8b --shrink 32)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help="a frozen base with trainable LoRA adapters of this rank on the attention and MLP projections "
+        "(peft's where installed, else actoff's benchmark adapters)",
+    )
+    parser.add_argument(
+        "--emulate-layers",
+        type=int,
+        metavar="L",
+        help="stand for a model of L blocks on the --layers built: a device ballast for the others and "
+        "ACTOFF_HOST_BUDGET (the L-block model's) scaled by layers / L (Note [emulated layers])",
+    )
+    parser.add_argument(
+        "--memory-snapshot",
+        metavar="DIR",
+        help="on CUDA: torch.cuda.memory._snapshot() at the start of the first timed step, written to DIR "
+        "and summarised in the record (the allocator records stacks from the start: do not time this run)",
+    )
     parser.add_argument("--batch", type=int)
     parser.add_argument(
         "--policies",
@@ -160,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         return _calibrate(args)
     preset_name = args.preset or ("7b" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[preset_name]
-    if preset_name != "cpu" and not torch.cuda.is_available():
-        raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here")
+    if preset_name != "cpu" and not torch.cuda.is_available() and not args.shrink:
+        raise SystemExit(f"--preset {preset_name} needs a CUDA GPU; use --preset cpu here, or --shrink")
     cuda = torch.cuda.is_available()
+    if args.memory_snapshot and not cuda:
+        raise SystemExit("--memory-snapshot reads CUDA's caching allocator; this machine has no CUDA device")
     policies = _policies(args, cuda)
     like = _like(args, cuda, preset)  # first: a target sets the layers and lengths not given
     lengths = parse_lengths(args.seq or preset["seq"])
@@ -170,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
     os.makedirs(nvme_dir, exist_ok=True)
     base = _base_spec(args, preset, nvme_dir, capped=not cuda and bool(args.find_max_seq or args.sim_memory))
+    if args.emulate_layers:
+        check_emulation(policies, base["layers"], args.emulate_layers)
 
     launch = torchrun_launch()
     if launch is not None and args.find_max_seq:
@@ -277,6 +310,15 @@ def _base_spec(args: argparse.Namespace, preset: dict, nvme_dir: str, capped: bo
     base = {"model": preset["model"], "layers": args.layers or preset["layers"], "batch": args.batch or preset["batch"],
             "dtype": preset["dtype"], "steps": args.steps, "warmup": args.warmup, "nvme_dir": nvme_dir,
             "tile_tokens": preset.get("tile_tokens"), "loss_tokens": preset.get("loss_tokens")}  # fmt: skip
+    for key in ("shrink", "lora", "emulate_layers", "memory_snapshot"):
+        if getattr(args, key, None):
+            base[key] = getattr(args, key)
+    if base.get("shrink") or base.get("lora"):
+        base["interleave"] = False  # the interleaved ratio lines time the cpu preset's plain model
+    if base.get("emulate_layers"):  # Note [emulated layers]: the L-block model's budget, N blocks' share
+        total = actoff.Config.from_env().host_budget
+        if total is not None:
+            base["host_budget"] = scaled_budget(total, base["layers"], base["emulate_layers"])
     if capped:  # Note [a capped device on a CPU]
         size = args.sim_memory or os.environ.get("ACTOFF_SIM_DEVICE_MEMORY") or DEFAULT_SIM_MEMORY
         try:
@@ -288,8 +330,8 @@ def _base_spec(args: argparse.Namespace, preset: dict, nvme_dir: str, capped: bo
     if args.find_max_seq:
         # Each probe: a warm-up step, in which actoff traces its buffers and plans them, then
         # the step measured, the first to hold the planned device arena: a length that fits only
-        # before the plan does not train.
-        base.update(steps=1, warmup=1)
+        # before the plan does not train. No timeline: a probe asks whether the step fits.
+        base.update(steps=1, warmup=1, timeline=False)
     return base
 
 
@@ -307,6 +349,15 @@ def _describe(base: dict, preset_name: str, launch: dict | None) -> dict:
     if base.get("sim_memory"):
         lines["device_memory"] = (f"simulated device of {actoff.format_bytes(base['sim_memory'])} "
                                   "(ACTOFF_SIM_DEVICE_MEMORY; host buffers not counted)")  # fmt: skip
+    if base.get("shrink"):
+        lines["model"] += f", widths / {base['shrink']} (--shrink)"
+    if base.get("lora"):
+        lines["lora"] = f"rank {base['lora']} adapters on a frozen base (--lora)"
+    if base.get("emulate_layers"):
+        budget = base.get("host_budget")
+        lines["emulated"] = (f"{base['emulate_layers']} blocks: {base['layers']} built, a device ballast for the "
+                             f"rest; host budget {actoff.format_bytes(budget) if budget else 'none'} "
+                             f"(ACTOFF_HOST_BUDGET x {base['layers']}/{base['emulate_layers']}; Note [emulated layers])")  # fmt: skip
     return lines
 
 
@@ -315,6 +366,10 @@ def _like(args: argparse.Namespace, cuda: bool, preset: dict):
     ``--like none``, or for ``--find-max-seq`` (memory, not time) unless asked for. An explicit
     target sets what is not given: the target model's layer count and the CPU length with the
     target's share of attention (`tunnel.matching_length`)."""
+    if args.shrink:
+        if args.like is not None and args.like.lower() != "none":
+            raise SystemExit("--like measures the cpu preset's blocks; leave out --shrink with it")
+        return None
     text = args.like if args.like is not None else (None if cuda or args.find_max_seq else DEFAULT_LIKE)
     if text is None or text.lower() == "none":
         return None

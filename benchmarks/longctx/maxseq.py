@@ -25,16 +25,57 @@ MAXSEQ_VS_KEEP_TARGET = 4.0
 MAXSEQ_VS_CHECKPOINT_TARGET = 1.5
 
 
-def _probe(policy: str, base: dict, seq: int, timeout_s, on_record) -> bool:
+# Note [probe time limits]: a fixed time limit per probe measures the limit, not the device:
+# a probe at twice the length takes two to four times as long (attention grows as S^2), and
+# one cut off says nothing about the length. So each probe's limit is sized from the last
+# probe that trained: its wall time (start-up included) times (S / S_last)^2, never less than
+# it, taken PROBE_MARGIN times plus PROBE_SLACK_S, within the time left. A probe predicted to
+# need more than the time left is not started: the search ends there with a lower bound.
+PROBE_MARGIN = 2.0
+PROBE_SLACK_S = 30.0
+
+
+class ProbeClock:
+    """The wall time of the last probe that trained, to size the next ones' limits (Note
+    [probe time limits]).
+
+    >>> clock = ProbeClock()
+    >>> clock.predict(4096) is None
+    True
+    >>> clock.note(4096, 10.0)
+    >>> clock.predict(8192), clock.predict(2048)
+    (40.0, 10.0)
+    """
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
+        self.seconds = 0.0
+
+    def note(self, seq: int, seconds: float) -> None:
+        self.seq, self.seconds = seq, seconds
+
+    def predict(self, seq: int) -> float | None:
+        if self.seq is None:
+            return None
+        return self.seconds * max(1.0, seq / self.seq) ** 2
+
+
+def _probe(policy: str, base: dict, seq: int, timeout_s, on_record, clock: ProbeClock | None = None) -> bool:
     """One training step of ``policy`` at ``seq`` in a fresh process; whether it trained."""
-    if callable(timeout_s):  # the time left, asked at each probe
-        timeout_s = timeout_s()
-    if timeout_s <= 0:
+    left = timeout_s() if callable(timeout_s) else timeout_s  # the time left, asked at each probe
+    if left <= 0:
         raise TimeoutError("time budget spent")
+    predicted = clock.predict(seq) if clock is not None else None
+    if predicted is not None and predicted > left:
+        raise TimeoutError(f"the probe at {seq} would need about {predicted:.0f} s; {left:.0f} s left")
+    limit = left if predicted is None else min(left, PROBE_MARGIN * predicted + PROBE_SLACK_S)
     spec = {"steps": 1, "warmup": 1, **base, "policy": policy, "seq": seq}
-    status = run_one(spec, timeout_s, on_record)[0]["status"]
+    started = time.monotonic()
+    status = run_one(spec, limit, on_record)[0]["status"]
     if status == "timeout":  # cut off, not failed: it says nothing about the length
-        raise TimeoutError(f"the probe at {seq} ran out of time")
+        raise TimeoutError(f"the probe at {seq} ran out of time ({limit:.0f} s)")
+    if status == "ok" and clock is not None:
+        clock.note(seq, time.monotonic() - started)
     return status == "ok"
 
 
@@ -53,17 +94,19 @@ def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s, on_
                  precision: float = 0.0) -> MaxSeq:  # fmt: skip
     """Doubling then bisection to the longest length that trains.
 
-    ``timeout_s`` is seconds per probe, or a function giving them (the time left). Bisection
+    ``timeout_s`` is seconds per probe, or a function giving them (the time left); each probe's
+    own limit is sized from the last that trained (Note [probe time limits]). Bisection
     stops when the bracket is at most ``max(256, start // 8)`` tokens wide, or ``precision``
     times the longest length found (a relative width, for lengths short next to 256). A
     probe that times out ends the search: what was found is a lower bound.
     """
     probes, good, bad, seq = 0, 0, None, start
     step = max(256, start // 8) if not precision else max(1, int(start * precision))
+    clock = ProbeClock()
     try:
         while seq <= limit:
             probes += 1
-            ok = _probe(policy, base, seq, timeout_s, on_record)
+            ok = _probe(policy, base, seq, timeout_s, on_record, clock)
             print(f"   {policy:<12} seq {seq:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
             if not ok:
                 bad = seq
@@ -76,10 +119,11 @@ def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s, on_
             if middle in (good, bad):
                 break
             probes += 1
-            ok = _probe(policy, base, middle, timeout_s, on_record)
+            ok = _probe(policy, base, middle, timeout_s, on_record, clock)
             print(f"   {policy:<12} seq {middle:>8}: {'ok' if ok else 'fails'}", file=sys.stderr, flush=True)
             good, bad = (middle, bad) if ok else (good, middle)
-    except TimeoutError:  # the time ran out before or during a probe: ``good`` is a lower bound
+    except TimeoutError as why:  # the time ran out before or during a probe: ``good`` is a lower bound
+        print(f"   {policy:<12} search ends: {why}", file=sys.stderr, flush=True)
         return MaxSeq(good, bad, probes - 1, False)
     return MaxSeq(good, bad, probes, True)
 
@@ -293,13 +337,23 @@ def where_memory_goes(record: dict) -> list[str]:
         return []
     mib = lambda value: f"{value / 2**20:.2f} MiB"  # noqa: E731
     static = record["static_bytes"]
-    other = static - record["weights_grads_bytes"] - record["tokens_bytes"]
+    ballast = record.get("ballast_static_bytes", 0) + record.get("ballast_held_bytes", 0)
+    other = static - record["weights_grads_bytes"] - record["tokens_bytes"] - ballast
     capacity = record.get("sim_capacity_bytes")
     lines = [
         f"where the device memory goes at the limit: {record['policy']} at seq {record['seq']}, peak "
         f"{mib(record['peak_allocated_bytes'])}" + (f" of {mib(capacity)}" if capacity else ""),
         f"   weights + gradients   {mib(record['weights_grads_bytes'])}",
         f"   tokens                {mib(record['tokens_bytes'])}",
+        *(
+            [
+                f"   ballast for the {record['emulated_layers'] - record['layers']} blocks not built  {mib(ballast)} "
+                f"(weights and gradients {mib(record['ballast_static_bytes'])}, held through the step "
+                f"{mib(record['ballast_held_bytes'])}; Note [emulated layers])"
+            ]
+            if ballast
+            else []
+        ),
         f"   other kept across steps  {mib(other)}",
         "   saved for backward by actoff's scopes: on the device (keep) "
         f"{mib(record['act_keep_bytes'])}; off it: cpu {mib(record['act_cpu_bytes'])}, nvme "

@@ -29,7 +29,11 @@ def _rss_bytes() -> int:
 
 class Timeline:
     """Device, host and NVMe bytes over one step, sampled after each block's forward and
-    backward while on: the memory plot's points, ``(seconds since start, device, host, nvme)``."""
+    backward while on: the memory plot's points, ``(seconds since start, device, host, nvme)``.
+
+    On CUDA a sample synchronizes the device (the bytes allocated are the host's view of a
+    device that may lag), so it is sampled in a step of its own, never in a timed one (Note
+    [no synchronization in timed steps])."""
 
     def __init__(self, cuda: bool, capped=None) -> None:
         self.cuda, self.capped = cuda, capped
@@ -137,11 +141,14 @@ class Step:
         return time.perf_counter() - start
 
 
-def measure(spec: dict, seq: int, model, net, step_context, config, device, capped=None) -> dict:
+def measure(
+    spec: dict, seq: int, model, net, step_context, config, device, capped=None, ballast=None
+) -> dict:
     """Warm-up and timed steps at one sequence length; the record's measured fields.
 
     ``capped``: the simulated device's memory when the worker runs on it with a cap (Note [a
     capped device on a CPU]); the memory figures then come from it, phase by phase.
+    ``ballast``: under ``--emulate-layers``, the `Ballast` that stands for the blocks not built.
     """
     cuda = device.type == "cuda"
     generator = torch.Generator().manual_seed(seq)
@@ -149,11 +156,12 @@ def measure(spec: dict, seq: int, model, net, step_context, config, device, capp
     timeline = Timeline(cuda, capped)
     step = Step(spec, model, net, tokens, step_context, cuda, capped, timeline)
     hooks = timeline.watch(model.layers)
+    extra: dict = {}
     try:
         with _tunnel(spec, seq):
-            static_bytes, times = _run_steps(spec, step, model, cuda, capped)
+            static_bytes, times, peaks = _run_steps(spec, step, model, cuda, capped, ballast, seq, extra)
         stats = actoff.stats()  # of the timed steps
-        memory_fields = _memory_fields(spec, step, model, tokens, static_bytes, stats)
+        memory_fields = _memory_fields(spec, step, model, tokens, static_bytes, stats, ballast)
     except torch.cuda.OutOfMemoryError as error:
         return {"status": "oom", "error": str(error).splitlines()[0]}
     except Exception as error:  # reported per policy; the other policies still run
@@ -163,6 +171,8 @@ def measure(spec: dict, seq: int, model, net, step_context, config, device, capp
     finally:
         for hook in hooks:
             hook.remove()
+        if ballast is not None:
+            ballast.release_held()
 
     times.sort()
     step_s = times[len(times) // 2]
@@ -170,12 +180,13 @@ def measure(spec: dict, seq: int, model, net, step_context, config, device, capp
         "status": "ok",
         **_step_fields(spec, seq, step_s, step.cpu_times, stats),
         "timeline": timeline.points,
+        **extra,
     }
     record["recompute_share"] = record["recompute_ms"] / record["step_ms"] if record["step_ms"] else None
     offloaded = record["act_cpu_bytes"] + record["act_nvme_bytes"]
     record["copy_gbps"] = offloaded / (record["copy_ms"] * 1e6) if record["copy_ms"] > 0 else None
     if cuda:
-        record.update(_cuda_fields(spec, seq, config, step_s, static_bytes))
+        record.update(_cuda_fields(spec, seq, config, step_s, static_bytes, peaks))
     else:
         record.update(peak_allocated_bytes=None, peak_reserved_bytes=None, fragmentation_bytes=None,
                       activation_peak_bytes=None, mfu=None, memory_source=None)  # fmt: skip
@@ -200,29 +211,67 @@ def _tunnel(spec: dict, seq: int):
                             pageable_rate=tunnel["pageable_rate"])  # fmt: skip
 
 
-def _run_steps(spec: dict, step: Step, model, cuda: bool, capped) -> tuple[int | None, list[float]]:
-    """The warm-up steps, then the timed ones, the last of them sampled for the timeline on CUDA
-    or a capped device: the device bytes live before the timed steps there, and the times."""
-    for _ in range(spec["warmup"]):
-        step()
+def _run_steps(spec: dict, step: Step, model, cuda: bool, capped, ballast, seq: int,
+               extra: dict) -> tuple[int | None, list[float], tuple[int, int, int] | None]:  # fmt: skip
+    """The warm-up steps, the timed ones, then on CUDA or a capped device one more, untimed,
+    sampled for the timeline (Note [no synchronization in timed steps]): the device bytes live
+    before the timed steps, their times, and on CUDA their memory figures (`cuda_memory`).
+    Fields for the record go to ``extra``: the ballast's bytes, the memory snapshot's summary."""
+    _warm_up(spec, step, extra)
     for parameter in model.parameters():  # keep grads allocated: static memory counted once
         if parameter.grad is not None:
             parameter.grad.zero_()
+    if ballast is not None:  # Note [emulated layers]: what the blocks not built would hold
+        extra.update(ballast.hold(spec, seq, actoff.stats()))
     if not cuda and capped is None:
-        return None, [step.timed() for _ in range(spec["steps"])]
+        return None, [step.timed() for _ in range(spec["steps"])], None
     if cuda:
         torch.cuda.synchronize()
         static_bytes = cuda_memory(reset=True)[0]
+        if spec.get("memory_snapshot"):
+            from .snapshot import take_snapshot
+
+            extra["snapshot"] = take_snapshot(spec["memory_snapshot"], spec["policy"], seq)
     else:
         static_bytes = capped.live
-    times = [step.timed() for _ in range(max(spec["steps"] - 1, 0))]
-    step.timeline.start()
-    times.append(step.timed())
-    step.timeline.stop()
-    return static_bytes, times
+    times = [step.timed() for _ in range(spec["steps"])]
+    peaks = cuda_memory() if cuda else None  # the timed steps', before the sampled step
+    if spec.get("timeline", True):
+        step.timeline.start()
+        step()
+        step.timeline.stop()
+    return static_bytes, times, peaks
 
 
-def _memory_fields(spec: dict, step: Step, model, tokens, static_bytes: int | None, stats) -> dict:
+# Note [no synchronization in timed steps]: a timeline sample on CUDA synchronizes the device,
+# which serializes the copies that a policy overlaps with compute (the H100 run's cpu step:
+# 290 ms sampled against 235 ms not). So no timed step is sampled: the timeline comes from one
+# more step after them, and the memory peaks are read before it, since a synchronized step
+# also frees copy sources sooner than a real one would.
+
+
+def _warm_up(spec: dict, step: Step, extra: dict) -> None:
+    """The warm-up steps. Under ``auto`` (Note [auto decides on a warm step]) the decision made
+    after the first of them is dropped and made again from a warm step."""
+    for _ in range(spec["warmup"]):
+        step()
+    if spec["warmup"] and split_variants(spec["policy"])[0] == "auto":
+        actoff.reset()  # forgets the decision, the plans and the probes: all made again
+        step()  # decides from a warm forward
+        step()  # plans the arenas under that decision
+        extra["auto_decided_warm"] = True
+
+
+# Note [auto decides on a warm step]: auto times a block's forward in its first step and sizes
+# what it stores from that time. A process's first step on a GPU also pays for the CUDA
+# context, cuBLAS handles and kernel selection, so a decision made there stores more than the
+# link can hide. The benchmark judges the decision a trained model lives with: the one made
+# after a warm step.
+
+
+def _memory_fields(
+    spec: dict, step: Step, model, tokens, static_bytes: int | None, stats, ballast=None
+) -> dict:
     """The device memory figures of a worker on a CPU: from the capped device, or from one more
     step on the simulated device (not under DDP: none there); none on CUDA (`_cuda_fields`)."""
     if step.capped is not None:
@@ -230,7 +279,9 @@ def _memory_fields(spec: dict, step: Step, model, tokens, static_bytes: int | No
     if not step.cuda and spec.get("ddp") is None:
         # (Note [device memory on a CPU]) One more step on the simulated device, which
         # counts the storages a step allocates (host buffers excluded) as a GPU would.
-        return simulated_memory_step(step, model, tokens, step.timeline)
+        return simulated_memory_step(
+            step, model, tokens, step.timeline, ballast.total_bytes if ballast else 0
+        )
     return {}
 
 
@@ -253,15 +304,21 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
         "recompute_ms": sum(b.recompute_ms for b in blocks),
         "auto": {name: vars(d) for name, d in list(stats.auto.items())[:1]},
         "host_arena_bytes": stats.host_capacity,
+        # actoff's device arena: its planned size and the lower bound no layout undercuts
+        "device_plan_bytes": stats.device_plan_bytes,
+        "device_lower_bound_bytes": stats.device_lower_bound,
         "nvme_file_bytes": stats.nvme_file_bytes,
         "io_backend": stats.io_backend,
         "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
 
-def _cuda_fields(spec: dict, seq: int, config, step_s: float, static_bytes: int) -> dict:
-    """CUDA's memory figures of the timed steps, and the model FLOP utilisation (bf16 only)."""
-    _, peak_alloc, peak_reserved = cuda_memory()
+def _cuda_fields(spec: dict, seq: int, config, step_s: float, static_bytes: int,
+                 peaks: tuple[int, int, int]) -> dict:  # fmt: skip
+    """CUDA's memory figures of the timed steps (``peaks``: `cuda_memory` after them), the
+    replay allocator's plan against its lower bound where it planned, and the model FLOP
+    utilisation (bf16 only)."""
+    _, peak_alloc, peak_reserved = peaks
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
     flops = config.flops_per_token(seq) * spec["batch"] * seq
@@ -272,8 +329,20 @@ def _cuda_fields(spec: dict, seq: int, config, step_s: float, static_bytes: int)
         "activation_peak_bytes": peak_alloc - static_bytes,
         "static_bytes": static_bytes,
         "memory_source": memory_source(spec["policy"]),
+        "reserved_vs_allocated": peak_reserved / peak_alloc if peak_alloc else None,
+        **replay_plan_fields(),
         "mfu": flops / step_s / peak if peak and spec["dtype"] == "bfloat16" else None,
     }
+
+
+def replay_plan_fields() -> dict:
+    """Under the replay allocator, its arena against the lower bound of its last plan (the most
+    bytes of planned requests live at once: no layout of them is smaller); else nothing."""
+    replay = actoff.replay_allocator_stats()
+    if not replay.installed or not replay.plan_lower_bound_bytes:
+        return {}
+    return {"replay_arena_bytes": replay.arena_bytes, "replay_plan_lower_bound_bytes": replay.plan_lower_bound_bytes,
+            "replay_arena_vs_bound": replay.arena_bytes / replay.plan_lower_bound_bytes}  # fmt: skip
 
 
 def memory_source(policy: str) -> str:
@@ -325,17 +394,18 @@ def capped_memory_fields(model, tokens, memory, static_bytes: int, phases: list,
     }
 
 
-def simulated_memory_step(step: Step, model, tokens, timeline: Timeline) -> dict:
+def simulated_memory_step(step: Step, model, tokens, timeline: Timeline, ballast_bytes: int = 0) -> dict:
     """Note [device memory on a CPU]: a plain CPU device has no allocator to ask, so one more
     step runs inside `actoff.testing.simulated_device`, whose memory mode counts every CPU
     storage allocated while it is active; actoff's host arena and staging buffers are host
     memory and are not counted, as on a GPU. Parameters, gradients (allocated by the earlier
     steps, reused in place) and the tokens are the static bytes; the activation peak is the
     step's peak over what was live when it began. The step is sampled for the memory plot.
-    Copies on the simulated device run on its worker threads with no added delay."""
+    Copies on the simulated device run on its worker threads with no added delay. Under
+    ``--emulate-layers`` the ballast (``ballast_bytes``) is static too (Note [emulated layers])."""
     from actoff.testing import simulated_device
 
-    static_bytes = _storage_bytes((*model.parameters(), *model.buffers(), tokens))
+    static_bytes = _storage_bytes((*model.parameters(), *model.buffers(), tokens)) + ballast_bytes
     with simulated_device(seed=0, max_delay_s=0.0, max_lag_s=0.0) as device:
         memory = device.memory
         timeline.simulated, timeline.static = memory, static_bytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from .policies import build_model
+from .policies import build_model, model_config
 
 #: Policies the interleaved timing compares, in pairs (top, bottom) of the ratio lines.
 PAIRS = (("keep", "none"), ("cpu", "torch_save_on_cpu"))
@@ -33,12 +33,10 @@ def paired_worker(spec: dict):
     """
     import torch
 
-    from actoff.reference import ModelConfig
-
     # One intra-op thread: process CPU time is then the work done, whereas idle OpenMP workers
     # spin, and spin longer the busier the machine is. The work is what the ratios compare.
     torch.set_num_threads(1)
-    config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
+    config = model_config(spec)
     models = _paired_models(spec, config)
     names = [name for pair in PAIRS for name in pair]
     for seq in spec["seqs"]:

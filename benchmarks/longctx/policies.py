@@ -91,6 +91,33 @@ def check_policies(text: str) -> list[str]:
     return policies
 
 
+def model_config(spec: dict):
+    """The reference model's shape for a worker's spec: the preset's, with the spec's layers,
+    and under ``shrink`` K its widths (hidden, MLP, vocabulary) divided by K, heads kept: the
+    preset's shape at a size a CPU trains.
+
+    >>> config = model_config({"model": "8b", "layers": 2, "shrink": 32})
+    >>> config.hidden_size, config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size
+    (128, 32, 8, 448, 4008)
+    """
+    import dataclasses
+
+    from actoff.reference import ModelConfig
+
+    config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
+    shrink = spec.get("shrink")
+    if not shrink:
+        return config
+    hidden = config.hidden_size // shrink
+    if hidden < 2 * config.num_heads or hidden % (2 * config.num_heads):
+        raise SystemExit(
+            f"--shrink {shrink}: hidden size {config.hidden_size} / {shrink} leaves no even head size for "
+            f"{config.num_heads} heads; give a divisor of {config.hidden_size // (2 * config.num_heads)}"
+        )
+    return dataclasses.replace(config, hidden_size=hidden, intermediate_size=config.intermediate_size // shrink,
+                               vocab_size=max(config.vocab_size // shrink, 2))  # fmt: skip
+
+
 def build_model(config, device, dtype):
     """The reference model with its parameters made on ``device`` in ``dtype``: no CPU copy
     first (a 7B-shaped model built on the CPU in float32 took about 15 s per process)."""

@@ -17,7 +17,7 @@ import time
 
 from .ddp import join_process_group
 from .measure import measure
-from .policies import ALLOCATOR_VARIANTS, TILE_TOKENS, apply_policy, build_model, split_variants
+from .policies import ALLOCATOR_VARIANTS, TILE_TOKENS, apply_policy, build_model, model_config, split_variants
 
 #: The entry point the worker processes run (``--worker SPEC``).
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "long_context.py")
@@ -31,8 +31,6 @@ def worker(spec: dict):
     """
     import torch
 
-    from actoff.reference import ModelConfig
-
     cuda = torch.cuda.is_available()
     if spec.get("tunnel"):
         from .tunnel import TUNNEL_THREADS
@@ -42,12 +40,21 @@ def worker(spec: dict):
     if ddp is not None:
         join_process_group(ddp, cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    config = ModelConfig.preset(spec["model"], num_layers=spec["layers"])
+    config = model_config(spec)
+    if cuda and spec.get("memory_snapshot"):
+        from .snapshot import start_history
+
+        start_history()  # before the model: every live block then carries its stack
     # (Note [a capped device on a CPU]) With ACTOFF_SIM_DEVICE_MEMORY the whole worker, model
     # included, runs on the simulated device's memory, which raises out of memory past the cap.
     with _capped_device_memory(cuda) as memory:
         torch.manual_seed(0)
-        model, net, step_context = _prepare(spec, config, device)
+        model, net, step_context, adapters = _prepare(spec, config, device)
+        ballast = None
+        if spec.get("emulate_layers"):  # Note [emulated layers]
+            from .emulate import Ballast
+
+            ballast = Ballast(model, config, device, spec["emulate_layers"])
         hang_after = int(os.environ.get("_ACTOFF_BENCH_HANG_AFTER", "0"))  # tests: a worker that hangs
         failed = None
         for made, seq in enumerate(spec.get("seqs") or [spec["seq"]]):
@@ -59,10 +66,12 @@ def worker(spec: dict):
             }
             if ddp is not None:
                 record["rank"] = ddp["rank"]
+            if adapters:
+                record["lora"] = {"rank": spec["lora"], "made_by": adapters}
             if failed is not None:
                 record.update(status="skipped", error=f"a shorter length failed ({failed})")
             else:
-                record.update(measure(spec, seq, model, net, step_context, config, device, memory))
+                record.update(measure(spec, seq, model, net, step_context, config, device, memory, ballast))
                 if record["status"] != "ok":
                     failed = f"seq {seq}: {record['status']}"
                     if cuda:
@@ -72,10 +81,16 @@ def worker(spec: dict):
 
 def _prepare(spec: dict, config, device):
     """The model under the spec's policy and variants: the model, what steps it (DDP's wrapper
-    under torchrun, else the model) and the context manager each step runs under."""
+    under torchrun, else the model), the context manager each step runs under, and under
+    ``--lora`` what made the adapters (else None)."""
     import torch
 
     model = build_model(config, device, getattr(torch, spec["dtype"]))
+    made = None
+    if spec.get("lora"):  # first: the policy's wrappers and tiles then hold the adapted layers
+        from .lora import lora_
+
+        made = lora_(model, spec["lora"])
     policy, extras = split_variants(spec["policy"])
     if "tile" in extras:
         import actoff
@@ -84,7 +99,7 @@ def _prepare(spec: dict, config, device):
         actoff.tile_(model, module_cls=MLP, max_tokens=spec.get("tile_tokens") or TILE_TOKENS)
     step_context = apply_policy(model, policy, spec.get("nvme_dir"), planner_off="noplan" in extras)
     net = torch.nn.parallel.DistributedDataParallel(model) if spec.get("ddp") is not None else model
-    return model, net, step_context
+    return model, net, step_context, made
 
 
 def _capped_device_memory(cuda: bool):
@@ -146,6 +161,8 @@ def _worker_env(spec: dict) -> dict | None:
              for key, value in ALLOCATOR_VARIANTS.get(variant, {}).items()}  # fmt: skip
     if spec.get("sim_memory"):  # Note [a capped device on a CPU]
         extra.update(ACTOFF_SIM_DEVICE="1", ACTOFF_SIM_DEVICE_MEMORY=f"{spec['sim_memory']}B")
+    if spec.get("host_budget"):  # scaled under --emulate-layers (Note [emulated layers])
+        extra["ACTOFF_HOST_BUDGET"] = f"{spec['host_budget']}B"
     return {**os.environ, **extra} if extra else None
 
 

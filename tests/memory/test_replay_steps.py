@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 import torch
-from _helpers import TESTS, assert_same_history, make_model, train
+from _helpers import TESTS, HostEngine, assert_same_history, make_model, train
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -66,41 +66,6 @@ def block_trace(seq=32, seed=0):
     trace.closed = True
     keep = (block, x)  # what outlives the trace, as parameters and gradients outlive a step
     return trace.events, keep
-
-
-class HostEngine:
-    """The host core behind the methods `Replay` calls (arenas are torch uint8 tensors)."""
-
-    def __init__(self):
-        from actoff._C import HostReplayAllocator
-
-        self.core = HostReplayAllocator()
-        self.arenas = []
-        self._log = []
-
-    def begin_record(self):
-        self.core.begin_record()
-
-    def begin_step(self):
-        self.core.begin_step()
-
-    def end_step(self):
-        self._log = self.core.end_step()
-
-    def log(self):
-        return self._log
-
-    def set_plan(self, sizes, offsets, arena_bytes):
-        if not self.arenas or self.arenas[-1].numel() < arena_bytes:
-            self.arenas.append(torch.empty(max(arena_bytes, 1), dtype=torch.uint8))
-        arena = self.arenas[-1]
-        self.core.set_plan(list(sizes), list(offsets), arena.data_ptr(), arena.numel())
-
-    def clear_plan(self):
-        self.core.clear_plan()
-
-    def stats(self):
-        return self.core.stats()
 
 
 def play(core, events):
@@ -168,6 +133,9 @@ def test_a_real_block_trace_is_recorded_once_then_replayed_at_its_planned_offset
     plan = plan_window(replay.engine._log)
     arena = replay.engine.arenas[-1]
     assert plan.arena_bytes >= plan.lower_bound >= peak_live(first, freed)
+    # The plan's lower bound goes to the engine with the plan: the benchmark sets the replay
+    # allocator's arena against it (fragmentation beside the planner's bound).
+    assert replay.engine.lower_bound == plan.lower_bound > 0
 
     addresses, _ = play_step(replay, second)  # step 2: the plan
     stats = replay.engine.stats()
