@@ -21,6 +21,7 @@ neither hands their memory to anyone while a copy still touches it.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -355,6 +356,16 @@ def backend_for(device: torch.device, simulated: Any = None) -> DeviceBackend:
             backend = CpuBackend(device)
         _backends[key] = backend
     return backend
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: the parent's backends run streams and worker threads
+    the child does not have (the simulated device's queues would never run). The child makes
+    its own on first use; CUDA refuses a forked child anyway."""
+    _backends.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def forget_backend(device: torch.device, simulated: Any = None) -> None:
