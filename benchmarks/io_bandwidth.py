@@ -3,9 +3,16 @@
 Every method writes then reads the same amount in 4 MiB requests; writes include fsync and
 the page cache is dropped (fadvise DONTNEED) before each read, so all methods hit the disk.
 On CUDA it also times pinned device-to-host and host-to-device copies, and with GPUDirect
-Storage active kvikio's reads and writes of device memory.
+Storage active kvikio's reads and writes of device memory. ``-sealed`` methods seal every
+request (Note [sealed records]: a CRC32C computed in the engine's workers).
 
     python benchmarks/io_bandwidth.py --size 1GiB --dir /mnt/nvme --json io.json
+
+``--checksum-steps N`` answers what the seals cost a training step instead: the reference model
+under ``nvme`` with ``ACTOFF_NVME_CHECKSUM`` on and off, in alternating rounds of N timed steps
+each, and the ratio of the median step times (target: at most 1.02x).
+
+    python benchmarks/io_bandwidth.py --checksum-steps 10 --rounds 6 --json checksum.json
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def engine_method(make, misalign: int = 0):
+def engine_method(make, misalign: int = 0, sealed: bool = False):
+    seals: dict[int, int] = {}  # offset -> the seal its write computed, for the read
+
     def run(path: str, data: torch.Tensor, op: str) -> None:
         engine = make(path)
         buffer = data if misalign == 0 else aligned_buffer(data.numel(), misalign)
@@ -59,10 +68,17 @@ def engine_method(make, misalign: int = 0):
         futures = []
         for offset in range(0, data.numel(), CHUNK):
             part = buffer[offset : offset + CHUNK]
-            call = engine.pwrite if op == "write" else engine.pread
-            futures.append(call(part, part.numel(), offset))
-        for future in futures:
+            if not sealed:
+                call = engine.pwrite if op == "write" else engine.pread
+                futures.append((offset, call(part, part.numel(), offset)))
+            elif op == "write":
+                futures.append((offset, engine.pwrite(part, part.numel(), offset, offset + 1)))
+            else:
+                futures.append((offset, engine.pread(part, part.numel(), offset, offset + 1, seals[offset])))
+        for offset, future in futures:
             future.wait()
+            if sealed and op == "write":
+                seals[offset] = future.checksum()
         if op == "write":
             fd = os.open(path, os.O_RDONLY)
             os.fsync(fd)
@@ -131,6 +147,61 @@ def raw_os(path: str, data: torch.Tensor, op: str) -> None:
         os.close(fd)
 
 
+def checksum_cost(args: argparse.Namespace, directory: str, out: JsonLines) -> list[dict]:
+    """Median step time of the reference model under ``nvme`` with seals on and off, measured
+    in alternating rounds (the order flips each round) so that drift on a shared machine
+    falls on both alike."""
+    from actoff.reference import Block, ModelConfig, Transformer
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(
+        0, ModelConfig.preset(args.preset).vocab_size, (args.batch, args.seq + 1), generator=generator
+    )
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for round_index in range(args.rounds):
+        for checksum in (True, False) if round_index % 2 == 0 else (False, True):
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig.preset(args.preset))
+            actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=directory, min_bytes=0,
+                            nvme_checksum=checksum)  # fmt: skip
+            for step in range(args.checksum_steps + 1):  # the first: warm-up (the file grows)
+                start = time.perf_counter()
+                model.loss(tokens).backward()
+                model.zero_grad(set_to_none=True)
+                if step:
+                    times[checksum].append(time.perf_counter() - start)
+            actoff.reset()
+    records = []
+    for checksum in (True, False):
+        records.append({"method": "nvme-step", "checksum": checksum, "steps": len(times[checksum]),
+                        "median_ms": median(times[checksum]) * 1e3})  # fmt: skip
+        out.write(records[-1])
+    ratio = records[0]["median_ms"] / records[1]["median_ms"]
+    records.append({"method": "nvme-step-ratio", "ratio": ratio})
+    out.write(records[-1])
+    return records
+
+
+def seal_throughput(out: JsonLines) -> list[dict]:
+    """GB/s of the host checksums the engines use, on 64 MiB in one thread."""
+    from actoff.tiers.nvme import seals
+
+    data = torch.randint(0, 256, (64 * 2**20,), dtype=torch.uint8).numpy()
+    records = []
+    for name, crc in (
+        ("crc32c (C++ engine, kvikio)", seals.fast_crc),
+        ("zlib.crc32 (Python engine)", seals.zlib_crc),
+    ):
+        seconds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            crc(data, 0)
+            seconds.append(time.perf_counter() - start)
+        records.append({"method": name, "gbps": data.nbytes / median(seconds) / 1e9})
+        out.write(records[-1])
+    return records
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (also what benchmarks/gpu_session.sh's commands are checked against)."""
     parser = argparse.ArgumentParser(
@@ -142,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", default="1,4,8", help="engine thread counts")
     parser.add_argument("--json", help="write all records to this path at the end")
     parser.add_argument("--jsonl", help="append each record to this path as it is made (JSON lines)")
+    parser.add_argument("--checksum-steps", type=int, default=0,
+                        help="instead: time this many steps per round with seals on and off")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of --checksum-steps (alternating)")
+    parser.add_argument("--preset", default="small", help="reference model preset for --checksum-steps")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length for --checksum-steps")
+    parser.add_argument("--batch", type=int, default=2, help="batch for --checksum-steps")
     return parser
 
 
@@ -153,13 +230,34 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(directory, exist_ok=True)
     header = system_header(directory)
     header.update(size=f"{size / 2**20:.0f} MiB in {CHUNK // 2**20} MiB requests", directory=directory)
+    if args.checksum_steps:
+        header.update(size=f"{args.preset} model, batch {args.batch}, seq {args.seq}, {args.rounds} rounds "
+                      f"of {args.checksum_steps} steps per setting")  # fmt: skip
     print_header("actoff I/O bandwidth", header)
     out = JsonLines(args.jsonl, header)  # the header line first, then each record as it is made
+    if args.checksum_steps:
+        try:
+            throughput = seal_throughput(out)
+            steps = checksum_cost(args, directory, out)
+        finally:
+            out.close()
+            if not args.dir:
+                shutil.rmtree(directory, ignore_errors=True)
+        print(format_table(throughput, [("method", "checksum"), ("gbps", "GB/s")]))
+        print(format_table(steps[:2], [("checksum", "ACTOFF_NVME_CHECKSUM"), ("steps", "steps"),
+                                       ("median_ms", "median step ms")]))  # fmt: skip
+        ratio = steps[2]["ratio"]
+        print(f"\nnvme step time with seals / without: {ratio:.3f}x "
+              f"({'meets' if ratio <= 1.02 else 'misses'} the 1.02x target)")  # fmt: skip
+        if args.json:
+            write_json(args.json, header, [*throughput, *steps])
+        return 0
 
     methods = {}
     if actoff.HAS_EXTENSION:
         for threads in (int(t) for t in args.threads.split(",")):
             methods[f"engine-cpp-t{threads}-direct"] = engine_method(lambda p, t=threads: CppEngine(p, t))
+        methods["engine-cpp-t4-direct-sealed"] = engine_method(lambda p: CppEngine(p, 4), sealed=True)
         methods["engine-cpp-t4-buffered"] = engine_method(
             lambda p: CppEngine(p, 4, allow_direct=False), misalign=64
         )
