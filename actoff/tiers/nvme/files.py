@@ -64,7 +64,9 @@ class SpillFile:
         path = os.path.join(directory, name)
         if tmpfile and _TMPFILE:
             try:
-                return cls(os.open(directory, os.O_RDWR | _TMPFILE | os.O_CLOEXEC, 0o600), path, named=False)
+                # O_EXCL: it can never be given a name later (linkat) either.
+                flags = os.O_RDWR | _TMPFILE | os.O_EXCL | os.O_CLOEXEC
+                return cls(os.open(directory, flags, 0o600), path, named=False)
             except OSError as error:  # a file system without O_TMPFILE: a name, unlinked at once
                 if error.errno not in (errno_codes.EOPNOTSUPP, errno_codes.EISDIR, errno_codes.EINVAL):
                     raise
