@@ -22,7 +22,7 @@ Note [a runtime per thread]: a runtime's step is the forward of one training loo
 backward ends. Two threads training models of their own, sharing one runtime, shared its step:
 one thread's forward joined the other's step, and the end of one backward evicted the packed
 rows of the other thread's token-wise runs while it was rebuilding them (a ``TypeError`` in
-``scatter_rows`` on the simulated device, 2 to 3 runs in 3); the device arena, keyed by run
+``scatter_rows``, on the plain and the simulated device); the device arena, keyed by run
 index, would hand both threads the same buffer. So each thread that enters a scope gets a
 runtime of its own (`get_runtime`): its own step, arenas, NVMe store, statistics and what
 probes learned. Records know their run and so their runtime: backward on another thread
