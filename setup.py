@@ -93,7 +93,12 @@ if os.environ.get("ACTOFF_BUILD_EXT", "1").strip().lower() not in ("0", "false",
     ext_modules.append(
         Pybind11Extension(
             "actoff._C",
-            sources=["csrc/python_bindings.cpp", "csrc/io_engine.cpp", "csrc/replay_allocator.cpp"],
+            sources=[
+                "csrc/python_bindings.cpp",
+                "csrc/io_engine.cpp",
+                "csrc/crc32c.cpp",
+                "csrc/replay_allocator.cpp",
+            ],
             include_dirs=["csrc"],
             cxx_std=17,
             extra_compile_args=["-O2", "-Wall"],

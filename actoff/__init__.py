@@ -23,7 +23,7 @@ from .memory import replay_allocator
 from .memory.replay_allocator import AllocatorStats
 from .memory.replay_allocator import install as install_replay_allocator
 from .memory.replay_allocator import stats as replay_allocator_stats
-from .runtime.runtime import get_runtime
+from .runtime.runtime import get_runtime, reset_runtimes
 from .runtime.stats import BlockStats, Stats
 from .scope.offload import no_offload, offload, offload_
 from .tiers.nvme.kvikio import kvikio_available
@@ -73,7 +73,7 @@ __all__ = [
 
 
 def stats() -> Stats:
-    """Figures of the last step: per block bytes saved, bytes per tier, copy times.
+    """Figures of the calling thread's last step: per block bytes saved, bytes per tier, copy times.
 
     Example:
         >>> import actoff
@@ -84,9 +84,10 @@ def stats() -> Stats:
 
 
 def reset() -> None:
-    """Forget statistics and the current step, and close NVMe stores (removing their files).
+    """Forget statistics and the current step, and close NVMe stores (freeing their files), of
+    every thread's runtime.
 
-    Call it between independent runs in one process (tests, benchmarks).
+    Call it between independent runs in one process (tests, benchmarks), while no thread trains.
 
     Example:
         >>> import actoff
@@ -94,4 +95,4 @@ def reset() -> None:
         >>> actoff.stats().steps
         0
     """
-    get_runtime().close()
+    reset_runtimes()

@@ -127,6 +127,10 @@ class Config:
     io_threads: int = 4
     #: Seconds to wait for one NVMe request before calling the I/O worker dead (an error).
     io_timeout: float = 300.0
+    #: Seal every NVMe record with a checksum of its sequence number, length and bytes when it
+    #: is written, and check it when it is read back (in the I/O threads). Off, a spill file
+    #: changed, truncated or replaced behind actoff's back gives wrong gradients silently.
+    nvme_checksum: bool = True
     #: Checksum every offloaded range and check it when it comes back; every
     #: ``verify_interval`` steps also compare one recomputed token range with a kept copy.
     verify: bool = False
@@ -195,6 +199,7 @@ class Config:
         for name, low in (("keep_last", 0), ("io_threads", 1), ("token_dim", 0), ("verify_interval", 1)):
             set_(self, name, _as_int(name, getattr(self, name), low))
         set_(self, "verify", _as_bool("verify", self.verify))
+        set_(self, "nvme_checksum", _as_bool("nvme_checksum", self.nvme_checksum))
         set_(self, "sim_device", _as_bool("sim_device", self.sim_device))
         if self.sim_device_memory is not None:
             capacity = _as_size("sim_device_memory", self.sim_device_memory, allow_bare=False)

@@ -371,7 +371,14 @@ class PlanCache:
             "optimal": layout.optimal,
             "method": layout.method,
         }
-        temporary = path + f".tmp{os.getpid()}"
-        with open(temporary, "w") as handle:
-            json.dump(payload, handle)
-        os.replace(temporary, path)  # readers never see half a file
+        # Created exclusively, never through a symlink someone planted in a shared directory.
+        temporary = path + f".tmp{os.getpid()}-{os.urandom(4).hex()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            with os.fdopen(os.open(temporary, flags, 0o600), "w") as handle:
+                json.dump(payload, handle)
+            os.replace(temporary, path)  # readers never see half a file; a link at path is replaced
+        except OSError as error:  # the plan is still used, just not kept
+            warnings.warn(
+                f"actoff: could not cache the plan at {path}: {error}", RuntimeWarning, stacklevel=2
+            )

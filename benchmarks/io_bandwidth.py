@@ -3,9 +3,16 @@
 Every method writes then reads the same amount in 4 MiB requests; writes include fsync and
 the page cache is dropped (fadvise DONTNEED) before each read, so all methods hit the disk.
 On CUDA it also times pinned device-to-host and host-to-device copies, and with GPUDirect
-Storage active kvikio's reads and writes of device memory.
+Storage active kvikio's reads and writes of device memory. ``-sealed`` methods seal every
+request (Note [sealed records]: a CRC32C computed in the engine's workers).
 
     python benchmarks/io_bandwidth.py --size 1GiB --dir /mnt/nvme --json io.json
+
+``--checksum-steps N`` answers what the seals cost a training step instead: the reference model
+under ``nvme`` with ``ACTOFF_NVME_CHECKSUM`` on and off, in alternating rounds of N timed steps
+each, and the ratio of the median step times (target: at most 1.02x).
+
+    python benchmarks/io_bandwidth.py --checksum-steps 10 --rounds 6 --json checksum.json
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def engine_method(make, misalign: int = 0):
+def engine_method(make, misalign: int = 0, sealed: bool = False):
+    seals: dict[int, int] = {}  # offset -> the seal its write computed, for the read
+
     def run(path: str, data: torch.Tensor, op: str) -> None:
         engine = make(path)
         buffer = data if misalign == 0 else aligned_buffer(data.numel(), misalign)
@@ -57,10 +66,17 @@ def engine_method(make, misalign: int = 0):
         futures = []
         for offset in range(0, data.numel(), CHUNK):
             part = buffer[offset : offset + CHUNK]
-            call = engine.pwrite if op == "write" else engine.pread
-            futures.append(call(part, part.numel(), offset))
-        for future in futures:
+            if not sealed:
+                call = engine.pwrite if op == "write" else engine.pread
+                futures.append((offset, call(part, part.numel(), offset)))
+            elif op == "write":
+                futures.append((offset, engine.pwrite(part, part.numel(), offset, offset + 1)))
+            else:
+                futures.append((offset, engine.pread(part, part.numel(), offset, offset + 1, seals[offset])))
+        for offset, future in futures:
             future.wait()
+            if sealed and op == "write":
+                seals[offset] = future.checksum()
         if op == "write":
             fd = os.open(path, os.O_RDONLY)
             os.fsync(fd)
@@ -129,6 +145,82 @@ def raw_os(path: str, data: torch.Tensor, op: str) -> None:
         os.close(fd)
 
 
+def checksum_cost(args: argparse.Namespace, directory: str, out: JsonLines) -> list[dict]:
+    """Step time of the reference model under ``nvme`` with seals on and off, in alternating
+    rounds (the order flips each round); the ratio is the median over rounds of the ratio of
+    the two settings' median step times in that round, so drift on a shared machine falls on
+    both sides of each ratio. Also the CPU time of a step (every thread of the process, the
+    I/O workers included): the work the seals add, which other programs' load does not change."""
+    from actoff.reference import Block, ModelConfig, Transformer
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = ModelConfig.preset(args.preset).vocab_size
+    tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=generator)
+    wall: dict[bool, list[float]] = {True: [], False: []}  # median step ms, per round
+    cpu: dict[bool, list[float]] = {True: [], False: []}  # CPU ms per step, per round
+    for round_index in range(-1, args.rounds):  # round -1: the process warms up, not counted
+        for checksum in (True, False) if round_index % 2 == 0 else (False, True):
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig.preset(args.preset))
+            actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=directory, min_bytes=0,
+                            nvme_checksum=checksum)  # fmt: skip
+            times, cpu_start = [], 0.0
+            for step in range(args.checksum_steps + 2):  # two warm-up steps: the file grows, plans
+                if step == 2:
+                    cpu_start = time.process_time()
+                start = time.perf_counter()
+                model.loss(tokens).backward()
+                model.zero_grad(set_to_none=True)
+                if step >= 2:
+                    times.append(time.perf_counter() - start)
+            offloaded = actoff.stats().total_bytes_offloaded  # waits for the step's copies
+            cpu_ms = (time.process_time() - cpu_start) / args.checksum_steps * 1e3
+            actoff.reset()
+            if round_index < 0:
+                continue
+            wall[checksum].append(median(times) * 1e3)
+            cpu[checksum].append(cpu_ms)
+            record = {"method": "nvme-step", "round": round_index, "checksum": checksum,
+                      "median_ms": wall[checksum][-1], "cpu_ms": cpu_ms,
+                      "steps_ms": [t * 1e3 for t in times], "offloaded_bytes": offloaded}  # fmt: skip
+            out.write(record)
+            print(f"   round {round_index} checksum={int(checksum)}: {wall[checksum][-1]:.0f} ms, "
+                  f"{cpu_ms:.0f} ms of CPU", file=sys.stderr)  # fmt: skip
+    ratios = sorted(on / off for on, off in zip(wall[True], wall[False], strict=True))
+    cpu_ratios = sorted(on / off for on, off in zip(cpu[True], cpu[False], strict=True))
+    records = [
+        {"method": "nvme-step", "checksum": checksum, "rounds": len(wall[checksum]),
+         "median_ms": median(wall[checksum]), "min_ms": min(wall[checksum]), "max_ms": max(wall[checksum]),
+         "cpu_ms": median(cpu[checksum])}
+        for checksum in (True, False)
+    ]  # fmt: skip
+    records.append({"method": "nvme-step-ratio", "ratio": median(ratios), "min": ratios[0], "max": ratios[-1],
+                    "cpu_ratio": median(cpu_ratios), "cpu_min": cpu_ratios[0], "cpu_max": cpu_ratios[-1],
+                    "offloaded_bytes": offloaded})  # fmt: skip
+    out.write(records[-1])
+    return records
+
+
+def seal_throughput(out: JsonLines) -> list[dict]:
+    """GB/s of the host checksums the engines use, on 64 MiB in one thread."""
+    from actoff.tiers.nvme import seals
+
+    data = torch.randint(0, 256, (64 * 2**20,), dtype=torch.uint8).numpy()
+    records = []
+    for name, crc in (
+        ("crc32c (C++ engine, kvikio)", seals.fast_crc),
+        ("zlib.crc32 (Python engine)", seals.zlib_crc),
+    ):
+        seconds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            crc(data, 0)
+            seconds.append(time.perf_counter() - start)
+        records.append({"method": name, "gbps": data.nbytes / median(seconds) / 1e9})
+        out.write(records[-1])
+    return records
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (also what benchmarks/gpu_session.sh's commands are checked against)."""
     parser = argparse.ArgumentParser(
@@ -140,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", default="1,4,8", help="engine thread counts")
     parser.add_argument("--json", help="write all records to this path at the end")
     parser.add_argument("--jsonl", help="append each record to this path as it is made (JSON lines)")
+    parser.add_argument("--checksum-steps", type=int, default=0,
+                        help="instead: time this many steps per round with seals on and off")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of --checksum-steps (alternating)")
+    parser.add_argument("--preset", default="small", help="reference model preset for --checksum-steps")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length for --checksum-steps")
+    parser.add_argument("--batch", type=int, default=2, help="batch for --checksum-steps")
     return parser
 
 
@@ -151,8 +249,32 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(directory, exist_ok=True)
     header = system_header(directory)
     header.update(size=f"{size / 2**20:.0f} MiB in {CHUNK // 2**20} MiB requests", directory=directory)
+    if args.checksum_steps:
+        header.update(size=f"{args.preset} model, batch {args.batch}, seq {args.seq}, {args.rounds} rounds "
+                      f"of {args.checksum_steps} steps per setting")  # fmt: skip
     print_header("actoff I/O bandwidth", header)
     out = JsonLines(args.jsonl, header)  # the header line first, then each record as it is made
+    if args.checksum_steps:
+        try:
+            throughput = seal_throughput(out)
+            steps = checksum_cost(args, directory, out)
+        finally:
+            out.close()
+            if not args.dir:
+                shutil.rmtree(directory, ignore_errors=True)
+        print(format_table(throughput, [("method", "checksum"), ("gbps", "GB/s")]))
+        print(format_table(steps[:2], [("checksum", "ACTOFF_NVME_CHECKSUM"), ("rounds", "rounds"),
+                                       ("median_ms", "median step ms"), ("min_ms", "min"), ("max_ms", "max"),
+                                       ("cpu_ms", "CPU ms per step")]))  # fmt: skip
+        ratio = steps[2]
+        print(f"\nnvme step time with seals / without: {ratio['ratio']:.3f}x, median of {args.rounds} "
+              f"rounds (from {ratio['min']:.3f} to {ratio['max']:.3f}; {ratio['offloaded_bytes'] / 2**20:.0f} MiB "
+              f"written and read per step): {'meets' if ratio['ratio'] <= 1.02 else 'misses'} the 1.02x target")  # fmt: skip
+        print(f"CPU time per step (every thread) with seals / without: {ratio['cpu_ratio']:.3f}x "
+              f"(from {ratio['cpu_min']:.3f} to {ratio['cpu_max']:.3f}): the work the seals add")  # fmt: skip
+        if args.json:
+            write_json(args.json, header, [*throughput, *steps])
+        return 0
 
     methods = {}
     if actoff.HAS_EXTENSION:
@@ -160,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             methods[f"engine-cpp-t{threads}-direct"] = engine_method(
                 lambda p, t=threads: actoff.open_io_engine(p, "cpp", t)
             )
+        methods["engine-cpp-t4-direct-sealed"] = engine_method(
+            lambda p: actoff.open_io_engine(p, "cpp", 4), sealed=True
+        )
         methods["engine-cpp-t4-buffered"] = engine_method(
             lambda p: actoff.open_io_engine(p, "cpp", 4, direct=False), misalign=64
         )

@@ -1,10 +1,12 @@
 // pybind11 bindings: actoff._C exposes the POSIX I/O engine (IoEngine, Future; errors raise
-// OSError) and the plan-replaying allocator core over host memory (HostReplayAllocator).
+// OSError), CRC32C, and the plan-replaying allocator core over host memory (HostReplayAllocator).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdlib>
+#include <optional>
 
+#include "crc32c.h"
 #include "io_engine.h"
 #include "replay_allocator.h"
 
@@ -23,7 +25,7 @@ std::vector<std::tuple<std::size_t, std::int64_t, std::int64_t>> log_tuples(
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "actoff compiled core: the POSIX asynchronous I/O engine and the replay allocator core";
+  m.doc() = "actoff compiled core: the POSIX asynchronous I/O engine, CRC32C and the replay allocator core";
 
   // I/O failures surface as Python OSError(errno, message): callers catch OSError, and
   // .errno says what failed (EIO for a short read, 0 for a closed engine).
@@ -39,29 +41,51 @@ PYBIND11_MODULE(_C, m) {
   py::class_<actoff::Future>(m, "Future")
       .def("done", &actoff::Future::done, "True once the request finished (never blocks).")
       .def("elapsed", &actoff::Future::elapsed, "Seconds a worker spent on the request.")
+      .def(
+          "checksum",
+          [](const actoff::Future& future) -> std::optional<std::uint32_t> {
+            const actoff::Seal seal = future.seal();
+            if (!seal.on) return std::nullopt;
+            return seal.checksum;
+          },
+          "The seal a sealed write computed of what it wrote (None until done, or unsealed).")
       .def("wait", &actoff::Future::wait, py::call_guard<py::gil_scoped_release>(),
            py::arg("timeout") = -1.0,
            "Block until done (or raise OSError(ETIMEDOUT) after timeout seconds if >= 0); "
            "raise OSError on failure; return the bytes moved.");
 
+  // A request's seal from Python: pwrite(..., sequence=n) seals what it writes; pread(...,
+  // sequence=n, checksum=c) fails with EBADMSG unless what it reads has that seal.
+  auto seal_of = [](std::optional<std::uint64_t> sequence, std::uint32_t checksum) {
+    actoff::Seal seal;
+    seal.on = sequence.has_value();
+    seal.sequence = sequence.value_or(0);
+    seal.checksum = checksum;
+    return seal;
+  };
+
   py::class_<actoff::IoEngine>(m, "IoEngine")
-      .def(py::init<const std::string&, std::size_t, bool, std::size_t>(), py::arg("path"),
-           py::arg("num_threads") = 4, py::arg("allow_direct") = true,
+      .def(py::init<int, const std::string&, std::size_t, bool, std::size_t>(), py::arg("fd"),
+           py::arg("label"), py::arg("num_threads") = 4, py::arg("allow_direct") = true,
            py::arg("alignment") = 4096)
       .def(
           "pwrite",
-          [](actoff::IoEngine& engine, std::uintptr_t address, std::size_t nbytes,
-             std::uint64_t offset) {
-            return engine.pwrite(reinterpret_cast<const void*>(address), nbytes, offset);
+          [seal_of](actoff::IoEngine& engine, std::uintptr_t address, std::size_t nbytes,
+                    std::uint64_t offset, std::optional<std::uint64_t> sequence) {
+            return engine.pwrite(reinterpret_cast<const void*>(address), nbytes, offset,
+                                 seal_of(sequence, 0));
           },
-          py::arg("address"), py::arg("nbytes"), py::arg("offset"))
+          py::arg("address"), py::arg("nbytes"), py::arg("offset"), py::arg("sequence") = py::none())
       .def(
           "pread",
-          [](actoff::IoEngine& engine, std::uintptr_t address, std::size_t nbytes,
-             std::uint64_t offset) {
-            return engine.pread(reinterpret_cast<void*>(address), nbytes, offset);
+          [seal_of](actoff::IoEngine& engine, std::uintptr_t address, std::size_t nbytes,
+                    std::uint64_t offset, std::optional<std::uint64_t> sequence,
+                    std::uint32_t checksum) {
+            return engine.pread(reinterpret_cast<void*>(address), nbytes, offset,
+                                seal_of(sequence, checksum));
           },
-          py::arg("address"), py::arg("nbytes"), py::arg("offset"))
+          py::arg("address"), py::arg("nbytes"), py::arg("offset"), py::arg("sequence") = py::none(),
+          py::arg("checksum") = 0)
       .def("reserve", &actoff::IoEngine::reserve, py::call_guard<py::gil_scoped_release>())
       .def("file_size", &actoff::IoEngine::file_size)
       .def("pending", &actoff::IoEngine::pending)
@@ -70,6 +94,27 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("alignment", &actoff::IoEngine::alignment)
       .def_property_readonly("num_threads", &actoff::IoEngine::num_threads)
       .def_property_readonly("path", &actoff::IoEngine::path);
+
+  m.def(
+      "crc32c",
+      [](py::buffer data, std::uint32_t crc) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0)
+          throw py::error_already_set();  // BufferError: not contiguous
+        std::uint32_t result;
+        {
+          py::gil_scoped_release release;
+          result = actoff::crc32c(crc, view.buf, static_cast<std::size_t>(view.len));
+        }
+        PyBuffer_Release(&view);
+        return result;
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "CRC32C of a contiguous buffer, continuing `crc` (the CPU's instruction where it has one).");
+  m.def("crc32c_hardware", &actoff::crc32c_hardware,
+        "Whether crc32c runs on the CPU's instruction (else portable tables).");
+  m.def("seal_start", &actoff::seal_start, py::arg("sequence"), py::arg("nbytes"),
+        "The crc a record's seal starts from: crc32c of its sequence number and length.");
 
   // The allocator core over host memory (aligned malloc as the fallback): what the tests
   // drive. Addresses, streams and fences travel as integers; fences and the arena-released

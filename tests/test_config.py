@@ -14,6 +14,7 @@ def test_defaults_are_valid():
     assert config.min_bytes == 64 * 1024
     assert config.host_budget is None
     assert config.allocator == "caching"
+    assert config.nvme_checksum is True  # every NVMe record sealed unless switched off
 
 
 def test_from_env_reads_every_variable(tmp_path):
@@ -31,6 +32,7 @@ def test_from_env_reads_every_variable(tmp_path):
         "ACTOFF_IO_BACKEND": "posix",
         "ACTOFF_IO_THREADS": "8",
         "ACTOFF_VERIFY": "yes",
+        "ACTOFF_NVME_CHECKSUM": "off",
         "ACTOFF_TOKEN_DIM": "0",
         "ACTOFF_ALLOCATOR": "REPLAY",
     }
@@ -44,6 +46,7 @@ def test_from_env_reads_every_variable(tmp_path):
     assert config.planner == "mip"
     assert config.io_threads == 8
     assert config.verify is True
+    assert config.nvme_checksum is False
     assert config.token_dim == 0
     assert config.allocator == "replay"
 
@@ -70,7 +73,11 @@ def test_config_is_frozen():
 @pytest.mark.parametrize(
     ("variable", "value", "message"),
     [
-        ("ACTOFF_POLICY", "fast", "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, checkpoint, auto"),
+        (
+            "ACTOFF_POLICY",
+            "fast",
+            "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, checkpoint, auto",
+        ),
         ("ACTOFF_HOST_BANDWIDTH", "fast", "ACTOFF_HOST_BANDWIDTH.*not a size"),
         ("ACTOFF_CPU_FRACTION", "1.5", "ACTOFF_CPU_FRACTION.*out of range"),
         ("ACTOFF_CPU_FRACTION", "-0.1", "ACTOFF_CPU_FRACTION.*out of range"),
@@ -91,6 +98,11 @@ def test_config_is_frozen():
             r"ACTOFF_ALLOCATOR \(Config.allocator\)='cuda' is not valid: expected one of caching, replay",
         ),
         ("ACTOFF_VERIFY", "maybe", "ACTOFF_VERIFY.*not a boolean"),
+        (
+            "ACTOFF_NVME_CHECKSUM",
+            "crc",
+            r"ACTOFF_NVME_CHECKSUM \(Config.nvme_checksum\)='crc' is not a boolean",
+        ),
         ("ACTOFF_POLCY", "cpu", "ACTOFF_POLCY is not an actoff setting"),
         ("ACTOFF_IO_TIMEOUT", "0", "ACTOFF_IO_TIMEOUT.*seconds > 0"),
         ("ACTOFF_IO_TIMEOUT", "soon", "ACTOFF_IO_TIMEOUT.*'soon' is not a number"),

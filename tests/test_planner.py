@@ -156,6 +156,24 @@ def test_cache_hit_miss_stale_and_corrupt(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
 
 
+def test_cache_files_are_private_and_never_written_through_a_symlink(tmp_path, monkeypatch):
+    import actoff.planner as planner
+
+    cache = PlanCache(str(tmp_path))
+    buffers, key = [Buffer(8, 0, 4)], {"model": "tiny"}
+    victim = tmp_path.parent / f"{tmp_path.name}-victim.txt"
+    victim.write_text("keep me")
+    path = cache._path(key)
+    os.symlink(victim, f"{path}.tmp{os.getpid()}")  # a temporary's name a process could predict
+    os.symlink(victim, f"{path}.tmp{os.getpid()}-{bytes(4).hex()}")  # and this one, guessed
+    with monkeypatch.context() as patch, pytest.warns(RuntimeWarning, match="could not cache.*File exists"):
+        patch.setattr(planner.os, "urandom", lambda n: bytes(n))
+        cache.put(key, buffers, solve(buffers))
+    assert victim.read_text() == "keep me" and not os.path.exists(path)
+    cache.put(key, buffers, solve(buffers))
+    assert victim.read_text() == "keep me" and os.stat(path).st_mode & 0o777 == 0o600
+
+
 # ---------------------------------------------------------------------------------- runtime
 def _slot_offsets(monkeypatch):
     """Record (chunk id, offset) of every host slot handed out."""

@@ -22,6 +22,7 @@ compute stream first. So no allocator hands that memory to anyone while a copy s
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -358,6 +359,16 @@ def backend_for(device: torch.device, simulated: SimSettings | None = None) -> D
             backend = CpuBackend(device)
         _backends[key] = backend
     return backend
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: the parent's backends run streams and worker threads
+    the child does not have (the simulated device's queues would never run). The child makes
+    its own on first use; CUDA refuses a forked child anyway."""
+    _backends.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def forget_backend(device: torch.device, simulated: SimSettings | None = None) -> None:

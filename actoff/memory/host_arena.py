@@ -24,7 +24,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import os
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -133,6 +135,10 @@ class HostArena:
         # touches it. The host must not wait either: the autograd thread runs ahead of the
         # copy streams. Slots returned early wait here, with their tickets.
         self._deferred: list[tuple[Slot, tuple]] = []
+        # An arena dropped (`actoff.reset`, a thread's runtime collected after the thread ended)
+        # with such slots would free their chunks while the copies run, and another thread's
+        # arena could be handed that memory: its last act is to wait for them.
+        weakref.finalize(self, _settle, self._deferred, os.getpid()).atexit = False
         # Note [frees from the collector]: `free` runs from autograd's release of a handle, which
         # the garbage collector can start inside any allocation, this arena's own included. It
         # only queues the slot (atomic append, no lock); the next lock holder returns it first.
@@ -302,7 +308,7 @@ class HostArena:
                 still.append((slot, tickets))
                 continue
             self._free(slot)
-        self._deferred = still
+        self._deferred[:] = still  # in place: the finalizer holds this list
 
     def _free(self, slot: Slot) -> None:
         self.backend.check_host_reuse(slot.raw(), "freed")
@@ -357,6 +363,17 @@ class HostArena:
     def _new_chunk(self, request: int) -> _Chunk:
         self.num_allocations += 1
         return _chunk_of(self.backend.host_empty(request), request, self.backend.pinned)
+
+
+def _settle(deferred: list[tuple[Slot, tuple]], pid: int) -> None:
+    """A dropped arena's returned slots: their chunks live until the copies touching them end
+    (not at exit, nor in a forked child, where the copies are the parent's)."""
+    if os.getpid() != pid:
+        return
+    for _, tickets in deferred:
+        for ticket in tickets:
+            ticket.synchronize()
+    deferred.clear()
 
 
 def chunk_request(pinned: bool, need: int, want: int, room: int | None) -> int | None:

@@ -11,6 +11,8 @@ start and the end of every step. The library itself is actoff.memory.replay_allo
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,12 +124,30 @@ class Replay:
         self.misses = 0
 
 
+# A device's replay allocator is the process's (torch's allocator), and a window is one training
+# loop's step: two threads' steps interleaved in one sequence would diverge every step. So one
+# runtime (one training thread: Note [a runtime per thread]) drives a device; another is refused.
+_drivers_of: dict[int, weakref.ref] = {}  # CUDA device index -> the ReplayDrivers driving it
+_drivers_lock = threading.Lock()
+
+
 class ReplayDrivers:
     """The runtime's step hooks for the replay allocator: one `Replay` per CUDA device."""
 
     def __init__(self) -> None:
         self.by_device: dict[int, Replay] = {}
         self.current: Replay | None = None
+
+    def _claim(self, index: int) -> None:
+        with _drivers_lock:
+            owner = _drivers_of.get(index)
+            if owner is not None and owner() not in (None, self):
+                raise RuntimeError(
+                    f"ACTOFF_ALLOCATOR=replay plans the steps of one training thread per CUDA device, "
+                    f"and another thread already trains on cuda:{index}: set ACTOFF_ALLOCATOR=caching "
+                    "for threads that train side by side, or train them in processes of their own"
+                )
+            _drivers_of[index] = weakref.ref(self)
 
     def begin(self, device: torch.device, allocator: str, warn: Callable[[str, str], None]) -> None:
         """A step begins on ``device`` under the ``allocator`` setting."""
@@ -144,6 +164,7 @@ class ReplayDrivers:
             raise RuntimeError(replay_allocator.refusal())
         replay_allocator.check()
         index = device.index if device.index is not None else torch.cuda.current_device()
+        self._claim(index)
         replay = self.by_device.get(index)
         if replay is None:
             replay = self.by_device[index] = Replay(
@@ -166,3 +187,7 @@ class ReplayDrivers:
         for replay in self.by_device.values():
             replay.close()
         self.current = None
+        with _drivers_lock:  # another thread may drive the devices now
+            for index, owner in list(_drivers_of.items()):
+                if owner() is self:
+                    del _drivers_of[index]

@@ -17,13 +17,23 @@ Data flow of one step (the README's "How it works" has the map of modules):
 
 A record is released when autograd drops its handle (after its last use, or when a retained
 graph is freed), so ``retain_graph=True`` and partial backward passes need no special case.
+
+Note [a runtime per thread]: a runtime's step is one training loop's forward until its
+backward ends, so each thread that enters a scope gets a runtime of its own (`get_runtime`):
+its step, arenas, NVMe store, statistics and probe results. Shared, two threads' forwards
+would join one step, and one backward's end would evict the other's rows mid-rebuild. Records
+know their run, so a backward on another thread (autograd's on CUDA) reaches the right one;
+what a thread's scopes nest in (`thread_state`) stays per thread. After ``os.fork()`` the
+child starts with no runtime (`_fresh_in_child`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,24 +62,28 @@ from .lock import RuntimeLock
 from .stats import BlockStats, Stats, collect, snapshot
 from .step import ScopeRun, Step
 
-__all__ = ["Runtime", "find_device", "get_runtime"]
-
-#: Tier objects by the names policies use.
+__all__ = ["Runtime", "find_device", "get_runtime", "reset_runtimes", "thread_state"]
 
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        self.stack: list[ScopeRun] = []
-        self.disabled = 0
+        self.stack: list[ScopeRun] = []  # the runs this thread's scopes are inside
+        self.disabled = 0  # no_offload() depth
+
+
+#: Per thread, whatever the runtime (Note [a runtime per thread]).
+thread_state = _ThreadState()
 
 
 class Runtime:
-    """Process-wide state: the current step, host arenas, NVMe stores and what was learned."""
+    """A training thread's state: the current step, host arenas, NVMe stores and what was
+    learned (Note [a runtime per thread])."""
 
     def __init__(self) -> None:
         # Note [releases from the collector]; it calls `_release` holding the lock
         self.lock = RuntimeLock(lambda record: self._release(record))
-        self.thread = _ThreadState()
+        self.thread = thread_state
+        self.in_parent = False  # made before os.fork(), seen from the child (`_fresh_in_child`)
         self.step: Step | None = None
         self.steps_started = 0
         self.steps_completed = 0
@@ -228,6 +242,12 @@ class Runtime:
     # ------------------------------------------------------------------ backward
     def unpack(self, record: Record) -> torch.Tensor:
         """Serve a saved tensor to autograd (called from the backward threads)."""
+        if self.in_parent:
+            raise RuntimeError(
+                f"actoff: a saved activation of block {record.run.name!r} was made by the parent "
+                "process before os.fork(); its bytes (host memory, the NVMe file) are the parent's. "
+                "Run backward in the process that ran the forward pass."
+            )
         with self.lock:
             record.run.reached()
             record.check_version()
@@ -260,7 +280,7 @@ class Runtime:
             self._release(record)
 
     def _release(self, record: Record) -> None:
-        if record.state is State.RELEASED:
+        if record.state is State.RELEASED or self.in_parent:  # the parent's: leaked in a child
             return
         record.tier.release(record)
         record.state = State.RELEASED  # from any other state (the transitions allow it)
@@ -311,8 +331,10 @@ class Runtime:
         with self.lock:
             self.step = None
             self.last_stats = {}
-            self.steps_completed = 0
-            self.arenas = Arenas()  # slots still held by live graphs keep their chunk alive
+            self.steps_started = self.steps_completed = 0
+            # Slots still held by live graphs keep their chunk alive; a dropped arena waits for
+            # the copies that still touch returned ones (HostArena's finalizer).
+            self.arenas = Arenas()
             self.probe_results, self._warned = ByOwner(), set()
             self.auto_decisions, self.plans, self.agreed = {}, {}, False
             self.stores.close()
@@ -351,12 +373,45 @@ def find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> to
     return torch.device("cpu")
 
 
-_runtime: Runtime | None = None
+class _Local(threading.local):
+    runtime: Runtime | None = None
+
+
+_local = _Local()
+_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()  # for `reset_runtimes`
+_runtimes_lock, _parents = threading.Lock(), []  # _parents: in a forked child, leaked on purpose
 
 
 def get_runtime() -> Runtime:
-    """The process-wide runtime (created on first use)."""
-    global _runtime
-    if _runtime is None:
-        _runtime = Runtime()
-    return _runtime
+    """The calling thread's runtime, made on first use (Note [a runtime per thread])."""
+    runtime = _local.runtime
+    if runtime is None:
+        runtime = _local.runtime = Runtime()
+        with _runtimes_lock:
+            _runtimes.add(runtime)
+    return runtime
+
+
+def reset_runtimes() -> None:
+    """`Runtime.close` every thread's runtime (`actoff.reset`)."""
+    with _runtimes_lock:
+        runtimes = list(_runtimes)
+    for runtime in runtimes:
+        runtime.close()
+
+
+def _fresh_in_child() -> None:
+    """In a forked child: the parent's runtimes are left as they are, never closed or waited
+    for (their locks may be copied held; their engines are the parent's: Note [engines across
+    fork]); their records leak (unpacking one raises); the child makes its own runtime."""
+    global _runtimes_lock
+    _runtimes_lock = threading.Lock()  # the old one may have been copied held
+    for runtime in list(_runtimes):
+        runtime.in_parent = True
+        runtime.lock = RuntimeLock(lambda record: None)  # releases from the collector: no-ops
+        _parents.append(runtime)  # never collected here: nothing of theirs is torn down
+    _runtimes.clear()
+    _local.runtime = None
+
+
+os.register_at_fork(after_in_child=_fresh_in_child)

@@ -227,6 +227,24 @@ def test_the_drivers_record_the_first_cuda_step_and_replay_the_next(monkeypatch)
     assert stats["diverged"] == stats["occupied"] == 0
 
 
+def test_a_second_thread_driving_the_same_device_is_refused_with_the_fix(monkeypatch):
+    from actoff.memory import replay_allocator
+
+    monkeypatch.setattr(replay_allocator, "installed", lambda: True)
+    monkeypatch.setattr(replay_allocator, "check", lambda library=None: None)
+    monkeypatch.setattr(replay_allocator, "CudaEngine", lambda library, index: HostEngine())
+    first, second = ReplayDrivers(), ReplayDrivers()  # two threads' runtimes
+    first.begin(torch.device("cuda", 0), "replay", pytest.fail)
+    with pytest.raises(RuntimeError, match=r"one training thread per CUDA device.*ACTOFF_ALLOCATOR=caching"):
+        second.begin(torch.device("cuda", 0), "replay", pytest.fail)
+    second.begin(torch.device("cuda", 1), "replay", pytest.fail)  # another device: its own
+    second.close()
+    first.end(pytest.fail)
+    first.close()  # (`actoff.reset`): the device is free for another thread
+    second.begin(torch.device("cuda", 0), "replay", pytest.fail)
+    second.close()
+
+
 def test_on_a_cpu_device_replay_is_ignored_with_one_warning():
     model = make_model()
     reference = copy.deepcopy(model)

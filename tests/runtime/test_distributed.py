@@ -40,10 +40,13 @@ SCRIPT = textwrap.dedent(
             assert actoff.stats().total_bytes_offloaded > 0
         else:  # compared across ranks by the test (see _write_result)
             _write_result(out, rank, {{k: vars(v) for k, v in actoff.stats().auto.items()}})
-        if policy == "nvme":
-            names = os.listdir(nvme_dir)
-            assert any(n.startswith(f"actoff-rank{{rank}}-") for n in names), names
-        actoff.reset()  # removes this rank's file (the exit handler is not reached: see _finish)
+        if policy == "nvme":  # the rank's own file, named for messages only: none on disk
+            from actoff.runtime.runtime import get_runtime
+
+            (store,) = get_runtime().stores.stores()
+            assert os.path.basename(store.path).startswith(f"actoff-rank{{rank}}-pid"), store.path
+            assert os.listdir(nvme_dir) == [], os.listdir(nvme_dir)
+        actoff.reset()  # closes this rank's file
         _finish(rank)
 
     if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -331,6 +332,14 @@ _running: weakref.WeakSet[SimStreams] = weakref.WeakSet()
 def _stop_at_exit() -> None:
     for streams in list(_running):
         streams.stop()
+
+
+def _forget_in_child() -> None:
+    # After os.fork(), the parent's workers are not in the child: nothing to stop there.
+    _running.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 _override: list[SimSettings] = []  # actoff.testing.simulated_device, innermost last

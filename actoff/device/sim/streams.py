@@ -103,19 +103,25 @@ class SideStream:
     def wait_event(self, event: SimEvent) -> None:
         self.items.put(("wait", event))
 
+    # Note [one queue order]: two training threads may queue on one stream, as on CUDA. A
+    # copy's number and its place in the queue are taken together, under the device's lock, so
+    # that an event recorded after a copy is numbered after it, and a host that sees the event
+    # complete sees only copies that ran (taken apart, a copy numbered before another thread's
+    # event could be queued after it and counted as done while still to run).
     def record(self, event: SimEvent) -> None:
-        event.done.clear()
-        event.stream, event.seq, event.time = self, self.seq, None
-        self.items.put(("record", event))
+        with self.streams.lock:
+            event.done.clear()
+            event.stream, event.seq, event.time = self, self.seq, None
+            self.items.put(("record", event))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         direction = "device-to-host" if self.streams.is_host(dst) else "host-to-device"
-        self.seq += 1
-        entry = Copy(direction, dst, src, what, self.seq)
-        poison(dst)
         with self.streams.lock:
+            self.seq += 1
+            entry = Copy(direction, dst, src, what, self.seq)
+            poison(dst)
             self.copies.append(entry)
-        self.items.put(("copy", entry))
+            self.items.put(("copy", entry))
 
 
 class ComputeStream:
@@ -146,14 +152,15 @@ class ComputeStream:
             event.done.set()
 
     def record(self, event: SimEvent) -> None:
-        event.done.clear()
-        event.stream, event.seq, event.time = self, -1, None
-        # In order: an event completes after every event recorded before it.
-        self.last_due = max(
-            self.last_due, time.perf_counter() + self.rng.uniform(0, self.streams.settings.max_lag_s)
-        )
-        self.waited = [other for other in self.waited if not other.done.is_set()]
-        self.lagging.put((event, self.last_due, tuple(self.waited)))
+        with self.streams.lock:  # Note [one queue order]
+            event.done.clear()
+            event.stream, event.seq, event.time = self, -1, None
+            # In order: an event completes after every event recorded before it.
+            self.last_due = max(
+                self.last_due, time.perf_counter() + self.rng.uniform(0, self.streams.settings.max_lag_s)
+            )
+            self.waited = [other for other in self.waited if not other.done.is_set()]
+            self.lagging.put((event, self.last_due, tuple(self.waited)))
 
     def wait_event(self, event: SimEvent) -> None:
         """Compute waits for ``event``: in stream order, every copy before it is ordered for
@@ -166,7 +173,8 @@ class ComputeStream:
             if self.streams.links is not None or self.streams.h2d_pending(event):
                 self.streams.reach(event, by="compute")
             else:
-                self.waited.append(event)
+                with self.streams.lock:  # `record` replaces the list
+                    self.waited.append(event)
         self.streams.ordered(event, by_host=False)
 
     def wait_stream(self, other: SideStream | ComputeStream) -> None:

@@ -3,7 +3,11 @@
 GPUDirect Storage where the system really has it, else kvikio's compat (POSIX) mode; `name`
 says which (``kvikio (GDS)`` or ``kvikio (compat)``), and `probe_kvikio` whether kvikio can do
 I/O here at all (without a CUDA driver every request fails, host buffers included). With GDS
-active the engine also takes device buffers (Note [direct device I/O]).
+active the engine also takes device buffers (Note [direct device I/O]). kvikio runs its requests
+on threads of its own, so the engine's seals (Note [sealed records] in actoff.tiers.nvme.seals)
+run on a small pool of the engine's: CRC32C for host buffers, `device_seal` on the device for
+device buffers. kvikio opens the file by path: the engine gives it ``/proc/self/fd/N``, so the
+spill file needs no name on disk.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .engines import ALIGNMENT, FailedFuture, IoEngine, describe_request
+from .engines import ALIGNMENT, FailedFuture, IoEngine, PoolFuture, describe_request, forked_error, reserve
+from .files import SpillFile
+from .seals import device_seal, fast_crc, host_seal, mismatch
 
 if TYPE_CHECKING:
     from actoff.device.base import Ticket
@@ -37,11 +43,14 @@ class _KvikioFuture:
     kvikio's thread pool included.
     """
 
-    __slots__ = ("_buffer", "_error", "_finished_s", "_future", "_moved", "_request", "_started_s")
+    __slots__ = ("_buffer", "_error", "_file", "_finished_s", "_future", "_moved", "_request", "_started_s")
 
-    def __init__(self, future, buffer, request: tuple[str, str, int, int], started_s: float) -> None:
+    def __init__(
+        self, future, buffer, request: tuple[str, str, int, int], started_s: float, file: SpillFile
+    ) -> None:
         self._future, self._buffer = future, buffer
         self._request = request  # (op, path, nbytes, offset)
+        self._file = file
         self._started_s = started_s
         self._finished_s: float | None = None
         self._moved: int | None = None
@@ -76,7 +85,7 @@ class _KvikioFuture:
         op, path, nbytes, offset = self._request
         describe = describe_request(op, path, nbytes, offset)
         try:
-            file_size = os.stat(path).st_size
+            file_size = self._file.size()
         except OSError:
             file_size = -1
         if op == "pread" and 0 <= file_size < offset + nbytes:
@@ -96,6 +105,9 @@ class _KvikioFuture:
         if self._finished_s is None or self._error is not None:
             return 0.0
         return self._finished_s - self._started_s
+
+    def checksum(self) -> int | None:
+        return None  # unsealed: sealed requests are `PoolFuture`s around this one
 
 
 class _DeviceFuture:
@@ -125,6 +137,9 @@ class _DeviceFuture:
     def elapsed(self) -> float:
         return self._submitted.result().elapsed() if self._submitted.done() else 0.0
 
+    def checksum(self) -> int | None:
+        return self._submitted.result().checksum() if self._submitted.done() else None
+
 
 class KvikioEngine(IoEngine):
     """kvikio's ``CuFile``: GPUDirect Storage where the system has it, else kvikio's POSIX mode.
@@ -140,7 +155,7 @@ class KvikioEngine(IoEngine):
     'kvikio (compat)'
     """
 
-    def __init__(self, path: str, num_threads: int = 4) -> None:
+    def __init__(self, file: SpillFile | str, num_threads: int = 4) -> None:
         try:
             import kvikio  # optional extra: pip install actoff[nvme]
 
@@ -152,16 +167,21 @@ class KvikioEngine(IoEngine):
                 name="kvikio",
             ) from error
 
-        self.path = path
+        self._open(file)
         _raise_kvikio_threads(settings, num_threads)
-        # Create the file first: CuFile's "r+" needs it to exist.
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        self._file = kvikio.CuFile(path, "r+")
+        try:  # the file may have no name: kvikio reopens it through this process's descriptor
+            self._file = kvikio.CuFile(self.file.reopen_path(), "r+")
+        except BaseException:
+            self._close_file()
+            raise
         self.gds = not kvikio_compat_mode(settings)
         self.direct = self.gds
         self.name = "kvikio (GDS)" if self.gds else "kvikio (compat)"
         self._closed = False
+        self._num_threads = num_threads
         self._device_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._seal_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._seal_stream: Any = None  # a CUDA stream for device seals, made on first use
         self._lock = threading.Lock()
 
     @staticmethod
@@ -173,6 +193,8 @@ class KvikioEngine(IoEngine):
 
     def _submit(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int):
         describe = describe_request(op, self.path, nbytes, offset)
+        if self.forked():
+            return FailedFuture(forked_error(describe))
         if self._closed:
             return FailedFuture(OSError(0, describe + " failed: the I/O engine is closed"))
         view = self._buffer(buffer)
@@ -184,13 +206,53 @@ class KvikioEngine(IoEngine):
             return FailedFuture(
                 OSError(getattr(error, "errno", None) or errno_codes.EIO, f"{describe} failed: {error}")
             )
-        return _KvikioFuture(future, view, (op, self.path, nbytes, offset), started_s)
+        return _KvikioFuture(future, view, (op, self.path, nbytes, offset), started_s, self.file)
 
-    def pwrite(self, buffer: torch.Tensor, nbytes: int, offset: int):
-        return self._submit("pwrite", buffer, nbytes, offset)
+    def _sealed(self, inner, op: str, buffer: torch.Tensor, nbytes: int, offset: int,
+                seal: tuple[int, int] | None):  # fmt: skip
+        """``inner`` with its seal computed, or checked, on the seal pool once it is done
+        (Note [sealed records]): kvikio's own threads cannot be asked to."""
+        if seal is None or isinstance(inner, FailedFuture):
+            return inner
+        sequence, expected = seal
+        with self._lock:
+            if self._seal_pool is None:
+                self._seal_pool = concurrent.futures.ThreadPoolExecutor(
+                    self._num_threads, thread_name_prefix="actoff-seal"
+                )
+            pool = self._seal_pool
 
-    def pread(self, buffer: torch.Tensor, nbytes: int, offset: int):
-        return self._submit("pread", buffer, nbytes, offset)
+        def check() -> tuple[int, float, int]:
+            moved = inner.wait()
+            checksum = self._seal_of(buffer, sequence, nbytes)
+            if op == "pread" and checksum != expected:
+                raise mismatch(describe_request(op, self.path, nbytes, offset), checksum, sequence, expected)
+            return moved, inner.elapsed(), checksum
+
+        return PoolFuture(pool.submit(check))
+
+    def _seal_of(self, buffer: torch.Tensor, sequence: int, nbytes: int) -> int:
+        if buffer.device.type == "cpu":  # host buffers (and the simulated device's)
+            return host_seal(buffer.view(torch.uint8).numpy()[:nbytes], sequence, nbytes, fast_crc)
+        if self._seal_stream is None:
+            self._seal_stream = torch.cuda.Stream(buffer.device)
+        # The bytes are there (kvikio's future is done): a stream of its own, then one wait.
+        with torch.cuda.stream(self._seal_stream):
+            return device_seal(buffer, sequence, nbytes)
+
+    def pwrite(self, buffer: torch.Tensor, nbytes: int, offset: int, sequence: int | None = None):
+        seal = None if sequence is None else (sequence, 0)
+        return self._sealed(
+            self._submit("pwrite", buffer, nbytes, offset), "pwrite", buffer, nbytes, offset, seal
+        )
+
+    def pread(
+        self, buffer: torch.Tensor, nbytes: int, offset: int, sequence: int | None = None, checksum: int = 0
+    ):
+        seal = None if sequence is None else (sequence, checksum)
+        return self._sealed(
+            self._submit("pread", buffer, nbytes, offset), "pread", buffer, nbytes, offset, seal
+        )
 
     # Note [direct device I/O]: the training thread never calls kvikio with a device buffer:
     # the engine's device thread does, once the request's ticket (`DeviceBackend.mark`,
@@ -201,16 +263,31 @@ class KvikioEngine(IoEngine):
     # synchronises the legacy default stream in the *calling* thread (a request under its
     # gds_threshold runs synchronously through a bounce buffer). The caller holds the buffer
     # until the future is done.
-    def pwrite_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
-        return self._submit_device("pwrite", buffer, nbytes, offset, after)
+    def pwrite_device(
+        self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket, sequence: int | None = None
+    ):
+        seal = None if sequence is None else (sequence, 0)
+        return self._submit_device("pwrite", buffer, nbytes, offset, after, seal)
 
-    def pread_device(self, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
-        return self._submit_device("pread", buffer, nbytes, offset, after)
+    def pread_device(
+        self,
+        buffer: torch.Tensor,
+        nbytes: int,
+        offset: int,
+        after: Ticket,
+        sequence: int | None = None,
+        checksum: int = 0,
+    ):
+        seal = None if sequence is None else (sequence, checksum)
+        return self._submit_device("pread", buffer, nbytes, offset, after, seal)
 
-    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket):
+    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket,
+                       seal: tuple[int, int] | None):  # fmt: skip
         if not self.gds:  # compat mode: kvikio would bounce through host memory, synchronously
             raise NotImplementedError(f"{self.name} takes host buffers only: stage through host memory")
         describe = describe_request(op, self.path, nbytes, offset)
+        if self.forked():
+            return FailedFuture(forked_error(describe))
         with self._lock:
             if self._closed:
                 return FailedFuture(OSError(0, describe + " failed: the I/O engine is closed"))
@@ -224,37 +301,32 @@ class KvikioEngine(IoEngine):
                     after.synchronize()  # the compute stream has reached the request's point
             except Exception as error:
                 return FailedFuture(OSError(errno_codes.EIO, f"{describe} failed: {error}"))
-            return self._submit(op, buffer, nbytes, offset)
+            return self._sealed(self._submit(op, buffer, nbytes, offset), op, buffer, nbytes, offset, seal)
 
         return _DeviceFuture(pool.submit(submit), describe)
 
     def reserve(self, nbytes: int) -> None:
-        if nbytes <= self.file_size():
-            return
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as error:
-            if error.errno not in (errno_codes.EOPNOTSUPP, errno_codes.EINVAL):
-                raise OSError(
-                    error.errno,
-                    f"cannot reserve {nbytes} bytes for {self.path}: {os.strerror(error.errno)}",
-                ) from None
-            os.truncate(self.path, nbytes)
-        finally:
-            os.close(fd)
+        if self.forked():
+            raise forked_error(f"reserving {nbytes} bytes of {self.path}")
+        reserve(self.file.fd, nbytes, self.path)
 
     def close(self) -> None:
         # Callers wait for their futures before closing (the store drains them); a second
-        # close is a no-op, as for the other engines.
+        # close is a no-op, as for the other engines. In a forked child kvikio's threads and
+        # the pools are the parent's: nothing is joined or closed (Note [engines across fork]).
+        if self.forked():
+            return
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            pool, self._device_pool = self._device_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)  # requests queued there end (and fail: the engine is closed)
+            pools = (self._device_pool, self._seal_pool)
+            self._device_pool = self._seal_pool = None
+        for pool in pools:  # the device pool first: its requests may queue seals
+            if pool is not None:
+                pool.shutdown(wait=True)  # requests queued there end (and fail: the engine is closed)
         self._file.close()
+        self._close_file()
 
 
 def kvikio_compat_mode(settings) -> bool:
@@ -304,10 +376,10 @@ def probe_kvikio(directory: str, num_threads: int = 1) -> tuple[bool, str]:
     """
     if not kvikio_available():
         return False, "kvikio is not installed"
-    path = os.path.join(directory, f".actoff-probe-{os.getpid()}-{threading.get_ident()}")
-    engine = None
-    try:
-        engine = KvikioEngine(path, num_threads)
+    engine = spill = None
+    try:  # Note [spill files die with the process]: the probe's file too
+        spill = SpillFile.anonymous(directory, f".actoff-probe-{os.getpid()}-{threading.get_ident()}")
+        engine = KvikioEngine(spill, num_threads)
         data = torch.arange(ALIGNMENT, dtype=torch.int32).to(torch.uint8)
         back = torch.empty_like(data)
         engine.pwrite(data, ALIGNMENT, 0).wait()
@@ -320,5 +392,5 @@ def probe_kvikio(directory: str, num_threads: int = 1) -> tuple[bool, str]:
     finally:
         if engine is not None:
             engine.close()
-        if os.path.exists(path):
-            os.unlink(path)
+        if spill is not None:
+            spill.close()

@@ -1,13 +1,12 @@
-"""NVMe store: one preallocated file per process, 4 KiB-aligned extents reused across steps."""
+"""NVMe store: one preallocated file per runtime, 4 KiB-aligned extents reused across steps,
+every record sealed when written and checked when read (Note [sealed records])."""
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import errno as errno_codes
+import itertools
 import os
-import signal
-import sys
 import threading
 import uuid
 import weakref
@@ -20,6 +19,7 @@ from actoff.config import Config
 
 from . import engines
 from .engines import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine
+from .files import SpillFile, reclaim_dead
 from .kvikio import KvikioEngine, probe_kvikio
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ class ExtentAllocator:
         self._free.insert(i, (offset, size))
 
 
-def open_engine(path: str, backend: str = "auto", num_threads: int = 4) -> IoEngine:
-    """Open the I/O engine for ``path``: ``auto`` picks kvikio when it really works.
+def open_engine(file: SpillFile | str, backend: str = "auto", num_threads: int = 4) -> IoEngine:
+    """Open the I/O engine for ``file`` (or the file at a path): ``auto`` picks kvikio when it
+    really works.
 
     >>> import tempfile, os
     >>> directory = tempfile.mkdtemp()
@@ -104,41 +105,55 @@ def open_engine(path: str, backend: str = "auto", num_threads: int = 4) -> IoEng
     True
     >>> engine.close()
     """
-    if backend == "kvikio" or (backend == "auto" and probe_kvikio(os.path.dirname(path) or ".")[0]):
-        return KvikioEngine(path, num_threads)
+    directory = file.directory if isinstance(file, SpillFile) else os.path.dirname(file) or "."
+    if backend == "kvikio" or (backend == "auto" and probe_kvikio(directory)[0]):
+        return KvikioEngine(file, num_threads)
     if engines._C is not None:  # looked up here: tests switch the extension off
-        return CppEngine(path, num_threads)
-    return PythonEngine(path, num_threads)
+        return CppEngine(file, num_threads)
+    return PythonEngine(file, num_threads)
 
 
 class NvmeStore:
-    """The process's file under ``directory`` (rank and pid in its name) and its extents.
+    """A spill file in ``directory`` and its extents; the file has no name there (Note [spill
+    files die with the process]): ``path`` is the name it was made under (rank and pid in it),
+    for messages.
 
-    The file is removed by `close()`, at interpreter exit, and when the store is collected.
+    `close()` (or collecting the store) finishes its I/O and closes the file; the kernel frees
+    its blocks then, and when the process ends however it ends.
 
     >>> import tempfile
-    >>> store = NvmeStore(tempfile.mkdtemp(), backend="posix")
+    >>> directory = tempfile.mkdtemp()
+    >>> store = NvmeStore(directory, backend="posix")
     >>> data = torch.arange(1024, dtype=torch.float32)
     >>> extent, future = store.write(data, data.numel() * 4); _ = future.wait()
     >>> back = torch.empty_like(data); _ = store.read(back, extent, back.numel() * 4).wait()
-    >>> torch.equal(back, data)
-    True
+    >>> torch.equal(back, data), os.listdir(directory)
+    (True, [])
     >>> store.close()
     """
 
     def __init__(self, directory: str, *, backend: str = "auto", num_threads: int = 4) -> None:
         rank = os.environ.get("RANK", "0")
         name = f"actoff-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
-        self.path = os.path.join(directory, name)
-        self.engine: IoEngine = open_engine(self.path, backend, num_threads)
+        reclaim_dead(directory)  # what processes killed at the wrong instant left
+        self.file = SpillFile.anonymous(directory, name)
+        self.path = self.file.label
+        try:
+            self.engine: IoEngine = open_engine(self.file, backend, num_threads)
+        except BaseException:
+            self.file.close()
+            raise
         self.extents = ExtentAllocator()
         self.reserved = 0  # bytes preallocated in the file
         self.growths = 0  # times the file was grown (constant after the first step)
         self._lock = threading.Lock()
         self._io: dict[int, object] = {}  # extent offset -> its last request's future
-        # Runs on close(), when the store is collected, and at interpreter exit.
-        self._finalizer = weakref.finalize(self, _remove, self.engine, self.path)
-        _exit_on_sigterm()
+        # Per extent offset, its last write (Note [sealed records]): (sequence or None, bytes, future)
+        self._written: dict[int, tuple[int | None, int, Any]] = {}
+        self._sequence = itertools.count(1)
+        # Runs on close() and when the store is collected; nothing needs exit handlers now.
+        self._finalizer = weakref.finalize(self, _close, self.engine, self.file)
+        _live_stores.add(self)
 
     @property
     def takes_device_buffers(self) -> bool:
@@ -167,32 +182,62 @@ class NvmeStore:
         return extent, None
 
     def write(
-        self, buffer: torch.Tensor, nbytes: int, *, extent: Extent | None = None, after: Ticket = _HOST
+        self,
+        buffer: torch.Tensor,
+        nbytes: int,
+        *,
+        extent: Extent | None = None,
+        after: Ticket = _HOST,
+        sealed: bool = True,
     ) -> tuple[Extent, object]:
         """Start writing ``nbytes`` of contiguous ``buffer`` to ``extent`` (one `allocate`
         gave), or to a new extent; returns the extent and the request's future.
 
         ``after``: ``buffer`` is device memory, written once that ticket completes (only when
         `takes_device_buffers`; Note [direct device I/O] in actoff.tiers.nvme.kvikio).
+        ``sealed``: the write seals what it writes under a new sequence number, and `read`
+        checks it (Note [sealed records]; ``ACTOFF_NVME_CHECKSUM``).
         """
         if extent is None:
             extent, error = self.allocate(nbytes)
             if error is not None:
                 return extent, FailedFuture(error)
+        sequence = next(self._sequence) if sealed else None
         if after is _HOST:
-            future = self.engine.pwrite(buffer, nbytes, extent.offset)
+            future = self.engine.pwrite(buffer, nbytes, extent.offset, sequence)
         else:
-            future = self.engine.pwrite_device(buffer, nbytes, extent.offset, after)
+            future = self.engine.pwrite_device(buffer, nbytes, extent.offset, after, sequence)
         self._io[extent.offset] = future
+        self._written[extent.offset] = (sequence, nbytes, future)
         return extent, future
 
     def read(self, buffer: torch.Tensor, extent: Extent, nbytes: int, *, after: Ticket = _HOST) -> object:
         """Start reading ``nbytes`` of ``extent`` into contiguous ``buffer`` (device memory,
-        once ticket ``after`` completes, when given: see `write`)."""
+        once ticket ``after`` completes, when given: see `write`). The read checks that it got
+        what the extent's last write wrote: as many bytes, with its seal (when sealed)."""
+        sequence, written, write_future = self._written.get(extent.offset, (None, None, None))
+        if written != nbytes or not write_future.done():
+            state = (
+                "was never written" if written is None
+                else f"was written with {written} bytes" if written != nbytes
+                else "is still being written"
+            )  # fmt: skip
+            raise RuntimeError(
+                f"actoff internal error: reading {nbytes} bytes of the NVMe extent at offset "
+                f"{extent.offset} of {self.path}, which {state}"
+            )
+        checksum = 0
+        if sequence is not None:
+            checksum = write_future.checksum()
+            if checksum is None:  # the write failed: its record fell back and is never read here
+                raise RuntimeError(
+                    f"actoff internal error: reading the NVMe extent at offset {extent.offset} of "
+                    f"{self.path}, whose write failed"
+                )
         if after is _HOST:
-            future = self.engine.pread(buffer, nbytes, extent.offset)
+            future = self.engine.pread(buffer, nbytes, extent.offset, sequence, checksum)
         else:
-            future = self.engine.pread_device(buffer, nbytes, extent.offset, after)
+            future = self.engine.pread_device(buffer, nbytes, extent.offset, after, sequence, checksum)
         self._io[extent.offset] = future
         return future
 
@@ -209,6 +254,7 @@ class NvmeStore:
                     f"actoff internal error: NVMe extent at offset {extent.offset} freed while a "
                     "request on it is still running"
                 )
+            self._written.pop(extent.offset, None)
             self.extents.free(extent)
 
     def file_size(self) -> int:
@@ -218,22 +264,8 @@ class NvmeStore:
             return 0
 
     def close(self) -> None:
-        """Finish queued I/O, close the file and remove it."""
+        """Finish queued I/O and close the file (which frees it: it has no name)."""
         self._finalizer()
-
-
-_sigterm_installed = False
-
-
-def _exit_on_sigterm() -> None:
-    """Turn SIGTERM (what launchers send to stop a run) into a normal exit, so exit handlers
-    remove the NVMe files. Only when nobody else handles SIGTERM, and from the main thread."""
-    global _sigterm_installed
-    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
-        return
-    _sigterm_installed = True
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _io_error(error: OSError) -> OSError:
@@ -241,12 +273,26 @@ def _io_error(error: OSError) -> OSError:
     return OSError(code, str(error))
 
 
-def _remove(engine: IoEngine, path: str) -> None:
+def _close(engine: IoEngine, file: SpillFile) -> None:
     try:
         engine.close()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        file.close()
+
+
+_live_stores: weakref.WeakSet[NvmeStore] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: the parent's stores are never closed here (their
+    engines are the parent's: Note [engines across fork]); the child leaks them and, if it
+    offloads, opens stores of its own."""
+    for store in list(_live_stores):
+        store._finalizer.detach()
+    _live_stores.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class StoreRegistry:

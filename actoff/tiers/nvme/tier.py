@@ -11,7 +11,9 @@ Three paths, by what the device and the I/O engine can do:
 - host-resident (a plain CPU device): written straight from the tensor.
 Reads come back the same way. A failed write loses nothing: the bytes are still in the
 staging slot (the record becomes a host-tier record) or on the device (it stays resident). A
-failed, short or hung read raises in the training thread.
+failed, short or hung read raises in the training thread, and so does a read whose bytes are
+not the ones written (Note [sealed records] in actoff.tiers.nvme.seals), naming the block and
+the step, before anything uses them.
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ class NvmeTier(CpuTier):
         source = geometry.flat(record.device_tensor)
         if run.config.verify:
             record.checksum = checksum(source)
+        sealed = run.config.nvme_checksum
         if direct:  # Note [direct device I/O]: written once the compute stream has produced it
             record.extent, record.write_future = store.write(
-                source, geometry.nbytes, after=run.backend.mark()
+                source, geometry.nbytes, after=run.backend.mark(), sealed=sealed
             )
         else:
-            record.extent, record.write_future = store.write(source, geometry.nbytes)
+            record.extent, record.write_future = store.write(source, geometry.nbytes, sealed=sealed)
         record.store = store
         record.copy_source = source
         record.tier = self
@@ -93,7 +96,9 @@ class NvmeTier(CpuTier):
             if run.config.verify:
                 record.checksum = checksum(slot.view(record.geometry.dtype, record.geometry.span))
             # The whole aligned slot: aligned address, size and offset take O_DIRECT.
-            _, record.write_future = store.write(slot.raw(), slot.capacity, extent=record.extent)
+            _, record.write_future = store.write(
+                slot.raw(), slot.capacity, extent=record.extent, sealed=run.config.nvme_checksum
+            )
         future = record.write_future
         if not future.done() and not finish:
             return  # never wait for the disk in forward: a later call (or backward) finishes it
@@ -239,8 +244,10 @@ class NvmeTier(CpuTier):
                 run.runtime.quarantine.append((record.host_slot, record.extent, record.copy_source))
                 record.host_slot = record.extent = None
             raise RuntimeError(
-                f"actoff: reading a saved activation of block {run.name!r} back from NVMe "
-                f"failed: {error}. The step cannot continue with this activation."
+                f"actoff: reading a saved activation of block {run.name!r} (record "
+                f"{record.index}, step {run.step.number}) back from NVMe failed: {error}. The step "
+                "cannot continue with this activation; check the disk, and that nothing else "
+                "writes in ACTOFF_NVME_DIR."
             ) from error
         buffer, record.copy_source = record.copy_source, None
         if run.config.verify:

@@ -1,0 +1,120 @@
+"""Threads that train models of their own side by side, under every policy, on the plain CPU
+device and on the simulated one (whose streams they share, as threads share a GPU's).
+
+Found by a hostile-user test: two threads training under ``tokenwise`` on the simulated device
+shared the runtime's step, and one died in backward (``TypeError: 'NoneType' object is not
+subscriptable`` in ``scatter_rows``) in 2 to 3 runs of 3 (Note [a runtime per thread]). Each
+thread's losses and gradients must equal those of the same training run alone, bit for bit;
+``auto`` picks its stored fraction from timings measured in the first step, so runs alone and
+side by side may pick others and are compared with the no-actoff run within float32
+reassociation instead (Note [reassociation tolerance] in _helpers).
+"""
+
+import threading
+
+import pytest
+import torch
+from _helpers import assert_close_history, assert_same_history, make_model, train
+
+import actoff
+from actoff.reference import Block
+from actoff.runtime.runtime import get_runtime
+
+POLICIES = ["keep", "cpu", "nvme", "tokenwise", "recompute", "auto"]
+DEVICES = [
+    pytest.param("plain", marks=pytest.mark.no_sim_device),
+    pytest.param("sim", marks=pytest.mark.sim_device),
+]
+SEEDS = (0, 1)
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """Two Python threads each running OpenMP-parallel kernels would leave how many threads a
+    reduction is split over (and so its rounding) to timing: kernels run on one thread each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _offloaded(seed: int, policy: str, nvme_dir: str, device: str = "cpu") -> torch.nn.Module:
+    # Built in the calling thread: torch's default generator is the process's, shared by threads.
+    model = make_model(seed).to(device)
+    actoff.offload_(model, block_cls=Block, policy=policy, nvme_dir=nvme_dir, min_bytes=0,
+                    cpu_fraction=0.25, nvme_fraction=0.25)  # fmt: skip
+    return model
+
+
+def _side_by_side(models: list[torch.nn.Module]) -> list:
+    histories: list = [None] * len(models)
+    errors: list[BaseException] = []
+
+    def work(index: int) -> None:
+        try:
+            histories[index] = train(models[index], 2)
+        except BaseException as error:  # re-raised in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(len(models))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a training thread hangs"
+    if errors:
+        raise errors[0]
+    return histories
+
+
+@pytest.mark.parametrize(
+    "repeats", [pytest.param(5, id="5x"), pytest.param(50, id="50x", marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_threads_train_as_each_would_alone(nvme_dir, one_intra_op_thread, device, policy, repeats):
+    if policy == "auto":
+        expected = [train(make_model(seed), 2) for seed in SEEDS]  # without actoff
+    else:
+        expected = [train(_offloaded(seed, policy, nvme_dir), 2) for seed in SEEDS]
+    for _ in range(repeats):
+        actoff.reset()
+        actual = _side_by_side([_offloaded(seed, policy, nvme_dir) for seed in SEEDS])
+        for alone, beside in zip(expected, actual, strict=True):
+            if policy == "auto":
+                assert_close_history(alone, beside)
+            else:
+                assert_same_history(alone, beside)
+
+
+def test_each_thread_has_its_own_runtime_and_reset_closes_them_all(nvme_dir):
+    runtimes, models = [], [_offloaded(seed, "nvme", nvme_dir) for seed in SEEDS]
+
+    def work(model: torch.nn.Module) -> None:
+        train(model, 1)
+        runtime = get_runtime()
+        runtimes.append((runtime, runtime.stores.stores()[0], actoff.stats().total_bytes_offloaded))
+
+    threads = [threading.Thread(target=work, args=(model,)) for model in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    (first, first_store, first_bytes), (second, second_store, second_bytes) = runtimes
+    assert first is not second and first is not get_runtime() and first_store is not second_store
+    assert first_bytes > 0 and second_bytes > 0  # each thread's figures, in that thread
+    assert actoff.stats().steps == 0  # this thread trained nothing
+    actoff.reset()
+    assert first_store.file.fd == -1 and second_store.file.fd == -1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["cpu", "nvme", "tokenwise"])
+def test_two_threads_on_a_gpu_train_as_each_would_alone(nvme_dir, policy):
+    # One GPU, actoff's copy streams shared by both threads, each thread's own runtime.
+    expected = [train(_offloaded(seed, policy, nvme_dir, "cuda"), 2) for seed in SEEDS]
+    for _ in range(5):
+        actoff.reset()
+        actual = _side_by_side([_offloaded(seed, policy, nvme_dir, "cuda") for seed in SEEDS])
+        for alone, beside in zip(expected, actual, strict=True):
+            assert_same_history(alone, beside)
