@@ -206,7 +206,7 @@ class Runtime:
         for record in run.records:
             if record.state is State.RESIDENT:
                 tier.place(record)
-        if tokenwise is not None and not splits:
+        if tokenwise is not None and not splits and not tokenwise.probe_pending:
             tokenwise.owned.clear()  # nothing will be recomputed: inputs and mixer outputs go
         run.step.in_flight.append(run)
         run.step.last_placed = run
@@ -262,6 +262,8 @@ class Runtime:
         step = record.run.step
         step.live -= 1
         record.run.released()
+        if record.run.tokenwise is not None:
+            record.run.tokenwise.released_record(record)
         if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
             # Nothing of the step can be rebuilt now: let go of the forwards token-wise runs
             # would re-run, which hold their modules (a deleted model is freed at once).
