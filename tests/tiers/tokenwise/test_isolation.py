@@ -19,7 +19,6 @@ from torch import nn
 import actoff
 import actoff.runtime.auto
 from actoff.reference import Block, ModelConfig
-from actoff.tiers.tokenwise.isolation import left_as_found
 
 POLICIES = [
     {"policy": "tokenwise", "cpu_fraction": 0.5},
@@ -326,6 +325,8 @@ def test_auxiliary_losses_and_logged_statistics_are_the_forwards(overrides, fixe
 
 # ---------------------------------------------------------------------------------- left_as_found
 def test_left_as_found_gives_back_attributes_lists_and_buffers():
+    from actoff.tiers.tokenwise.isolation import left_as_found
+
     module = nn.BatchNorm1d(2)
     module.history = [1]
     given = State()
