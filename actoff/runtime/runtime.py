@@ -46,6 +46,7 @@ from actoff.tiers.tokenwise.run import TokenwiseRun
 
 from .auto import decide_auto
 from .distributed import agree_with_rank0, local_world_size
+from .enclosing import enclosing, hooks_kind
 from .hooks import unpack
 from .lock import RuntimeLock
 from .stats import BlockStats, Stats, collect, snapshot
@@ -128,13 +129,37 @@ class Runtime:
             self._seal(run)
 
     def passes_through(self, module: torch.nn.Module | None) -> bool:
-        """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched."""
-        return bool(
+        """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched; so
+        do scopes inside another saved-tensor hooks context (torch's checkpoint) or called during
+        backward, with one warning per kind (Note [under checkpointing])."""
+        if (
             self.thread.stack
             or self.thread.disabled
             or not torch.is_grad_enabled()
             or (module is not None and not module.training)
-        )
+        ):
+            return True
+        context = enclosing()
+        if context is None:
+            return False
+        what = f"{type(module).__name__} blocks" if module is not None else "function scopes"
+        if context == "during backward":
+            self.warn_once(
+                "enclosing:backward",
+                f"actoff: {what} run during backward (a reentrant torch.utils.checkpoint recomputing "
+                "them, say): their saved tensors are used at once, so actoff leaves them on the device. "
+                "To offload what checkpoint keeps (the inputs), make the checkpointed module the "
+                "offload scope (offload_(model, block_cls=CheckpointWrapper)).",
+            )
+        elif "recompute" not in context:  # checkpoint's recompute: its forward has warned
+            self.warn_once(
+                f"enclosing:{context}",
+                f"actoff: {what} run inside {context}, which gets every tensor they save: actoff "
+                "leaves them to it (its own hooks inside would take the tensors from it and switch it "
+                "off). To offload what checkpoint keeps (the inputs), make the checkpointed module the "
+                "offload scope (offload_(model, block_cls=CheckpointWrapper)).",
+            )
+        return True
 
     def enter_scope(
         self,
@@ -183,17 +208,39 @@ class Runtime:
             run.step.pending.clear()  # never placed now: their graph is being torn down
 
     def _seal(self, run: ScopeRun) -> None:
+        unneeded: list = []
         with self.lock:
             run.dedup.clear()  # Note [pack is hot]: the handles now live in autograd only
             run.spans.clear()
-            if run.tokenwise is not None:
-                run.tokenwise.prepare(self)
+            tokenwise = run.tokenwise
+            if tokenwise is not None:
+                tokenwise.prepare(self)
+                if tokenwise.saved_elsewhere is not None:
+                    self._warn_checkpointed(run)
+                if not tokenwise.split_records and not tokenwise.probe_pending:
+                    # Nothing will be re-run: inputs and mixer outputs only actoff holds go now.
+                    unneeded, tokenwise.owned = tokenwise.owned, []
+        del unneeded  # outside the lock: released at once, never placed (no copy out)
+        with self.lock:
             step = run.step
             if run.config.policy != "keep":
                 step.pending.append(run)
                 for _ in range(runs_to_place(len(step.pending), run.config.keep_last)):
                     self._place(step.pending.popleft())
             step.progress()
+
+    def _warn_checkpointed(self, run: ScopeRun) -> None:
+        """A token-wise run whose body checkpoints itself (Note [under checkpointing])."""
+        elsewhere = run.tokenwise.saved_elsewhere
+        context = "a reentrant torch.utils.checkpoint" if elsewhere == "no grad" else hooks_kind(elsewhere)
+        tier = whole_tier(run.config)
+        self.warn_once(
+            f"checkpointed:{run.config.policy}:{context}",
+            f"actoff: policy {run.config.policy!r}: the body of block {run.name!r} (and of others like "
+            f"it) runs under {context}, which saves only the block's inputs and recomputes the rest in "
+            f"backward: actoff places those inputs ({tier}) and recomputes nothing token-wise, which "
+            "would store more (attention's output, token rows). Gradients stay exact.",
+        )
 
     def _place(self, run: ScopeRun) -> None:
         for record in run.records:

@@ -98,6 +98,15 @@ class CaptureMode(TorchFunctionMode):
         if func not in _MIXERS:
             return func(*args, **kwargs)
         run = self.run
+        if not torch.is_grad_enabled():  # a reentrant checkpoint's forward: nothing is saved
+            run.saved_elsewhere = "no grad"
+            return func(*args, **kwargs)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or getattr(top[0], "__self__", None) is not run.run:
+            # Another hooks context inside the scope (torch's checkpoint) takes what the block
+            # saves: its output is nobody's to serve (Note [under checkpointing], actoff.runtime.enclosing).
+            run.saved_elsewhere = top[0] if top is not None else "no hooks"
+            return func(*args, **kwargs)
         run.in_mixer += 1
         try:
             output = func(*args, **kwargs)

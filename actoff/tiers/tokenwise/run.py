@@ -60,6 +60,7 @@ class TokenwiseRun(Tier):
         self.events: list[int] = []  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
+        self.saved_elsewhere: object = None  # a checkpoint's hooks, or "no grad": Note [under checkpointing]
         self.seq_len = 0
         # What probes learned about the run's module, the key of the conditions it runs under,
         # and the probe result for them if there is one yet
@@ -89,9 +90,7 @@ class TokenwiseRun(Tier):
         # Note [sentinel rows] (actoff.tiers.tokenwise.sentinels): (record index, rows picked in the range or
         # None for all of them, the copy kept at forward time).
         self.checks: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
-        # The records the probe checks, by index, while it waits for backward (Note [probe in
-        # the first backward]); the inputs and mixer outputs (``owned``) wait with them.
-        self.probe_pending: dict[int, Record] = {}
+        self.probe_pending: dict[int, Record] = {}  # Note [probe in the first backward]: what it checks
         self.forward_watch: Stopwatch | None = None  # time of the forward (the auto policy's T_layer)
         self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
@@ -168,6 +167,8 @@ class TokenwiseRun(Tier):
         learned yet the run is placed whole and probed in its backward (Note [probe in the first
         backward]). A run that ends with no split records is placed whole."""
         run, config = self.run, self.run.config
+        if self.saved_elsewhere is not None:
+            return  # checkpointed inside the scope: its inputs only, placed whole
         candidates = [r for r in run.records if not r.whole and not r.geometry.compact]
         fractions = token_fractions(config, runtime.auto_decisions.get(run.name))
         if fractions is None:  # auto's first step: measure, store whole, decide after backward
@@ -207,8 +208,7 @@ class TokenwiseRun(Tier):
         other = self.learned.any_length.get(self.any_length)
         if other is None:
             return None
-        views = {record.index: ((record.geometry.size, record.geometry.stride), record.base_info)
-                 for record in self.run.records}  # fmt: skip
+        views = {r.index: ((r.geometry.size, r.geometry.stride), r.base_info) for r in self.run.records}
         return transferred(other, self.saves(), views, self.seq_len)
 
     def probe_later(self, candidates: list[Record]) -> None:
