@@ -15,6 +15,7 @@ conditions is placed whole under them, with one warning per module.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,6 +141,20 @@ class ModuleProbes:
     verdicts: dict[tuple, str] = field(default_factory=dict)  # placed whole under these, and why
     any_length: dict[tuple, ProbeResult] = field(default_factory=dict)
     warned: bool = False  # one fallback warning per module, whatever the conditions
+
+    def fall_back(self, conditions: tuple, block: str, tier: str, reason: str) -> None:
+        """Place the module whole (on ``tier``) under ``conditions`` from now on, and say why
+        once per module."""
+        self.verdicts[conditions] = reason
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"actoff: block {block!r} cannot be recomputed token-wise: {reason}. Its activations are "
+                f"placed whole ({tier}) when it runs under these conditions (input shapes, dtypes, "
+                "autocast, training flags); gradients stay exact.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 class ByOwner(Generic[V]):

@@ -140,10 +140,12 @@ def _likely_cause(module: torch.nn.Module | None) -> str:
         for name, sub in (module.named_modules() if module is not None else ())
         if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training and sub.p > 0
     ]
-    if dropouts:
+    if dropouts:  # Note [dropout in a re-forward] (actoff.tiers.tokenwise.dropout)
         return (
             f"its dropout module{'s' if len(dropouts) > 1 else ''} {', '.join(dropouts)} in training mode "
-            "draw other masks on a token slice; with p=0 (or in eval mode) the block is recomputed"
+            "could not draw the forward's masks again: random numbers drawn inside its token mixer "
+            "(attention dropout) or elsewhere outside F.dropout shift them; without those the block is "
+            "recomputed"
         )
     return (
         "tokens mixed outside a registered token mixer: attention written out with matmul and softmax, "
@@ -281,7 +283,7 @@ def recompute(
         rows[record.index] = candidate.detach()
         return None
 
-    mode = ReforwardMode(mixer_rows)
+    mode = ReforwardMode(mixer_rows, tokenwise.dropouts, tokenwise.seq_len, start, stop)
     devices = [run.device] if run.device.type == "cuda" else []
     runtime.thread.stack.append(run)  # nested scopes inside the block pass through
     try:

@@ -10,7 +10,6 @@ rows recomputed (actoff.tiers.tokenwise.reforward), checked every step against a
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +59,9 @@ class TokenwiseRun(Tier):
         self.events: list[int] = []  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
+        self.dropouts: list[
+            tuple[int, ...]
+        ] = []  # input shape of each dropout: Note [dropout in a re-forward]
         self.saved_elsewhere: object = None  # a checkpoint's hooks, or "no grad": Note [under checkpointing]
         self.seq_len = 0
         # What probes learned about the run's module, the key of the conditions it runs under,
@@ -242,17 +244,7 @@ class TokenwiseRun(Tier):
 
     def fall_back(self, reason: str) -> None:
         """Place the module whole under these conditions from now on; warn once per module."""
-        learned, run = self.learned, self.run
-        learned.verdicts[self.conditions] = reason
-        if not learned.warned:  # once per module, whatever the conditions
-            learned.warned = True
-            warnings.warn(
-                f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its "
-                f"activations are placed whole ({whole_tier(run.config)}) when it runs under these "
-                "conditions (input shapes, dtypes, autocast, training flags); gradients stay exact.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self.learned.fall_back(self.conditions, self.run.name, whole_tier(self.run.config), reason)
 
     def released_record(self, record: Record) -> None:
         """A record of the run was released: a probe still waiting for it has nothing to check

@@ -133,6 +133,21 @@ class DropoutBlock(Block):
         return F.dropout(super().forward(x, cos, sin), p=0.1, training=True)
 
 
+class AttentionDropoutBlock(MatmulAttentionBlock):
+    """Dropout inside attention (served in a re-forward, which so draws fewer random numbers),
+    then a dropout module, whose mask the re-forward then cannot draw again."""
+
+    def __init__(self, hidden=64, heads=4):
+        super().__init__(hidden, heads)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, cos, sin):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+        return x + self.drop(self.out(attn.transpose(1, 2).reshape(b, s, h)))
+
+
 class CumsumMixerBlock(Block):
     """An unknown token mixer (a running sum over tokens) before the MLP."""
 
@@ -162,10 +177,10 @@ class TinyModel(nn.Module):
     [
         MatmulAttentionBlock,
         lambda: ArangeRopeBlock(ModelConfig.preset("tiny")),
-        lambda: DropoutBlock(ModelConfig.preset("tiny")),
+        AttentionDropoutBlock,
         lambda: CumsumMixerBlock(ModelConfig.preset("tiny")),
     ],
-    ids=["matmul_attention", "arange_rope", "dropout", "unknown_mixer"],
+    ids=["matmul_attention", "arange_rope", "attention_dropout", "unknown_mixer"],
 )
 def test_blocks_that_cannot_be_recomputed_fall_back_with_one_warning(block_factory):
     torch.manual_seed(0)
@@ -182,8 +197,28 @@ def test_blocks_that_cannot_be_recomputed_fall_back_with_one_warning(block_facto
     messages = sorted(str(w.message) for w in caught if "cannot be recomputed token-wise" in str(w.message))
     assert len(messages) == 2, messages  # one per block, not one per step
     assert "'layers.0'" in messages[0] and "placed whole (cpu)" in messages[0]
+    if block_cls is AttentionDropoutBlock:  # the dropout module is named
+        assert "dropout module 'drop' (p=0.1) in training mode" in messages[0], messages[0]
     assert_same_history(expected, actual)  # whole placement is exact
     assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] == 0
+
+
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+def test_dropout_is_recomputed_with_the_forwards_masks(policy):
+    """(Note [dropout in a re-forward]) A dropout drew other masks on a token slice, so every block
+    with dropout (LoRA's ``lora_dropout``, GPT-2's residual dropout) was placed whole."""
+    torch.manual_seed(0)
+    model = TinyModel(lambda: DropoutBlock(ModelConfig.preset("tiny")))
+    reference = copy.deepcopy(model)
+    torch.manual_seed(5)
+    expected = train(reference, 3)
+    actoff.offload_(model, block_cls=DropoutBlock, policy=policy, cpu_fraction=0.25, min_bytes=0)
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        actual = train(model, 3)
+    assert_close_history(expected, actual)
+    assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] > 0
 
 
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
