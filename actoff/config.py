@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
-__all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "set_config"]
+__all__ = ["POLICIES", "Config", "format_bytes", "get_config", "keywords_of", "parse_size", "set_config"]
 
 # Every value of ACTOFF_POLICY (README.md, Settings).
 POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "auto")
@@ -71,7 +73,41 @@ def _env_name(field_name: str) -> str:
 
 
 def _where(field_name: str) -> str:
+    """A setting in messages: its keyword inside `keywords_of`, else its variable and field."""
+    if getattr(_KEYWORDS, "caller", None):
+        return field_name
     return f"{_env_name(field_name)} (Config.{field_name})"
+
+
+def _unknown(name: str, known: set[str]) -> TypeError:
+    if getattr(_KEYWORDS, "caller", None):
+        return TypeError(f"got an unexpected keyword {name!r}; actoff's settings: {', '.join(sorted(known))}")
+    return TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+
+
+_KEYWORDS = threading.local()  # the call whose keywords are being validated (`keywords_of`)
+
+
+@contextlib.contextmanager
+def keywords_of(caller: str) -> Iterator[None]:
+    """Validate settings a user passed as keywords to ``caller``: a bad one is named as the
+    keyword of that call, not as its environment variable.
+
+    >>> with keywords_of("offload_"):
+    ...     Config().replace(policy="bogus")
+    Traceback (most recent call last):
+    ValueError: offload_(): policy='bogus' is not valid: expected one of keep, recompute, cpu, nvme, tokenwise, auto
+    """
+    outer = getattr(_KEYWORDS, "caller", None)
+    _KEYWORDS.caller = caller
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        if outer is not None:
+            raise
+        raise type(error)(f"{caller}(): {error}") from None
+    finally:
+        _KEYWORDS.caller = outer
 
 
 @dataclass(frozen=True)
@@ -170,8 +206,14 @@ class Config:
                 raise ValueError(f"{_where(name)}={value!r} is out of range: expected 0 to 1")
             set_(self, name, value)
         if self.cpu_fraction + self.nvme_fraction > 1.0 + 1e-9:
+            keywords = getattr(_KEYWORDS, "caller", None)
+            names = (
+                ("cpu_fraction", "nvme_fraction")
+                if keywords
+                else ("ACTOFF_CPU_FRACTION", "ACTOFF_NVME_FRACTION")
+            )
             raise ValueError(
-                f"ACTOFF_CPU_FRACTION + ACTOFF_NVME_FRACTION = {self.cpu_fraction} + "
+                f"{names[0]} + {names[1]} = {self.cpu_fraction} + "
                 f"{self.nvme_fraction} > 1: the fractions share the tokens, and the rest is "
                 "recomputed; lower one of them"
             )
@@ -259,7 +301,7 @@ class Config:
                 values[name] = text
         for name in overrides:
             if name not in known:
-                raise TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+                raise _unknown(name, known)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
@@ -268,7 +310,7 @@ class Config:
         known = {f.name for f in fields(self)}
         for name in changes:
             if name not in known:
-                raise TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+                raise _unknown(name, known)
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -378,5 +420,6 @@ def set_config(config: Config | None = None, **overrides: object) -> Config:
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"set_config expects an actoff.Config, got {type(config).__name__}")
     base = config if config is not None else Config.from_env()
-    _global_config = base.replace(**overrides) if overrides else base
+    with keywords_of("set_config"):
+        _global_config = base.replace(**overrides) if overrides else base
     return _global_config
