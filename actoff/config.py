@@ -80,9 +80,8 @@ def _where(field_name: str) -> str:
 
 
 def _unknown(name: str, known: set[str]) -> TypeError:
-    if getattr(_KEYWORDS, "caller", None):
-        return TypeError(f"got an unexpected keyword {name!r}; actoff's settings: {', '.join(sorted(known))}")
-    return TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+    what = "got an unexpected keyword" if getattr(_KEYWORDS, "caller", None) else "Config has no field"
+    return TypeError(f"{what} {name!r}; actoff's settings: {', '.join(sorted(known))}")
 
 
 _KEYWORDS = threading.local()  # the call whose keywords are being validated (`keywords_of`)
@@ -206,14 +205,9 @@ class Config:
                 raise ValueError(f"{_where(name)}={value!r} is out of range: expected 0 to 1")
             set_(self, name, value)
         if self.cpu_fraction + self.nvme_fraction > 1.0 + 1e-9:
-            keywords = getattr(_KEYWORDS, "caller", None)
-            names = (
-                ("cpu_fraction", "nvme_fraction")
-                if keywords
-                else ("ACTOFF_CPU_FRACTION", "ACTOFF_NVME_FRACTION")
-            )
+            cpu, nvme = (_where(n).split(" ")[0] for n in ("cpu_fraction", "nvme_fraction"))
             raise ValueError(
-                f"{names[0]} + {names[1]} = {self.cpu_fraction} + "
+                f"{cpu} + {nvme} = {self.cpu_fraction} + "
                 f"{self.nvme_fraction} > 1: the fractions share the tokens, and the rest is "
                 "recomputed; lower one of them"
             )

@@ -71,7 +71,7 @@ class _ScopeSpec:
 
 
 def _warn_ignored(caller: str, config: Config, overrides: dict[str, object]) -> None:
-    """Settings passed as keywords that the policy does not read: said, never silently dropped."""
+    """Settings passed as keywords that the policy does not read: said, never dropped unsaid."""
     ignored = ignored_settings(config.policy, overrides)
     if ignored:
         given = ", ".join(f"{name}={overrides[name]!r}" for name in ignored)
