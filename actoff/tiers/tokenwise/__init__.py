@@ -9,6 +9,7 @@ forward stored.
 - `reforward`: the re-forward on a token slice: the probe in a block's first backward and the
   recompute of dropped rows in backward.
 - `isolation`: what a re-forward leaves as it found it: caches, buffers, attributes, hooks.
+- `dropout`: the forward's dropout masks drawn again in a re-forward.
 - `sentinels`: rows kept every step to check each recompute before it is used.
 - `probes`: what a probe learned about a module, per module and per conditions.
 - `mixers`: the registry of token mixers and the modes that see or serve them.

@@ -1,5 +1,5 @@
-"""The re-forward of a token-wise run on a token slice: the probe of a block's first step, and
-the recompute of dropped rows in backward.
+"""The re-forward of a token-wise run on a token slice: the probe in a block's first backward, and
+the recompute of dropped rows in every backward.
 
 Note [token-wise re-forward]: the dropped rows of every saved tensor are rebuilt by re-running
 the block's forward on the sliced inputs (RNG state restored) while `ReforwardMode` serves the

@@ -223,7 +223,7 @@ def test_dropout_is_recomputed_with_the_forwards_masks(policy):
 
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
 def test_forward_hooks_inside_a_block_see_the_forward_only(policy):
-    """(Note [re-forwards without forward hooks]) neither the probe (during forward) nor the
+    """(Note [re-forwards without forward hooks]) neither the probe (in the first backward) nor the
     recompute (of some rows, in backward) fires the forward hooks of the block's submodules."""
     model = make_model()
     seen = []
