@@ -47,7 +47,6 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "cpu_fraction": ("tokenwise",),
     "nvme_fraction": ("tokenwise",),
     "host_bandwidth": ("auto",),
-    "nvme_dir": ("nvme", "tokenwise", "auto"),
 }
 
 

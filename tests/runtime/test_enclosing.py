@@ -51,6 +51,10 @@ def _checkpointed(model, impl):
     return model
 
 
+def _fractions(policy: str) -> dict:
+    return {"cpu_fraction": 0.5} if policy == "tokenwise" else {}  # read by tokenwise only
+
+
 def _actoff_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("actoff")]
 
@@ -66,7 +70,7 @@ def test_a_scope_inside_torch_checkpoint_leaves_its_block_to_checkpoint_with_one
     (``stats().steps`` was 6 after 3 steps)."""
     model = make_model()
     expected = train(_checkpointed(copy.deepcopy(model), impl), 3)
-    actoff.offload_(model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0)
+    actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, **_fractions(policy))
     _checkpointed(model, impl)
     mlp_runs.clear()
     with warnings.catch_warnings(record=True) as caught:
@@ -91,7 +95,7 @@ def test_a_checkpoint_inside_the_scope_offloads_the_inputs_it_keeps(impl, policy
     model = make_model()
     expected = train(_checkpointed(copy.deepcopy(model), impl), 3)
     _checkpointed(model, impl)
-    actoff.offload_(model, block_cls=CheckpointWrapper, policy=policy, cpu_fraction=0.5, min_bytes=0)
+    actoff.offload_(model, block_cls=CheckpointWrapper, policy=policy, min_bytes=0, **_fractions(policy))
     mlp_runs.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
