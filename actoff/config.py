@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import re
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
-__all__ = ["POLICIES", "Config", "format_bytes", "get_config", "parse_size", "set_config"]
+from .units import format_bytes, parse_size
+
+__all__ = ["POLICIES", "Config", "format_bytes", "get_config", "keywords_of", "parse_size", "set_config"]
 
 # Every value of ACTOFF_POLICY (README.md, Settings).
 POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "checkpoint", "auto")
@@ -17,53 +20,8 @@ PLANNERS = ("mip", "greedy", "off")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 ALLOCATORS = ("caching", "replay")
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-
-
-def parse_size(text: str, *, what: str = "size", allow_bare: bool = False) -> int:
-    """Parse a byte size such as ``"512MiB"``, ``"64GiB"`` or ``"1.5GB"`` into bytes.
-
-    Binary units (KiB, MiB, GiB, TiB, and the short K, M, G, T) and decimal ones (KB, MB,
-    GB, TB) are accepted, case-insensitively. A bare number is only accepted when
-    ``allow_bare`` is true (for settings whose name already says "bytes").
-
-    >>> parse_size("512MiB")
-    536870912
-    >>> parse_size("4096", allow_bare=True)
-    4096
-    """
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise ValueError(f"{what}={text!r} is not a size: write a number and a unit, e.g. '64GiB'")
-    number, unit = match.group(1), match.group(2).lower()
-    if not unit:
-        if not allow_bare:
-            raise ValueError(f"{what}={text!r} has no unit: write e.g. '{number}GiB' or '{number}MiB'")
-        unit = "b"
-    if unit not in _UNITS:
-        raise ValueError(
-            f"{what}={text!r} has an unknown unit {match.group(2)!r}: "
-            "use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
-        )
-    return int(float(number) * _UNITS[unit])
-
-
-def format_bytes(nbytes: float) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _env_name(field_name: str) -> str:
@@ -71,7 +29,40 @@ def _env_name(field_name: str) -> str:
 
 
 def _where(field_name: str) -> str:
+    """A setting in messages: its keyword inside `keywords_of`, else its variable and field."""
+    if getattr(_KEYWORDS, "caller", None):
+        return field_name
     return f"{_env_name(field_name)} (Config.{field_name})"
+
+
+def _unknown(name: str, known: set[str]) -> TypeError:
+    what = "got an unexpected keyword" if getattr(_KEYWORDS, "caller", None) else "Config has no field"
+    return TypeError(f"{what} {name!r}; actoff's settings: {', '.join(sorted(known))}")
+
+
+_KEYWORDS = threading.local()  # the call whose keywords are being validated (`keywords_of`)
+
+
+@contextlib.contextmanager
+def keywords_of(caller: str) -> Iterator[None]:
+    """Validate settings a user passed as keywords to ``caller``: a bad one is named as the
+    keyword of that call, not as its environment variable.
+
+    >>> with keywords_of("offload_"):
+    ...     Config().replace(policy="bogus")
+    Traceback (most recent call last):
+    ValueError: offload_(): policy='bogus' is not valid: expected one of keep, recompute, cpu, nvme, tokenwise, checkpoint, auto
+    """
+    outer = getattr(_KEYWORDS, "caller", None)
+    _KEYWORDS.caller = caller
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        if outer is not None:
+            raise
+        raise type(error)(f"{caller}(): {error}") from None
+    finally:
+        _KEYWORDS.caller = outer
 
 
 @dataclass(frozen=True)
@@ -181,8 +172,9 @@ class Config:
                 raise ValueError(f"{_where(name)}={value!r} is out of range: expected 0 to 1")
             set_(self, name, value)
         if self.cpu_fraction + self.nvme_fraction > 1.0 + 1e-9:
+            cpu, nvme = (_where(n).split(" ")[0] for n in ("cpu_fraction", "nvme_fraction"))
             raise ValueError(
-                f"ACTOFF_CPU_FRACTION + ACTOFF_NVME_FRACTION = {self.cpu_fraction} + "
+                f"{cpu} + {nvme} = {self.cpu_fraction} + "
                 f"{self.nvme_fraction} > 1: the fractions share the tokens, and the rest is "
                 "recomputed; lower one of them"
             )
@@ -281,7 +273,7 @@ class Config:
                 values[name] = text
         for name in overrides:
             if name not in known:
-                raise TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+                raise _unknown(name, known)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
@@ -290,7 +282,7 @@ class Config:
         known = {f.name for f in fields(self)}
         for name in changes:
             if name not in known:
-                raise TypeError(f"Config has no field {name!r}; fields: {', '.join(sorted(known))}")
+                raise _unknown(name, known)
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -413,5 +405,6 @@ def set_config(config: Config | None = None, **overrides: object) -> Config:
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"set_config expects an actoff.Config, got {type(config).__name__}")
     base = config if config is not None else Config.from_env()
-    _global_config = base.replace(**overrides) if overrides else base
+    with keywords_of("set_config"):
+        _global_config = base.replace(**overrides) if overrides else base
     return _global_config

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from .config import Config
 
 __all__ = [
+    "READ_BY",
     "TOKENWISE_POLICIES",
     "AutoDecision",
     "auto_fractions",
     "budget_share",
+    "ignored_settings",
     "runs_to_place",
     "token_fractions",
     "whole_tier",
@@ -38,6 +40,23 @@ def whole_tier(config: Config) -> str:
         if config.policy == "tokenwise" and config.cpu_fraction == 0 and config.nvme_fraction > 0
         else "cpu"
     )
+
+
+#: Settings only some policies read, and which (Config's field documentation says what they do).
+READ_BY: dict[str, tuple[str, ...]] = {
+    "cpu_fraction": ("tokenwise",),
+    "nvme_fraction": ("tokenwise",),
+    "host_bandwidth": ("auto",),
+}
+
+
+def ignored_settings(policy: str, names: object) -> list[str]:
+    """Which of the settings ``names`` (set by the user) ``policy`` does not read.
+
+    >>> ignored_settings("cpu", ["cpu_fraction", "min_bytes"]), ignored_settings("tokenwise", ["cpu_fraction"])
+    (['cpu_fraction'], [])
+    """
+    return [name for name in names if name in READ_BY and policy not in READ_BY[name]]
 
 
 def token_fractions(config: Config, decision: AutoDecision | None) -> tuple[float, float] | None:

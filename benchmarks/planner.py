@@ -44,7 +44,8 @@ def model_trace(seq: int, layers: int, policy: str = "tokenwise") -> tuple[list[
     actoff.reset()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("small", num_layers=layers))
-    actoff.offload_(model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0)
+    fractions = {"cpu_fraction": 0.5} if policy == "tokenwise" else {}  # read by tokenwise only
+    actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, **fractions)
     tokens = torch.randint(0, 1024, (1, seq + 1))
     # On a plain CPU device nothing is copied to the host arena: trace it on the simulated
     # device, which takes the copy paths of a GPU.
@@ -75,9 +76,8 @@ def device_trace(
             actoff.reset()
             torch.manual_seed(0)
             model = Transformer(ModelConfig.preset("small", num_layers=layers))
-            actoff.offload_(
-                model, block_cls=Block, policy=policy, cpu_fraction=0.5, min_bytes=0, planner=planner
-            )
+            fractions = {"cpu_fraction": 0.5} if policy == "tokenwise" else {}  # read by tokenwise only
+            actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, planner=planner, **fractions)
             tokens = torch.randint(0, 1024, (1, seq + 1))
             # The planner takes each step's trace at the end of its backward.
             with actoff.trace_arenas() as traced, simulated_device() as device:

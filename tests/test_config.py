@@ -158,6 +158,14 @@ def test_unknown_override_names_the_field():
         Config().replace(polcy="cpu")
 
 
+def test_keywords_are_named_as_the_keywords_of_the_call():
+    with pytest.raises(TypeError, match="set_config\\(\\): got an unexpected keyword 'polcy'"):
+        actoff.set_config(polcy="cpu")
+    with pytest.raises(ValueError, match="set_config\\(\\): keep_last=-1 is out of range") as caught:
+        actoff.set_config(keep_last=-1)
+    assert "ACTOFF_" not in str(caught.value)
+
+
 def test_nvme_policy_needs_a_directory():
     with pytest.raises(ValueError, match="ACTOFF_NVME_DIR"):
         Config(policy="nvme")

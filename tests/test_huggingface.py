@@ -62,3 +62,35 @@ def test_llama_decoder_layers(overrides, exact, nvme_dir):
     assert set(stats.blocks) == {"model.layers.0", "model.layers.1"}
     if overrides["policy"] in ("tokenwise", "recompute"):
         assert stats.blocks["model.layers.0"].bytes_per_tier["recompute"] > 0
+
+
+@pytest.mark.parametrize("policy", ["cpu", "tokenwise", "recompute"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_llama_gradient_checkpointing_offloads_the_layer_inputs(reentrant, policy):
+    """Hugging Face checkpoints each layer's ``forward``, inside actoff's scope: checkpoint saves
+    the layer's input through actoff, which places it (Note [under checkpointing]). Token-wise
+    policies store the inputs only, with one warning; before, they also stored every attention
+    output, which nothing read back (TRL turns checkpointing on by default)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    for net in (model, reference):
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    expected = _train(reference)
+    fractions = {"cpu_fraction": 0.5} if policy == "tokenwise" else {}  # read by tokenwise only
+    actoff.offload_(model, block_cls=LlamaDecoderLayer, min_bytes=0, policy=policy, **fractions)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = _train(model)
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(expected, actual, strict=True):
+        torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
+        for name in grads_a:
+            torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0)
+    stats = actoff.stats()
+    assert stats.steps == 3
+    hidden_states = 2 * 48 * 64 * 4  # (B, S, H) float32: all that is placed
+    for block in stats.blocks.values():
+        assert block.bytes_offloaded == block.bytes_per_tier["cpu"] == hidden_states
+    messages = [str(w.message) for w in caught if str(w.message).startswith("actoff")]
+    assert len(messages) == (0 if policy == "cpu" else 1), messages

@@ -7,6 +7,8 @@
 - `runtime`: the process's `Runtime`: it drives scope runs through placement, prefetch in
   backward and release at the end of the step.
 - `auto`: the auto policy's decision after its first step.
+- `enclosing`: scopes under activation checkpointing: other saved-tensor hooks around a scope,
+  and calls during backward.
 - `lock`: the runtime's lock, and releases deferred from the garbage collector.
 - `stats`: per-block figures of the last step (`actoff.stats()`).
 - `distributed`: rank facts, and the one agreement with rank 0's first-step decisions.

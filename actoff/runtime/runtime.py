@@ -54,9 +54,11 @@ from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 from actoff.tiers.tokenwise.probes import ByOwner, ModuleProbes
 from actoff.tiers.tokenwise.run import TokenwiseRun
 
+from .arguments import find_device, param_storages
 from .auto import decide_auto
 from .checkpoint import run_checkpointed
 from .distributed import agree_with_rank0, local_world_size
+from .enclosing import enclosing, hooks_kind, warn_enclosed
 from .hooks import unpack
 from .lock import RuntimeLock
 from .stats import BlockStats, Stats, collect, snapshot
@@ -145,13 +147,21 @@ class Runtime:
             self._seal(run)
 
     def passes_through(self, module: torch.nn.Module | None) -> bool:
-        """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched."""
-        return bool(
+        """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched; so
+        do scopes inside another saved-tensor hooks context (torch's checkpoint) or called during
+        backward, with one warning per kind (Note [under checkpointing])."""
+        if (
             self.thread.stack
             or self.thread.disabled
             or not torch.is_grad_enabled()
             or (module is not None and not module.training)
-        )
+        ):
+            return True
+        context = enclosing()
+        if context is None:
+            return False
+        warn_enclosed(self.warn_once, module, context)
+        return True
 
     def enter_scope(
         self,
@@ -183,7 +193,7 @@ class Runtime:
             backend = backend_for(
                 device, settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
             )
-            run = ScopeRun(self, step, name, config, backend, _param_storages(module))
+            run = ScopeRun(self, step, name, config, backend, param_storages(module))
             if tokenwise and config.policy in TOKENWISE_POLICIES:
                 run.tokenwise = TokenwiseRun(run)
             step.runs.append(run)
@@ -202,17 +212,39 @@ class Runtime:
             run.step.pending.clear()  # never placed now: their graph is being torn down
 
     def _seal(self, run: ScopeRun) -> None:
+        unneeded: list = []
         with self.lock:
             run.dedup.clear()  # Note [pack is hot]: the handles now live in autograd only
             run.spans.clear()
-            if run.tokenwise is not None:
-                run.tokenwise.prepare(self)
+            tokenwise = run.tokenwise
+            if tokenwise is not None:
+                tokenwise.prepare(self)
+                if tokenwise.saved_elsewhere is not None:
+                    self._warn_checkpointed(run)
+                if not tokenwise.split_records and not tokenwise.probe_pending:
+                    # Nothing will be re-run: inputs and mixer outputs only actoff holds go now.
+                    unneeded, tokenwise.owned = tokenwise.owned, []
+        del unneeded  # outside the lock: released at once, never placed (no copy out)
+        with self.lock:
             step = run.step
             if run.config.policy != "keep":
                 step.pending.append(run)
                 for _ in range(runs_to_place(len(step.pending), run.config.keep_last)):
                     self._place(step.pending.popleft())
             step.progress()
+
+    def _warn_checkpointed(self, run: ScopeRun) -> None:
+        """A token-wise run whose body checkpoints itself (Note [under checkpointing])."""
+        elsewhere = run.tokenwise.saved_elsewhere
+        context = "a reentrant torch.utils.checkpoint" if elsewhere == "no grad" else hooks_kind(elsewhere)
+        tier = whole_tier(run.config)
+        self.warn_once(
+            f"checkpointed:{run.config.policy}:{context}",
+            f"actoff: policy {run.config.policy!r}: the body of block {run.name!r} (and of others like "
+            f"it) runs under {context}, which saves only the block's inputs and recomputes the rest in "
+            f"backward: actoff places those inputs ({tier}) and recomputes nothing token-wise, which "
+            "would store more (attention's output, token rows). Gradients stay exact.",
+        )
 
     def _place(self, run: ScopeRun) -> None:
         for record in run.records:
@@ -225,7 +257,7 @@ class Runtime:
         for record in run.records:
             if record.state is State.RESIDENT:
                 tier.place(record)
-        if tokenwise is not None and not splits:
+        if tokenwise is not None and not splits and not tokenwise.probe_pending:
             tokenwise.owned.clear()  # nothing will be recomputed: inputs and mixer outputs go
         run.step.in_flight.append(run)
         run.step.last_placed = run
@@ -287,6 +319,8 @@ class Runtime:
         step = record.run.step
         step.live -= 1
         record.run.released()
+        if record.run.tokenwise is not None:
+            record.run.tokenwise.released_record(record)
         if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
             # Nothing of the step can be rebuilt now: let go of the forwards token-wise runs
             # would re-run, which hold their modules (a deleted model is freed at once).
@@ -339,38 +373,6 @@ class Runtime:
             self.auto_decisions, self.plans, self.agreed = {}, {}, False
             self.stores.close()
             self.replay.close()
-
-
-def _param_storages(module: torch.nn.Module | None) -> set[int]:
-    """Storages of the module's parameters and buffers: never offloaded, views included."""
-    storages: set[int] = set()
-    if module is None:
-        return storages
-    # Note [pack is hot] (actoff.runtime.hooks): the modules' own dictionaries, read at every scope
-    # call, not `parameters()`'s generators (under half the time; the same tensors).
-    for sub in module.modules():
-        for tensors in (sub._parameters, sub._buffers):
-            for tensor in tensors.values():
-                if tensor is not None:
-                    storages.add(tensor.untyped_storage().data_ptr())
-    return storages
-
-
-def find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:
-    """The scope's device: of the first tensor argument, else of the module's parameters."""
-    stack: list[Any] = [*args, *kwargs.values()]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, torch.Tensor):
-            return item.device
-        if isinstance(item, (list, tuple)):
-            stack[:0] = item
-        elif isinstance(item, dict):
-            stack[:0] = item.values()
-    if module is not None:
-        for tensor in module.parameters():
-            return tensor.device
-    return torch.device("cpu")
 
 
 class _Local(threading.local):

@@ -137,6 +137,9 @@ class ScopeRun(PackHook):
                 step.runs[self.index - 1].prefetch()
         elif self.index > 0:
             step.runs[self.index - 1].poll()
+        tokenwise = self.tokenwise
+        if tokenwise is not None and tokenwise.probe_pending:
+            tokenwise.probe_now()  # Note [probe in the first backward] (actoff.tiers.tokenwise.run)
 
     def released(self) -> None:
         """One of the run's records was released (the runtime's lock held): at the last, the

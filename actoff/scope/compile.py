@@ -52,8 +52,9 @@ import torch
 
 from actoff.config import Config
 from actoff.policy import TOKENWISE_POLICIES, whole_tier
+from actoff.runtime.arguments import find_device
 from actoff.runtime.hooks import unpack
-from actoff.runtime.runtime import find_device, get_runtime
+from actoff.runtime.runtime import get_runtime
 from actoff.runtime.step import ScopeRun
 
 __all__ = ["ScopeSpec", "compiled_scope", "eager_scope"]

@@ -6,12 +6,14 @@ import contextlib
 import functools
 import itertools
 import types
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from actoff.config import Config, get_config
+from actoff.config import Config, get_config, keywords_of
+from actoff.policy import READ_BY, ignored_settings
 from actoff.runtime.runtime import get_runtime
 from actoff.tiers.tokenwise.probes import ByOwner
 
@@ -24,12 +26,23 @@ _SPEC_ATTR = "__actoff_scope__"
 class _ScopeSpec:
     """What a decorated object needs at call time: its config source and a block name."""
 
-    def __init__(self, config: Config | None, overrides: dict[str, object], name: str | None) -> None:
+    def __init__(
+        self,
+        config: Config | None,
+        overrides: dict[str, object],
+        name: str | None,
+        caller: str | None = "offload",
+    ) -> None:
         if config is not None and not isinstance(config, Config):
-            raise TypeError(f"offload(config=...) expects an actoff.Config, got {type(config).__name__}")
+            raise TypeError(f"{caller}(config=...) expects an actoff.Config, got {type(config).__name__}")
         # Validate overrides now (a typo fails at decoration, not mid-step), on top of what the
-        # call will resolve them on: the process's settings (ACTOFF_NVME_DIR, say) count.
-        (config or get_config()).replace(**overrides) if overrides else None
+        # call will resolve them on: the process's settings (ACTOFF_NVME_DIR, say) count. A bad
+        # one is named as the keyword passed, not as its environment variable.
+        base = config or get_config()
+        if overrides and caller:
+            with keywords_of(caller):
+                resolved = base.replace(**overrides)
+            _warn_ignored(caller, resolved, overrides)
         self.config = config
         self.overrides = overrides
         self.name = name
@@ -55,6 +68,21 @@ class _ScopeSpec:
         if name is None:  # instances of a decorated class: Block#0, Block#1, ... by first call
             name = self._names.put(module, f"{type(module).__name__}#{next(self._counter)}")
         return name
+
+
+def _warn_ignored(caller: str, config: Config, overrides: dict[str, object]) -> None:
+    """Settings passed as keywords that the policy does not read: said, never dropped unsaid."""
+    ignored = ignored_settings(config.policy, overrides)
+    if ignored:
+        given = ", ".join(f"{name}={overrides[name]!r}" for name in ignored)
+        readers = "; ".join(
+            f"{name} is read by policy {' or '.join(map(repr, READ_BY[name]))}" for name in ignored
+        )
+        warnings.warn(
+            f"actoff: {caller}({given}) has no effect under policy={config.policy!r} ({readers})",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def offload(
@@ -87,7 +115,11 @@ def offload(
     """
     if obj is None:
         return lambda target: offload(target, config=config, name=name, **overrides)
-    spec = _ScopeSpec(config, overrides, name)
+    return _scope(obj, _ScopeSpec(config, overrides, name))
+
+
+def _scope(obj: T, spec: _ScopeSpec) -> T:
+    """``obj`` made a scope of ``spec`` (see `offload`)."""
     if isinstance(obj, type):
         if not issubclass(obj, torch.nn.Module):
             raise TypeError(
@@ -147,21 +179,24 @@ def _entry_points() -> tuple[Callable[..., Any], Callable[..., Any]]:
 def offload_(
     model: torch.nn.Module,
     *,
-    block_cls: type[torch.nn.Module] | tuple[type[torch.nn.Module], ...] | None = None,
+    block_cls: type[torch.nn.Module] | str | Sequence[type[torch.nn.Module] | str] | None = None,
     filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
     config: Config | None = None,
     **overrides: object,
 ) -> torch.nn.Module:
     """Make every matching submodule of ``model`` an offload scope, in place; return ``model``.
 
-    Give exactly one of ``block_cls`` (e.g. ``LlamaDecoderLayer``) or ``filter_fn(module,
-    qualified_name) -> bool``. Each scope is named by its qualified name (``layers.3``) in
-    `actoff.stats`. Works on unmodified modules: only their ``forward`` attribute is set.
+    Give exactly one of ``block_cls`` or ``filter_fn(module, qualified_name) -> bool``.
+    ``block_cls`` is a class (``LlamaDecoderLayer``), a class name (``"LlamaDecoderLayer"``) or a
+    list of them, such as a Hugging Face model's ``_no_split_modules``; a name matches a module
+    whose class or a base class has that name. Each scope is named by its qualified name
+    (``layers.3``) in `actoff.stats`. Works on unmodified modules: only their ``forward``
+    attribute is set.
 
     Example:
         >>> import torch, actoff
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
-        >>> _ = actoff.offload_(model, block_cls=torch.nn.Linear, policy="keep")
+        >>> _ = actoff.offload_(model, block_cls="Linear", policy="keep")
         >>> model(torch.randn(2, 8)).shape
         torch.Size([2, 8])
     """
@@ -169,18 +204,47 @@ def offload_(
         raise TypeError(f"offload_() takes an nn.Module, got {type(model).__name__}")
     if (block_cls is None) == (filter_fn is None):
         raise TypeError("offload_() needs exactly one of block_cls=... or filter_fn=(module, name) -> bool")
+    _ScopeSpec(config, overrides, None, caller="offload_")  # validated and warned once, here
+    matches = _block_matcher(block_cls) if block_cls is not None else filter_fn
     matched = 0
     for qualified, module in model.named_modules():
-        hit = isinstance(module, block_cls) if block_cls is not None else bool(filter_fn(module, qualified))  # type: ignore[misc]
-        if hit:
-            offload(module, config=config, name=qualified or type(module).__name__, **overrides)
+        if matches(module, qualified):  # type: ignore[misc]
+            _scope(module, _ScopeSpec(config, overrides, qualified or type(module).__name__, caller=None))
             matched += 1
     if matched == 0:
-        what = f"block_cls={block_cls!r}" if block_cls is not None else "filter_fn"
+        if block_cls is None:
+            raise ValueError(
+                f"offload_(): no submodule of {type(model).__name__} matched filter_fn; nothing would be offloaded"
+            )
+        classes = sorted({type(module).__name__ for module in model.modules()})
         raise ValueError(
-            f"offload_(): no submodule of {type(model).__name__} matched {what}; nothing would be offloaded"
+            f"offload_(): no submodule of {type(model).__name__} matched block_cls={block_cls!r}; nothing "
+            f"would be offloaded. Its module classes: {', '.join(classes)}"
         )
     return model
+
+
+def _block_matcher(block_cls: object) -> Callable[[torch.nn.Module, str], bool]:
+    """``offload_``'s ``block_cls`` as a test of a module: classes by ``isinstance``, names by
+    the names of the module's class and its bases."""
+    items = list(block_cls) if isinstance(block_cls, (list, tuple, set, frozenset)) else [block_cls]
+    classes, names = [], set()
+    for item in items:
+        if isinstance(item, str):
+            names.add(item)
+        elif isinstance(item, type) and issubclass(item, torch.nn.Module):
+            classes.append(item)
+        else:
+            raise TypeError(
+                "offload_(block_cls=...) takes an nn.Module subclass, a class name or a list of them (as "
+                f"a Hugging Face model's _no_split_modules); got {item!r} ({type(item).__name__})"
+            )
+    kinds = tuple(classes)
+
+    def matches(module: torch.nn.Module, qualified: str) -> bool:
+        return isinstance(module, kinds) or any(kind.__name__ in names for kind in type(module).__mro__)
+
+    return matches
 
 
 @contextlib.contextmanager

@@ -1,7 +1,14 @@
 """torch.compile around offload scopes: each scope is a graph break around a compiled block body.
 
 The reference of every comparison is the same model under the same compile setup without
-actoff: offloading must not change a single bit of what the compiled code computes.
+actoff: offloading must not change a single bit of what the compiled code computes, with one
+exception. Compiled whole under inductor, the model without actoff is one graph, while actoff's
+scopes break it at every block: inductor fuses the code around the blocks otherwise (the
+embedding, the residual adds, the loss), and on some CPUs sums in another order (13 step-0
+gradients differed by up to 2.2e-8 on one). There the guarantee is bit for bit against the
+same compiled model with its scopes passing through (``no_offload()``: the same graph breaks),
+and within float32 reassociation against the model compiled without actoff
+(`test_a_model_compiled_whole_by_inductor_is_exact_against_the_same_graph_breaks`).
 """
 
 import collections
@@ -12,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import assert_same_history, make_model, train
+from _helpers import assert_close_history, assert_same_history, make_model, train
 
 import actoff
 from actoff.reference import Block
@@ -103,9 +110,31 @@ def _assert_all_in(policy: str) -> None:
 def test_compiled_training_is_bit_exact(backend, placement, policy, request):
     options = {"nvme_dir": request.getfixturevalue("nvme_dir")} if policy == "nvme" else {}
     expected, actual = _reference_and_offloaded(placement, backend, policy=policy, min_bytes=0, **options)
-    assert_same_history(expected, actual)
+    if (backend, placement) == ("inductor", "model"):  # other graph breaks: see the module's docstring
+        assert_close_history(expected, actual)
+    else:
+        assert_same_history(expected, actual)
     assert set(_tiers()) == {"layers.0", "layers.1"}
     _assert_all_in(policy)
+
+
+def test_a_model_compiled_whole_by_inductor_is_exact_against_the_same_graph_breaks():
+    """Whole-model inductor: bit for bit against the same compiled model with its scopes passing
+    through (the same graphs: Dynamo has no guard on actoff's state, so nothing recompiles), within
+    float32 reassociation against the model compiled without actoff (one graph, fused otherwise)."""
+    model = make_model()
+    initial = copy.deepcopy(model.state_dict())
+    expected = train(_compiled(copy.deepcopy(model), "model", "inductor"), 2)
+    torch._dynamo.reset()
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0)
+    _compiled(model, "model", "inductor")
+    with actoff.no_offload():
+        same_breaks = train(model, 2)
+    model.load_state_dict(initial)
+    actual = train(model, 2)
+    assert_same_history(same_breaks, actual)
+    assert_close_history(expected, actual)  # RECOMPUTE_TOL: float32 reassociation
+    _assert_all_in("cpu")
 
 
 def test_torch_compile_of_each_layer_is_bit_exact():
@@ -157,8 +186,9 @@ def test_a_new_length_every_step_is_bit_exact():
 def test_tokenwise_under_compile_falls_back_whole_with_one_warning(policy, placement):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        fractions = {"cpu_fraction": 0.5} if policy == "tokenwise" else {}  # read by tokenwise only
         expected, actual = _reference_and_offloaded(
-            placement, "aot_eager", steps=3, policy=policy, min_bytes=0, cpu_fraction=0.5
+            placement, "aot_eager", steps=3, policy=policy, min_bytes=0, **fractions
         )
     ours = [w for w in caught if "actoff" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in ours]
@@ -180,7 +210,7 @@ def test_tokenwise_still_recomputes_eager_blocks_after_a_compiled_model():
     actoff.reset()
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="tokenwise", min_bytes=0, cpu_fraction=0.5)
-    train(model, 1)
+    train(model, 2)  # the first step is the probe's (Note [probe in the first backward])
     assert all(per_tier["recompute"] > 0 for per_tier in _tiers().values())
 
 

@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import warnings
 
 import pytest
 import torch
@@ -122,13 +123,101 @@ def test_a_policy_given_as_a_keyword_takes_the_rest_from_the_environment(monkeyp
         ({}, TypeError, "exactly one of block_cls"),
         ({"block_cls": Block, "filter_fn": lambda m, n: True}, TypeError, "exactly one of block_cls"),
         ({"block_cls": torch.nn.LSTM}, ValueError, "no submodule of Transformer matched"),
-        ({"block_cls": Block, "polcy": "cpu"}, TypeError, "no field 'polcy'"),
-        ({"block_cls": Block, "policy": "turbo"}, ValueError, "ACTOFF_POLICY"),
+        (
+            {"block_cls": "Blok"},
+            ValueError,
+            "matched block_cls='Blok'.* Its module classes: Attention, Block",
+        ),
+        ({"block_cls": [Block, 3]}, TypeError, "a class name or a list of them .* got 3 \\(int\\)"),
+        # The keyword passed is named, not the environment variable (ACTOFF_POLICY, say).
+        (
+            {"block_cls": Block, "polcy": "cpu"},
+            TypeError,
+            "offload_\\(\\): got an unexpected keyword 'polcy'",
+        ),
+        ({"block_cls": Block, "policy": "turbo"}, ValueError, "offload_\\(\\): policy='turbo' is not valid"),
+        (
+            {"block_cls": Block, "cpu_fraction": 2},
+            ValueError,
+            "offload_\\(\\): cpu_fraction=2.0 is out of range",
+        ),
     ],
 )
 def test_offload_inplace_errors(kwargs, error, message):
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as caught:
         actoff.offload_(make_model(), **kwargs)
+    assert "ACTOFF_" not in str(caught.value)
+
+
+def test_a_bad_policy_in_the_environment_is_named_as_the_variable(monkeypatch):
+    monkeypatch.setenv("ACTOFF_POLICY", "turbo")
+    monkeypatch.setattr(actoff.config, "_global_config", None)  # read from the environment again
+    with pytest.raises(ValueError, match="ACTOFF_POLICY"):
+        actoff.offload(torch.nn.Linear(2, 2), min_bytes=0)
+
+
+@pytest.mark.parametrize("block_cls", ["Block", ["Block"], ("Attention", "MLP"), [Block, "MLP"]])
+def test_block_cls_takes_classes_class_names_and_lists_of_them(block_cls):
+    """Hugging Face users think in class names (a model's ``_no_split_modules``): a name was a bare
+    isinstance TypeError."""
+    model = actoff.offload_(make_model(), block_cls=block_cls, policy="cpu", min_bytes=0)
+    train(model, 1)
+    names = set(actoff.stats().blocks)
+    if block_cls in ("Block", ["Block"]):
+        assert names == {"layers.0", "layers.1"}
+    elif block_cls == ("Attention", "MLP"):
+        assert names == {"layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"}
+    else:  # the blocks; their MLPs are nested scopes, which pass through
+        assert names == {"layers.0", "layers.1"}
+
+
+def test_block_cls_names_match_base_classes_and_hugging_faces_no_split_modules():
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    actoff.offload_(model, block_cls=model._no_split_modules, policy="cpu", min_bytes=0)
+    tokens = torch.randint(0, 64, (1, 8))
+    model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+    assert set(actoff.stats().blocks) == {"model.layers.0", "model.layers.1"}
+
+    class Subclassed(Block):
+        pass
+
+    model = make_model()
+    model.layers[1] = Subclassed(model.config)
+    actoff.offload_(model, block_cls="Block", policy="cpu", min_bytes=0)
+    train(model, 1)
+    assert set(actoff.stats().blocks) == {"layers.0", "layers.1"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ignored"),
+    [
+        (
+            {"policy": "cpu", "cpu_fraction": 0.5},
+            "offload_\\(cpu_fraction=0.5\\) has no effect under policy='cpu'",
+        ),
+        ({"policy": "keep", "host_bandwidth": "1GB"}, "host_bandwidth is read by policy 'auto'"),
+        (
+            {"policy": "recompute", "cpu_fraction": 0.5, "nvme_fraction": 0.2},
+            "nvme_fraction is read by policy 'tokenwise'",
+        ),
+    ],
+)
+def test_settings_the_policy_ignores_are_said_once(overrides, ignored):
+    """``cpu_fraction`` with ``policy="cpu"`` was silently ignored."""
+    with pytest.warns(UserWarning, match=ignored) as caught:
+        actoff.offload_(make_model(), block_cls=Block, **overrides)
+    assert len(caught) == 1  # once for the call, not once per block
+
+
+def test_settings_the_policy_reads_are_not_warned_about():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actoff.offload_(make_model(), block_cls=Block, policy="tokenwise", cpu_fraction=0.5)
+        actoff.offload_(make_model(), block_cls=Block, policy="auto", host_bandwidth="1GB")
 
 
 def test_offload_rejects_other_objects():

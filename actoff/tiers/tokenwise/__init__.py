@@ -6,8 +6,10 @@ in backward by re-running the block on those rows, with the mixer's output serve
 forward stored.
 
 - `run`: a scope run's token-wise state, its split records and their placement.
-- `reforward`: the re-forward on a token slice: the probe of a block's first step and the
+- `reforward`: the re-forward on a token slice: the probe in a block's first backward and the
   recompute of dropped rows in backward.
+- `isolation`: what a re-forward leaves as it found it: caches, buffers, attributes, hooks.
+- `dropout`: the forward's dropout masks drawn again in a re-forward.
 - `sentinels`: rows kept every step to check each recompute before it is used.
 - `probes`: what a probe learned about a module, per module and per conditions.
 - `mixers`: the registry of token mixers and the modes that see or serve them.

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .tokens import unique_dim
+from .dropout import dropout_call, sliced_dropout
+from .tokens import changed_dim, unique_dim
 
 if TYPE_CHECKING:
     from .run import TokenwiseRun
@@ -95,9 +96,21 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _MIXERS:
-            return func(*args, **kwargs)
         run = self.run
+        if func not in _MIXERS:
+            dropout = dropout_call(func, args, kwargs)
+            if dropout is not None and not run.in_mixer:  # Note [dropout in a re-forward]
+                run.dropouts.append(tuple(dropout[0].shape))
+            return func(*args, **kwargs)
+        if not torch.is_grad_enabled():  # a reentrant checkpoint's forward: nothing is saved
+            run.saved_elsewhere = "no grad"
+            return func(*args, **kwargs)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or getattr(top[0], "__self__", None) is not run.run:
+            # Another hooks context inside the scope (torch's checkpoint) takes what the block
+            # saves: its output is nobody's to serve (Note [under checkpointing], actoff.runtime.enclosing).
+            run.saved_elsewhere = top[0] if top is not None else "no hooks"
+            return func(*args, **kwargs)
         run.in_mixer += 1
         try:
             output = func(*args, **kwargs)
@@ -135,22 +148,44 @@ class CollectiveWatch(TorchDispatchMode):
 
 
 class ReforwardMode(TorchFunctionMode):
-    """Re-forward of a token-wise run: mixer calls return the stored output rows, in order."""
+    """Re-forward of a token-wise run on rows ``[start, stop)`` of ``seq_len``: mixer calls
+    return the stored output rows, in order; dropout calls draw the forward's masks (at the
+    forward's input shapes, ``dropouts``) and keep their rows (Note [dropout in a re-forward])."""
 
-    def __init__(self, outputs: list[torch.Tensor]) -> None:
+    def __init__(self, outputs: list[torch.Tensor], dropouts: list[tuple[int, ...]], seq_len: int, start: int,
+                 stop: int) -> None:  # fmt: skip
         super().__init__()
         self.outputs = outputs
         self.calls = 0
+        self.dropouts, self.dropout_calls = dropouts, 0
+        self.seq_len, self.start, self.stop = seq_len, start, stop
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _MIXERS:
-            return func(*args, **kwargs)
+            dropout = dropout_call(func, args, kwargs)
+            if dropout is None:
+                return func(*args, **kwargs)
+            return self._dropout(func, args, kwargs, *dropout)
         if self.calls >= len(self.outputs):
             raise ReforwardMismatch("the re-forward called the token mixer more often than the forward did")
         output = self.outputs[self.calls]
         self.calls += 1
         return output
+
+    def _dropout(self, func, args, kwargs, x: torch.Tensor, p: float) -> torch.Tensor:
+        if self.dropout_calls >= len(self.dropouts):
+            raise ReforwardMismatch("the re-forward called dropout more often than the forward did")
+        full_shape = self.dropouts[self.dropout_calls]
+        self.dropout_calls += 1
+        if tuple(x.shape) == full_shape:  # every token (a re-forward from the first): as it was
+            return func(*args, **kwargs)
+        dim = changed_dim(full_shape, tuple(x.shape), self.seq_len, self.stop - self.start)
+        if dim is None:
+            raise ReforwardMismatch(
+                f"a dropout's input has shape {list(x.shape)} in the re-forward, {list(full_shape)} in the forward"
+            )
+        return sliced_dropout(x, p, full_shape, dim, self.start)
 
 
 def rows_like(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:

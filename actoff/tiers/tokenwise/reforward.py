@@ -1,5 +1,5 @@
-"""The re-forward of a token-wise run on a token slice: the probe of a block's first step, and
-the recompute of dropped rows in backward.
+"""The re-forward of a token-wise run on a token slice: the probe in a block's first backward, and
+the recompute of dropped rows in every backward.
 
 Note [token-wise re-forward]: the dropped rows of every saved tensor are rebuilt by re-running
 the block's forward on the sliced inputs (RNG state restored) while `ReforwardMode` serves the
@@ -10,19 +10,12 @@ recognised by storage, and the mixer's own saves are left out of the order on bo
 the i-th repacked tensor gives record i its rows. Any difference in count or shape is a
 mismatch.
 
-Note [re-forwards without forward hooks]: the forward hooks of the block's submodules do not
-fire in a re-forward (the probe during forward, the recompute of some rows in backward): neither
-is a forward the user's program made. A hook that records outputs (Hugging Face's output
-capture: router logits, attentions, hidden states) would record the probe's rows as one more
-layer, and a mixture-of-experts model's auxiliary loss would count it. A hook that changes an
-output changes the forward's saves, so the probe finds a mismatch and the block is placed whole.
-Pre-hooks still run (they may gather parameters or set weights). The hooks are lifted from the
-modules while a re-forward runs, so another thread running the same modules then misses them too.
+The re-forward leaves nothing behind: Note [re-forwards leave no trace]
+(actoff.tiers.tokenwise.isolation).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
@@ -32,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from actoff.tiers.record import Record, param_like, serve
 
+from .isolation import forward_hooks_off, left_as_found, without_caches
 from .mixers import ReforwardMismatch, ReforwardMode, rows_like, slice_inputs, with_status
 from .tokens import Canon, detect_canon
 
@@ -41,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Resave",
     "autocast_state",
-    "forward_hooks_off",
     "forward_state",
     "low_precision",
     "probe",
@@ -89,15 +82,19 @@ def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = Fal
     return bool(torch.stack([flag.to(pairs[0][0].device) for flag in flags]).any()) if flags else False
 
 
-def probe(tokenwise: TokenwiseRun, candidates: list[Record]) -> tuple[dict[int, Canon] | None, str]:
-    """Re-run the block on its last tokens while everything is live: find each record's
-    token dimension (the one that shrank) and check the rows against the real ones.
+def probe(
+    tokenwise: TokenwiseRun, candidates: list[Record], originals: dict[int, torch.Tensor]
+) -> tuple[dict[int, Canon] | None, str]:
+    """Re-run the block on its last tokens, in the backward of its first step, with the
+    forward's saves at hand (``originals``: each candidate's tensor, by record index): find each
+    record's token dimension (the one that shrank) and check the rows against the real ones.
 
     Returns ``{record index: Canon}`` for the records it can split, or ``None`` and the
     reason it fails.
     """
     seq_len = tokenwise.seq_len
-    recompute_len = tokenwise.ranges.recompute_len
+    ranges = tokenwise.ranges  # None on auto's first step: its fractions are not decided yet
+    recompute_len = ranges.recompute_len if ranges is not None else 0
     length = recompute_len if 0 < recompute_len < seq_len else seq_len // 2
     if length < 1:
         return None, f"a sequence of {seq_len} token(s) cannot be sliced"
@@ -121,15 +118,13 @@ def probe(tokenwise: TokenwiseRun, candidates: list[Record]) -> tuple[dict[int, 
         canon = detect_canon(view, record.base_info, recomputed.shape, recomputed.base_shape, seq_len, length)
         if canon is None:
             continue  # no token dimension we can trust: stored whole
-        original = canon.view(record.geometry.flat(record.device_tensor.detach())).narrow(
+        original = canon.view(record.geometry.flat(originals[record.index].detach())).narrow(
             canon.dim, start, length
         )
         if not rows_match(original, recomputed.base if canon.on_base else recomputed.view, half):
             return None, (
                 f"saved tensor {record.index} (shape {list(record.geometry.size)}) differs after "
-                f"recompute on tokens [{start}, {seq_len}) (tokens mixed outside a registered token "
-                "mixer: attention written out with matmul and softmax, a scan or a convolution over "
-                "tokens; positions computed inside the block; or dropout?)"
+                f"recompute on tokens [{start}, {seq_len}) ({_likely_cause(tokenwise.module)})"
             )
         canons[record.index] = canon
     if not canons:
@@ -137,28 +132,25 @@ def probe(tokenwise: TokenwiseRun, candidates: list[Record]) -> tuple[dict[int, 
     return canons, ""
 
 
-@contextlib.contextmanager
-def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
-    """The forward hooks of ``module`` and its submodules do not fire inside the block (a
-    function scope, ``None``: nothing to lift; Note [re-forwards without forward hooks]).
-
-    >>> layer = torch.nn.Linear(2, 2)
-    >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
-    >>> with forward_hooks_off(torch.nn.Sequential(layer)):
-    ...     _ = layer(torch.ones(2))
-    >>> _ = layer(torch.ones(2))
-    hook
-    """
-    lifted = []
-    for sub in module.modules() if module is not None else ():
-        if sub._forward_hooks:
-            lifted.append((sub, sub._forward_hooks))
-            sub._forward_hooks = collections.OrderedDict()
-    try:
-        yield
-    finally:
-        for sub, hooks in lifted:
-            sub._forward_hooks = hooks
+def _likely_cause(module: torch.nn.Module | None) -> str:
+    """Why recomputed rows differ: the block's dropout modules in training mode by name (they
+    draw other masks on a token slice), else the usual suspects."""
+    dropouts = [
+        f"{name!r} (p={sub.p})"
+        for name, sub in (module.named_modules() if module is not None else ())
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training and sub.p > 0
+    ]
+    if dropouts:  # Note [dropout in a re-forward] (actoff.tiers.tokenwise.dropout)
+        return (
+            f"its dropout module{'s' if len(dropouts) > 1 else ''} {', '.join(dropouts)} in training mode "
+            "could not draw the forward's masks again: random numbers drawn inside its token mixer "
+            "(attention dropout) or elsewhere outside F.dropout shift them; without those the block is "
+            "recomputed"
+        )
+    return (
+        "tokens mixed outside a registered token mixer: attention written out with matmul and softmax, "
+        "a scan or a convolution over tokens; positions computed inside the block; or dropout"
+    )
 
 
 class Resave(NamedTuple):
@@ -245,6 +237,8 @@ def recompute(
         sliced = slice_inputs(
             values, tokenwise.input_status, tokenwise.seq_len, run.config.token_dim, start, stop
         )
+    # Note [re-forwards leave no trace] (actoff.tiers.tokenwise.isolation): no cache is written.
+    sliced = without_caches(sliced)
     args, kwargs = pytree.tree_unflatten(sliced, tokenwise.input_spec)
     mixer_rows = []
     for value, dim, status in tokenwise.mixer_outputs:
@@ -289,7 +283,7 @@ def recompute(
         rows[record.index] = candidate.detach()
         return None
 
-    mode = ReforwardMode(mixer_rows)
+    mode = ReforwardMode(mixer_rows, tokenwise.dropouts, tokenwise.seq_len, start, stop)
     devices = [run.device] if run.device.type == "cuda" else []
     runtime.thread.stack.append(run)  # nested scopes inside the block pass through
     try:
@@ -298,7 +292,7 @@ def recompute(
             if tokenwise.rng[1] is not None:
                 torch.cuda.set_rng_state(tokenwise.rng[1], run.device)
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed)
-            with hooks, mode, forward_hooks_off(tokenwise.module):
+            with hooks, mode, left_as_found(tokenwise.module, sliced), forward_hooks_off(tokenwise.module):
                 tokenwise.fn(*args, **kwargs)
     finally:
         runtime.thread.stack.pop()

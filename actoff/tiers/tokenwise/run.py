@@ -10,7 +10,6 @@ rows recomputed (actoff.tiers.tokenwise.reforward), checked every step against a
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ from actoff.tiers.record import Record, State, param_like, serve
 from . import reforward, sentinels
 from .mixers import autograd_status
 from .pack import pack_rows, scatter_rows
-from .probes import ModuleProbes, ProbeResult, conditions
+from .probes import ModuleProbes, ProbeResult, conditions, transferred
 from .tokens import TokenRanges, base_info, token_ranges
 
 if TYPE_CHECKING:
@@ -34,6 +33,20 @@ if TYPE_CHECKING:
     from actoff.runtime.step import ScopeRun
 
 __all__ = ["TokenwiseRun"]
+
+
+# Note [probe in the first backward]: a block's body runs once per forward call, as the
+# program wrote it. What the probe learns (the token dimension of each saved tensor, and
+# whether recomputed rows match) it learns in the backward of the first step under new
+# conditions, where backward re-runs blocks anyway: that step stores the run whole (its
+# whole tier), keeps the inputs and mixer outputs, and at the run's first unpack, with
+# every record fetched back, re-runs the block on its last tokens and compares
+# (actoff.tiers.tokenwise.reforward.probe). The next step under the same conditions splits.
+# A re-forward in forward would run the block twice per call: a module that counts, logs or
+# collects an auxiliary loss in forward would see two calls, and what it set on itself
+# would be the re-forward's. If backward never reaches the run, the kept inputs go when its
+# probed records do. A new length is served by the probe of another (Note [a probe serves
+# other lengths], actoff.tiers.tokenwise.probes).
 
 
 class TokenwiseRun(Tier):
@@ -46,12 +59,17 @@ class TokenwiseRun(Tier):
         self.events: list[int] = []  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
+        self.dropouts: list[
+            tuple[int, ...]
+        ] = []  # input shape of each dropout: Note [dropout in a re-forward]
+        self.saved_elsewhere: object = None  # a checkpoint's hooks, or "no grad": Note [under checkpointing]
         self.seq_len = 0
         # What probes learned about the run's module, the key of the conditions it runs under,
         # and the probe result for them if there is one yet
         # (Note [probes per module and conditions], actoff.tiers.tokenwise.probes).
         self.learned: ModuleProbes | None = None
         self.conditions: tuple = ()
+        self.any_length: tuple = ()  # the key of these conditions at every length
         self.probed: ProbeResult | None = None
         self.fn: Callable[..., Any] | None = None
         self.module: torch.nn.Module | None = None  # its forward hooks are lifted in re-forwards
@@ -74,6 +92,7 @@ class TokenwiseRun(Tier):
         # Note [sentinel rows] (actoff.tiers.tokenwise.sentinels): (record index, rows picked in the range or
         # None for all of them, the copy kept at forward time).
         self.checks: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
+        self.probe_pending: dict[int, Record] = {}  # Note [probe in the first backward]: what it checks
         self.forward_watch: Stopwatch | None = None  # time of the forward (the auto policy's T_layer)
         self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
 
@@ -97,6 +116,9 @@ class TokenwiseRun(Tier):
         owner = module if module is not None else fn
         self.learned = run.runtime.probe_results.setdefault(owner, ModuleProbes)
         self.conditions = conditions(values, self.input_spec, module, self.grad_enabled, self.autocast)
+        self.any_length = conditions(  # Note [a probe serves other lengths]
+            values, self.input_spec, module, self.grad_enabled, self.autocast, self.seq_len
+        )
         if self.conditions in self.learned.verdicts:
             return False
         self.probed = self.learned.results.get(self.conditions)
@@ -142,10 +164,13 @@ class TokenwiseRun(Tier):
 
     # ------------------------------------------------------------------ sealing
     def prepare(self, runtime: Runtime) -> None:
-        """Choose the ranges and the records to split; probe and verify once per module and
-        conditions (Note [probes per module and conditions]). A run that ends with no split
-        records is placed whole."""
+        """Choose the ranges and the records to split, with what a probe learned about the
+        module under these conditions (Note [probes per module and conditions]); with nothing
+        learned yet the run is placed whole and probed in its backward (Note [probe in the first
+        backward]). A run that ends with no split records is placed whole."""
         run, config = self.run, self.run.config
+        if self.saved_elsewhere is not None:
+            return  # checkpointed inside the scope: its inputs only, placed whole
         candidates = [r for r in run.records if not r.whole and not r.geometry.compact]
         fractions = token_fractions(config, runtime.auto_decisions.get(run.name))
         if fractions is None:  # auto's first step: measure, store whole, decide after backward
@@ -154,48 +179,79 @@ class TokenwiseRun(Tier):
                 sum(v.geometry.nbytes for v, *_ in self.mixer_outputs if isinstance(v, Record)),
                 sum(r.geometry.nbytes for r in candidates),
             )
+            if candidates and self.probed is None and self.from_another_length() is None:
+                self.probe_later(candidates)
             return
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:
             return  # nothing to split (or every token to host memory): whole
-        learned, saves, probed = self.learned, self.saves(), self.probed
-        if probed is not None and probed.saves != saves:
+        learned, probed = self.learned, self.probed
+        if probed is not None and probed.saves != self.saves():
             # Same key, other saves: the block changed in a way the key cannot see (say, its
             # attention implementation switched in place). Placed whole; the next call probes
             # afresh, watched for collectives (this forward was not: see CollectiveWatch).
             del learned.results[self.conditions]
             return
         if probed is None:
-            run.stats.probes += 1
-            if self.collective is None:
-                canons, reason = reforward.probe(self, candidates)
-            else:  # never re-run it, not even to probe: see CollectiveWatch
-                canons, reason = (
-                    None,
-                    (
-                        f"its forward calls the collective {self.collective} outside a token mixer, and a "
-                        "re-forward on one rank's token slice would call it again (register the function "
-                        "that communicates, e.g. a sequence-parallel attention, with actoff.register_token_mixer)"
-                    ),
-                )
-            if canons is None:
-                learned.verdicts[self.conditions] = reason
-                if not learned.warned:  # once per module, whatever the conditions
-                    learned.warned = True
-                    warnings.warn(
-                        f"actoff: block {run.name!r} cannot be recomputed token-wise: {reason}. Its "
-                        f"activations are placed whole ({whole_tier(config)}) when it runs under these "
-                        "conditions (input shapes, dtypes, autocast, training flags); gradients stay exact.",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+            probed = self.from_another_length()
+            if probed is None:
+                self.probe_later(candidates)
                 return
-            probed = learned.results[self.conditions] = ProbeResult(canons, saves)
+            learned.results[self.conditions] = probed
         for record in candidates:
             canon = probed.canons.get(record.index)
             if canon is not None:
                 record.canon = canon
                 self.split_records.append(record)
+
+    def from_another_length(self) -> ProbeResult | None:
+        """The probe of these conditions at another length, fitted to this forward's saves, if
+        they differ by their length only (Note [a probe serves other lengths])."""
+        other = self.learned.any_length.get(self.any_length)
+        if other is None:
+            return None
+        views = {r.index: ((r.geometry.size, r.geometry.stride), r.base_info) for r in self.run.records}
+        return transferred(other, self.saves(), views, self.seq_len)
+
+    def probe_later(self, candidates: list[Record]) -> None:
+        """Place the run whole and probe it in its backward (Note [probe in the first backward])."""
+        if self.collective is not None:  # never re-run it, not even to probe: see CollectiveWatch
+            self.fall_back(
+                f"its forward calls the collective {self.collective} outside a token mixer, and a "
+                "re-forward on one rank's token slice would call it again (register the function "
+                "that communicates, e.g. a sequence-parallel attention, with actoff.register_token_mixer)"
+            )
+            return
+        self.probe_pending = {record.index: record for record in candidates}
+
+    def probe_now(self) -> None:
+        """The run's first unpack in backward (the runtime's lock held): probe it with its
+        records served, record what it learned, and let go of the inputs and mixer outputs."""
+        run, candidates = self.run, list(self.probe_pending.values())
+        self.probe_pending = {}
+        try:
+            run.stats.probes += 1
+            originals = {record.index: serve(record) for record in candidates}
+            canons, reason = reforward.probe(self, candidates, originals)
+            del originals
+            if canons is None:
+                self.fall_back(reason)
+            else:
+                result = ProbeResult(canons, self.saves())
+                self.learned.results[self.conditions] = self.learned.any_length[self.any_length] = result
+        finally:
+            self.owned.clear()
+
+    def fall_back(self, reason: str) -> None:
+        """Place the module whole under these conditions from now on; warn once per module."""
+        self.learned.fall_back(self.conditions, self.run.name, whole_tier(self.run.config), reason)
+
+    def released_record(self, record: Record) -> None:
+        """A record of the run was released: a probe still waiting for it has nothing to check
+        once all its records are gone (a graph dropped without backward)."""
+        pending = self.probe_pending
+        if pending and pending.pop(record.index, None) is record and not pending:
+            self.owned.clear()
 
     def saves(self) -> tuple:
         """What the forward saved, in order: the record of each save (-1: not a record), each

@@ -63,8 +63,17 @@ def keep(tokenwise: TokenwiseRun, start: int, stop: int) -> None:
 def checked_recompute(tokenwise: TokenwiseRun, start: int, stop: int) -> dict[int, torch.Tensor]:
     """At backward: the recomputed rows ``[start, stop)`` of every split record (by record index),
     checked against the copies `keep` made; recomputed from the first token on a difference."""
-    rows = reforward.recompute(tokenwise, start, stop)
-    if not tokenwise.checks or not _differ(tokenwise, rows):
+    mismatch = None
+    try:
+        rows = reforward.recompute(tokenwise, start, stop)
+    except reforward.ReforwardMismatch as error:
+        # Saved other tensors on the slice than the forward did (a probe of another length that
+        # does not fit this one: Note [a probe serves other lengths]): from the first token, the
+        # re-forward is the forward itself.
+        if start == 0:
+            raise
+        rows, mismatch = None, str(error)
+    if rows is not None and (not tokenwise.checks or not _differ(tokenwise, rows)):
         tokenwise.checks.clear()
         return rows
     run = tokenwise.run
@@ -78,15 +87,21 @@ def checked_recompute(tokenwise: TokenwiseRun, start: int, stop: int) -> dict[in
             "nondeterministic ops). The step cannot continue with this activation."
         )
     tokenwise.checks.clear()
-    reason = (
-        f"its recomputed token rows [{start}, {stop}) differed from the forward's though its first "
-        "step's probe matched: it mixes tokens outside a registered token mixer (a scan, a cumulative "
-        "sum, a convolution over tokens) through weights that were zero then, or its kernels round "
-        "otherwise on fewer rows"
-    )
+    if mismatch is not None:
+        reason = (
+            f"its re-forward on token rows [{start}, {stop}) did not save what the forward saved: {mismatch}"
+        )
+    else:
+        reason = (
+            f"its recomputed token rows [{start}, {stop}) differed from the forward's though its first "
+            "step's probe matched: it mixes tokens outside a registered token mixer (a scan, a cumulative "
+            "sum, a convolution over tokens) through weights that were zero then, or its kernels round "
+            "otherwise on fewer rows"
+        )
     learned = tokenwise.learned
     first = tokenwise.conditions not in learned.verdicts  # not already by a run of an earlier step
     learned.results.pop(tokenwise.conditions, None)
+    learned.any_length.pop(tokenwise.any_length, None)  # other lengths are probed on their own
     learned.verdicts[tokenwise.conditions] = reason
     learned.warned = True  # one warning per module: a probe of it that fails later says nothing
     if first:

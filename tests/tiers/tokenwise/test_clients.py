@@ -362,11 +362,13 @@ def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
 # (Note [probes per module and conditions]) a hyper-parameter sweep, two models trained side by
 # side, a model rebuilt with dropout or another attention: the qualified layer names are the
 # same, the modules are not. A plan probed on one must never be applied to another.
-def _gpt2(dropout: float):
-    """GPT-2 with its embedding and residual dropout at ``dropout``. The residual dropouts are
-    inside the blocks, where a re-forward on a token slice draws other masks; attention
-    dropout is left out (inside the token mixer it is served from the store, not re-drawn)."""
-    return _hf("gpt2", embd_pdrop=dropout, attn_pdrop=0.0, resid_pdrop=dropout)
+def _gpt2(dropout: float, attention: float = 0.0):
+    """GPT-2 with its embedding and residual dropout at ``dropout`` and its attention dropout at
+    ``attention``. The residual dropouts are inside the blocks: a re-forward draws their masks
+    again at full length (Note [dropout in a re-forward]). Attention dropout is inside the token
+    mixer, served from the store in a re-forward, which so draws fewer random numbers: the
+    residual masks after it cannot be drawn again, and the blocks are placed whole."""
+    return _hf("gpt2", embd_pdrop=dropout, attn_pdrop=attention, resid_pdrop=dropout)
 
 
 def _with_fallbacks(run):
@@ -374,7 +376,10 @@ def _with_fallbacks(run):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = run()
-    return result, [str(w.message) for w in caught if "cannot be recomputed token-wise" in str(w.message)]
+    # Probed in the first backward (Note [probe in the first backward]): the last block warns first.
+    return result, sorted(
+        str(w.message) for w in caught if "cannot be recomputed token-wise" in str(w.message)
+    )
 
 
 def _offload_hf(model, **overrides):
@@ -387,13 +392,18 @@ def test_gpt2_without_then_with_dropout():
     expected, actual = _hf_offloaded(_gpt2(0.0), policy="tokenwise", cpu_fraction=0.25)
     assert_close_history(expected, actual)
     assert _recompute_bytes("transformer.h.0") > 0
-    model = _gpt2(0.1)
+    # Residual dropout: probed on its own, recomputed with the forward's masks.
+    expected, actual = _no_fallback(lambda: _hf_offloaded(_gpt2(0.1), policy="tokenwise", cpu_fraction=0.25))
+    assert_close_history(expected, actual)
+    assert _recompute_bytes("transformer.h.0") > 0
+    model = _gpt2(0.1, attention=0.1)  # and attention dropout: the residual masks cannot be redrawn
     expected = _hf_train(copy.deepcopy(model))
     _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
     actual, messages = _with_fallbacks(lambda: _hf_train(model))
     assert_close_history(expected, actual)
     assert len(messages) == 2, messages  # one per block of the dropout model
     assert "'transformer.h.0'" in messages[0] and "placed whole (cpu)" in messages[0]
+    assert "dropout modules 'attn.attn_dropout' (p=0.1)" in messages[0], messages[0]
     assert _recompute_bytes("transformer.h.0") == 0
 
 
@@ -413,7 +423,7 @@ def test_llama_with_sdpa_then_eager_attention():
 def test_a_dropout_model_first_leaves_a_plain_model_recomputed():
     # A verdict (placed whole) is the dropout model's, not its layer names': the plain model
     # after it is probed, recomputed token-wise, and not warned about.
-    model = _gpt2(0.1)
+    model = _gpt2(0.1, attention=0.1)
     _offload_hf(model, policy="tokenwise", cpu_fraction=0.25)
     _, messages = _with_fallbacks(lambda: _hf_train(model, 1))
     assert len(messages) == 2, messages
@@ -424,7 +434,7 @@ def test_a_dropout_model_first_leaves_a_plain_model_recomputed():
 
 @pytest.mark.parametrize("order", ["plain_first", "dropout_first"])
 def test_two_models_with_the_same_names_side_by_side(order):
-    plain, dropout = _gpt2(0.0), _gpt2(0.1)
+    plain, dropout = _gpt2(0.0), _gpt2(0.1, attention=0.1)
     models = [plain, dropout] if order == "plain_first" else [dropout, plain]
     expected = _hf_in_turns([copy.deepcopy(m) for m in models])
     for model in models:
@@ -495,8 +505,10 @@ def test_attention_switched_in_place_is_not_split_with_the_old_plan():
 def test_a_smaller_last_batch_at_the_same_length_is_planned():
     # An epoch's last batch: the same length, fewer sequences. Every record has another shape,
     # so the full batch's plan does not fit; it is probed as new conditions and recomputed like
-    # the others (it was stored whole without a word: recompute fell to 0).
-    batches = (4, 4, 2, 2)
+    # the others (it was stored whole without a word: recompute fell to 0). The first step of
+    # each batch size is stored whole and probed in its backward (Note [probe in the first
+    # backward]); the steps after it are recomputed.
+    batches = (4, 4, 4, 2, 2, 2)
     model = make_model()
     reference = copy.deepcopy(model)
     expected = [train(reference, 1, batch=b, seed=i)[0] for i, b in enumerate(batches)]
@@ -506,10 +518,10 @@ def test_a_smaller_last_batch_at_the_same_length_is_planned():
         actual += _no_fallback(lambda b=batch, i=index: train(model, 1, batch=b, seed=i))
         blocks.append(actoff.stats().blocks["layers.0"])
     assert_close_history(expected, actual)
-    full, full_again, last, last_again = (b.bytes_per_tier["recompute"] for b in blocks)
-    assert full > 0 and full_again == full
+    probed, full, full_again, probed_last, last, last_again = (b.bytes_per_tier["recompute"] for b in blocks)
+    assert probed == probed_last == 0 and full > 0 and full_again == full
     assert last * 2 == full and last_again == last  # half the rows: half the recomputed bytes
-    assert [b.probes for b in blocks] == [1, 0, 1, 0]  # a probe for each new condition, once
+    assert [b.probes for b in blocks] == [1, 0, 0, 1, 0, 0]  # a probe for each new condition, once
 
 
 # ---------------------------------------------------------------------------------- lifetimes

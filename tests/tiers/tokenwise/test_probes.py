@@ -1,5 +1,6 @@
-"""Token plans: the key of the conditions that decide what a block saves, and plans held per
-module by identity, forgotten when the module dies (Note [probes per module and conditions])."""
+"""Token plans: the key of the conditions that decide what a block saves, plans held per module by
+identity, forgotten when the module dies (Note [probes per module and conditions]), and a probe
+of one length serving the others (Note [a probe serves other lengths])."""
 
 import gc
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from actoff.tiers.tokenwise.probes import ByOwner, conditions
+from actoff.tiers.tokenwise.probes import ByOwner, ProbeResult, conditions, transferred
 from actoff.tiers.tokenwise.reforward import autocast_state
+from actoff.tiers.tokenwise.tokens import Canon
 
 CPU = torch.device("cpu")
 
@@ -110,3 +112,35 @@ def test_owners_without_weak_references_are_held():
     owner = len  # a builtin takes no weak reference
     plans.put(owner, "held")
     assert plans.get(len) == "held" and len(plans) == 1
+
+
+# ---------------------------------------------------------------------------------- other lengths
+def _probed_at(seq_len: int) -> ProbeResult:
+    view = ((2, seq_len, 8), (8 * seq_len, 8, 1))
+    saves = ((0, -1), ((view[0], view[1], torch.float32, False),), 1)
+    return ProbeResult({0: Canon(view[0], view[1], 1)}, saves)
+
+
+def test_a_probe_serves_a_forward_that_differs_by_its_length_only():
+    """(Note [a probe serves other lengths])"""
+    probed, other = _probed_at(16), _probed_at(24)
+    views = {0: ((other.saves[1][0][0], other.saves[1][0][1]), None)}
+    assert transferred(probed, other.saves, views, 24).canons == other.canons
+
+
+@pytest.mark.parametrize("change", ["events", "dtype", "rank", "another_dimension", "mixer_calls"])
+def test_a_probe_of_another_length_does_not_serve_other_saves(change):
+    probed = _probed_at(16)
+    events, ((size, stride, dtype, whole),), mixers = _probed_at(24).saves
+    if change == "events":
+        events = (0, 0)
+    elif change == "dtype":
+        dtype = torch.bfloat16
+    elif change == "rank":
+        size, stride = (48, 8), (8, 1)
+    elif change == "another_dimension":  # the batch changed too
+        size, stride = (3, 24, 8), (192, 8, 1)
+    else:
+        mixers = 2
+    saves = (events, ((size, stride, dtype, whole),), mixers)
+    assert transferred(probed, saves, {0: ((size, stride), None)}, 24) is None

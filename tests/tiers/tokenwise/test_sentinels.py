@@ -53,7 +53,8 @@ def test_a_scan_behind_a_zero_gate_is_caught_and_its_rows_recomputed_from_the_fi
     nothing was said. ``recompute`` re-runs every token: nothing is missing, nothing to catch."""
     model = _model(GatedScanBlock)
     expected = train(copy.deepcopy(model), 3)
-    actoff.offload_(model, block_cls=GatedScanBlock, policy=policy, cpu_fraction=0.5, min_bytes=0)
+    fractions = {"cpu_fraction": 0.5} if policy == "tokenwise" else {}  # read by tokenwise only
+    actoff.offload_(model, block_cls=GatedScanBlock, policy=policy, min_bytes=0, **fractions)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         actual = train(model, 3)
@@ -152,6 +153,7 @@ def test_a_block_in_half_precision_is_compared_within_a_half_precision_rounding(
         model = model.to(torch.bfloat16)
     actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half == "autocast"):
+        model.loss(torch.randint(0, 256, (2, 33))).backward()  # the probe's step
         loss = model.loss(torch.randint(0, 256, (2, 33)))
     runs = [
         run for run in get_runtime().step.runs if run.tokenwise is not None and run.tokenwise.split_records
@@ -164,3 +166,33 @@ def test_a_block_in_half_precision_is_compared_within_a_half_precision_rounding(
     plain.loss(torch.randint(0, 256, (2, 33)))
     runs = [run for run in get_runtime().step.runs if run.tokenwise is not None]
     assert runs and not any(reforward.low_precision(run.tokenwise) for run in runs)
+
+
+class LengthBranchBlock(Block):
+    """Control flow on the length: a multiple of 8 takes one path, other lengths save one more
+    tensor. At 32 tokens the forward and the probe's re-forward on 24 take the same path; at 40 the
+    forward saves as at 32 (its probe serves it: Note [a probe serves other lengths]) while the
+    re-forward on 30 tokens takes the other path."""
+
+    def forward(self, x, cos, sin):
+        if x.shape[1] % 8:
+            x = x + torch.tanh(x) * 1e-3
+        return super().forward(x, cos, sin)
+
+
+def test_a_probe_of_another_length_that_does_not_fit_is_recomputed_from_the_first_token():
+    """The re-forward on the slice saves more tensors than the forward did: the rows come from a
+    re-forward from the first token (the forward itself, exact), one warning, and the block is
+    placed whole at that length from then on (it raised ReforwardMismatch in backward)."""
+    model = _model(LengthBranchBlock)
+    reference = copy.deepcopy(model)
+    expected = [train(reference, 1, seq=seq)[0] for seq in (33, 41, 41)]
+    actoff.offload_(model, block_cls=LengthBranchBlock, policy="tokenwise", cpu_fraction=0.25, min_bytes=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = [train(model, 1, seq=seq)[0] for seq in (33, 41, 41)]
+    assert_close_history(expected, actual)
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2 and "did not save what the forward saved" in messages[0], messages
+    assert "'layers.0'" in messages[0] and "recomputed them from the first token" in messages[0]
+    assert _recompute_bytes() == 0  # the third step: placed whole at 40 tokens

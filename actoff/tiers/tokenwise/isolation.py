@@ -1,0 +1,184 @@
+"""What a re-forward must leave as it found it: the caller's caches, the block's buffers,
+attributes and forward hooks.
+
+Note [re-forwards leave no trace]: a re-forward (the probe in a block's first backward, the
+recompute of dropped rows in every backward) runs the block's forward again, and nothing it does
+may reach the caller or the model; the program wrote one forward per call, and that is what it
+gets:
+- a key/value cache given to the block (a Hugging Face ``Cache``) is replaced by ``None`` for
+  the re-forward (`without_caches`), so attention does not append the re-run rows to it (a
+  training forward would return a cache longer than its tokens, and a cache fed to the next
+  chunk would hand over those rows too). Without a cache the block runs as it does with
+  ``use_cache=False``: the keys a cache would add feed attention only, whose output the
+  re-forward serves from what forward stored. A block whose saves depend on the cache is seen
+  by the probe (another count or shape) and placed whole.
+- buffers of the block's modules written in place (BatchNorm's running statistics and its
+  counter) get the forward's values back, and a buffer rebound is bound back (`left_as_found`).
+- attributes the re-forward sets on the block's modules (``self.l_aux`` of a mixture of
+  experts, a statistic logged in forward) are restored to the forward's values, graphs
+  included, attributes it adds are removed, and lists and dictionaries they hold get their
+  items back (an auxiliary loss appended to ``self.aux_losses``): the loss that reads them after
+  forward reads the forward's. So are the attributes of plain objects given to the block.
+- forward hooks of the block's submodules do not fire (`forward_hooks_off`, Note [re-forwards
+  without forward hooks]).
+Not undone, as with ``torch.utils.checkpoint`` (which re-runs a block in backward too): Python
+side effects outside the block's modules and inputs, such as appending to a global list or one
+the block closes over, printing, or counting calls in an object the block reaches otherwise.
+Those run once more in backward for each re-forward (never in forward: Note [probe in the
+first backward], actoff.tiers.tokenwise.run).
+
+Note [re-forwards without forward hooks]: the forward hooks of the block's submodules do not
+fire in a re-forward: it is not a forward the user's program made. A hook that records outputs
+(Hugging Face's output capture: router logits, attentions, hidden states) would record the
+re-forward's rows as one more layer, and a mixture-of-experts model's auxiliary loss would count
+it. A hook that changes an output changes the forward's saves, so the probe finds a mismatch and
+the block is placed whole. Pre-hooks still run (they may gather parameters or set weights). The
+hooks are lifted from the modules while a re-forward runs, so another thread running the same
+modules then misses them too.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["forward_hooks_off", "is_cache", "left_as_found", "without_caches"]
+
+# torch's own attributes of every module (parameters, buffers, submodules, hook tables): the
+# parameters and submodules are never bound back (a pre-hook may rebind parameters, as FSDP
+# does), buffers are kept apart (`left_as_found`), the rest only by identity.
+_TORCH_OWN = frozenset(torch.nn.Module().__dict__)
+_NEVER_BOUND_BACK = frozenset({"_parameters", "_modules", "_buffers"})
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache the block would write into: an instance of
+    Hugging Face's ``transformers.cache_utils.Cache`` (found by name, so transformers is not
+    imported).
+
+    >>> is_cache(None), is_cache(torch.zeros(1))
+    (False, False)
+    """
+    return any(
+        kind.__name__ == "Cache" and kind.__module__.startswith("transformers.")
+        for kind in type(value).__mro__
+    )
+
+
+def without_caches(values: list[Any]) -> list[Any]:
+    """The flattened inputs of a block for a re-forward: caches (`is_cache`) replaced by ``None``
+    (Note [re-forwards leave no trace])."""
+    return [None if is_cache(value) else value for value in values]
+
+
+class _Attributes:
+    """An object's attributes as they are now, to give them back: each binding, and the items of
+    the lists and dictionaries they hold (an auxiliary loss appended to ``self.aux_losses``)."""
+
+    def __init__(self, owner: Any, own: frozenset[str] = frozenset()) -> None:
+        self.owner, self.own = owner, own
+        self.bindings = dict(vars(owner))
+        self.items = {
+            name: list(value) if type(value) is list else dict(value)
+            for name, value in self.bindings.items()
+            if name not in own and type(value) in (list, dict)
+        }
+
+    def restore(self) -> None:
+        now, bindings = vars(self.owner), self.bindings
+        for name in [name for name in now if name not in bindings]:
+            del now[name]
+        for name, value in bindings.items():
+            if name not in _NEVER_BOUND_BACK and now.get(name, _MISSING) is not value:
+                now[name] = value
+        for name, items in self.items.items():
+            container = bindings[name]
+            if container != items:
+                container.clear()
+                if type(container) is list:
+                    container.extend(items)
+                else:
+                    container.update(items)
+
+
+_MISSING = object()
+
+
+def _plain_object(value: Any) -> bool:
+    """An input whose attributes a block might set: not a tensor, module, class or function."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, (torch.Tensor, torch.nn.Module, type))
+        and not callable(value)
+    )
+
+
+@contextlib.contextmanager
+def left_as_found(module: torch.nn.Module | None, inputs: list[Any]) -> Iterator[None]:
+    """Run a re-forward of ``module`` (``None``: a function scope) on the flattened ``inputs``
+    and give back what it changed (Note [re-forwards leave no trace]): the buffers of the
+    module's submodules (values and bindings), their attributes, and the attributes of the
+    plain objects among the inputs.
+
+    >>> norm = torch.nn.BatchNorm1d(2)
+    >>> with left_as_found(norm, []):
+    ...     norm.stat = norm(torch.randn(4, 2)).mean()
+    >>> int(norm.num_batches_tracked), hasattr(norm, "stat")
+    (0, False)
+    """
+    kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
+    buffers = []
+    with torch.no_grad():
+        for sub in module.modules() if module is not None else ():
+            kept.append(_Attributes(sub, _TORCH_OWN))
+            bound = dict(sub._buffers)
+            # A copy of each buffer's values, written back if the re-forward writes it in place:
+            # seen by its version counter, except BatchNorm's running statistics, which its kernel
+            # writes without counting (so they are always written back).
+            uncounted = isinstance(sub, torch.nn.modules.batchnorm._NormBase)
+            values = [
+                (buffer, -1 if uncounted else buffer._version, buffer.clone())
+                for buffer in bound.values()
+                if buffer is not None
+            ]
+            buffers.append((sub, bound, values))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for attributes in kept:
+                attributes.restore()
+            for sub, bound, values in buffers:
+                sub._buffers.clear()
+                sub._buffers.update(bound)
+                for buffer, version, copy in values:
+                    if buffer._version != version:
+                        buffer.copy_(copy)
+
+
+@contextlib.contextmanager
+def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
+    """The forward hooks of ``module`` and its submodules do not fire inside the block (a
+    function scope, ``None``: nothing to lift; Note [re-forwards without forward hooks]).
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
+    >>> with forward_hooks_off(torch.nn.Sequential(layer)):
+    ...     _ = layer(torch.ones(2))
+    >>> _ = layer(torch.ones(2))
+    hook
+    """
+    lifted = []
+    for sub in module.modules() if module is not None else ():
+        if sub._forward_hooks:
+            lifted.append((sub, sub._forward_hooks))
+            sub._forward_hooks = collections.OrderedDict()
+    try:
+        yield
+    finally:
+        for sub, hooks in lifted:
+            sub._forward_hooks = hooks
