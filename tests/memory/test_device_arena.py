@@ -168,7 +168,9 @@ def test_live_buffers_never_share_bytes_and_gradients_are_exact(policy, nvme_dir
     assert_history_as_placed(expected, actual, recomputed=policy == "tokenwise")
     assert device.races == []
     arena = _arena()
-    assert arena.num_allocations >= 1 and arena.total_divergences == 0  # planned, same shape
+    # Planned, same shape; token-wise: the first step stores whole (its probe runs in that
+    # backward) and the next splits, one change of shape the arena plans anew.
+    assert arena.num_allocations >= 1 and (policy == "tokenwise" or arena.total_divergences == 0)
     assert all(end is not None for *_, end in tenants)  # every tenant died with its step
     for i, (low, high, born, died) in enumerate(tenants):
         for other_low, other_high, other_born, other_died in tenants[i + 1 :]:
@@ -346,8 +348,10 @@ def test_stats_report_the_arena_against_its_lower_bound():
     assert stats.device_plan_bytes == arena.layout.peak >= stats.device_lower_bound > 0
     assert stats.device_allocations == arena.num_allocations > 0
     assert stats.device_solve_s >= 0 and stats.device_plan == arena.layout.method
-    assert stats.device_plans == len(arena.plans) == 1
-    assert "device arena:" in str(stats) and "lower bound" in str(stats) and "1 plan(s) kept" in str(stats)
+    # The first token-wise step stores whole (the probe runs in its backward): its own plan.
+    assert stats.device_plans == len(arena.plans) >= 1
+    text = str(stats)
+    assert "device arena:" in text and "lower bound" in text and f"{len(arena.plans)} plan(s) kept" in text
 
 
 # ---------------------------------------------------------------------- the arena alone

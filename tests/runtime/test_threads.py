@@ -41,8 +41,8 @@ def one_intra_op_thread():
 def _offloaded(seed: int, policy: str, nvme_dir: str, device: str = "cpu") -> torch.nn.Module:
     # Built in the calling thread: torch's default generator is the process's, shared by threads.
     model = make_model(seed).to(device)
-    actoff.offload_(model, block_cls=Block, policy=policy, nvme_dir=nvme_dir, min_bytes=0,
-                    cpu_fraction=0.25, nvme_fraction=0.25)  # fmt: skip
+    fractions = {"cpu_fraction": 0.25, "nvme_fraction": 0.25} if policy == "tokenwise" else {}
+    actoff.offload_(model, block_cls=Block, policy=policy, nvme_dir=nvme_dir, min_bytes=0, **fractions)
     return model
 
 
