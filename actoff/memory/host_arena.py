@@ -59,14 +59,15 @@ def _prev_pow2(value: int) -> int:
 
 
 class _Chunk:
-    __slots__ = ("buffer", "capacity", "live", "top", "usable")
+    __slots__ = ("buffer", "capacity", "live", "planned", "top", "usable")
 
     def __init__(self, buffer: torch.Tensor, usable: int, capacity: int) -> None:
         self.buffer = buffer  # (usable,) uint8, ALIGNMENT-aligned start
         self.usable = usable  # bytes slots can use
         self.capacity = capacity  # bytes the host allocator really holds for it
         self.top = 0
-        self.live = 0
+        self.live = 0  # bump slots not yet freed
+        self.planned = False  # a plan's chunk: its slots are counted in _live_planned
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,10 @@ class HostArena:
         Not installed (``plan`` stays ``None``) when that chunk would not fit in the budget.
         """
         with self._locked():
-            self._reap(wait=True)  # a step boundary, once per plan: the old chunks can go
+            # A step boundary, once per plan: the old chunks whose copies are done can go. It
+            # runs at the end of backward, so never wait: a chunk with copies still touching a
+            # returned slot stays (live) until they end.
+            self._reap(wait=False)
             # Bump chunks with nothing live are no longer needed, nor an unused planned chunk
             # too small for this plan: give their memory back before a new chunk adds to it.
             dropped = not all(chunk.live for chunk in self._chunks)
@@ -202,6 +206,7 @@ class HostArena:
                     self.plan_method = "none (the plan does not fit the host budget)"
                     return
                 self.planned, self._live_planned = self._new_chunk(request), {}
+                self.planned.planned = True
             self.plan = (tuple(sizes), tuple(offsets))
 
     def drop_plan(self) -> None:
@@ -316,6 +321,8 @@ class HostArena:
         if chunk is self.planned and slot.offset in self._live_planned:
             del self._live_planned[slot.offset]
             return
+        if chunk.planned:
+            return  # a slot of an older plan's chunk: the slot held that chunk alive, no more
         chunk.live -= 1
         if chunk.live == 0:
             chunk.top = 0

@@ -9,7 +9,8 @@ import weakref
 import pytest
 import torch
 
-from actoff.device.base import CpuBackend, backend_for
+from actoff.device.base import CpuBackend, StreamBackend, backend_for
+from actoff.device.sim.device import SimSettings, SimStreams
 from actoff.memory.host_arena import ALIGNMENT, HostArena
 
 
@@ -225,3 +226,35 @@ def test_planned_requests_get_their_offsets_and_divergence_falls_back():
     arena.begin_step()
     assert arena.alloc(5000).chunk is not arena.planned  # another size than planned
     assert arena.divergences == 1 and arena.total_divergences == 2
+
+
+def test_installing_a_plan_never_waits_for_the_copies_of_returned_slots():
+    """(CI, 2026-11-26: test_backward_never_blocks_the_host_on_a_copy under load) A plan is
+    installed at the end of backward; it synchronized the host on every copy still touching a
+    returned slot, the step's last fetch often among them. Such a slot stays deferred now."""
+    streams = SimStreams(SimSettings(max_delay_s=0.0, max_lag_s=0.0))
+    backend = StreamBackend(torch.device("cpu"), streams)
+    arena = HostArena(backend)
+    slot = arena.alloc(4096)
+    with streams.hold():
+        ticket = backend.copy_to_host(slot.view(torch.float32, 1024), torch.randn(1024), "out")
+        arena.free(slot, after=(ticket,))
+        arena.install_plan((4096,), (0,), 4096)
+        assert streams.host_syncs == 0 and arena.deferred == 1
+        assert slot.chunk in arena._chunks  # held by the copy: not dropped under it
+    ticket.synchronize()
+    arena.begin_step()
+    planned = arena.alloc(4096)
+    assert planned.chunk is arena.planned and arena.deferred == 0  # reaped on the next alloc
+    assert slot.chunk.live == 0 and slot.chunk.top == 0
+
+
+def test_a_slot_of_a_replaced_plan_is_freed_without_touching_the_bump_counts():
+    arena = HostArena(CpuBackend())
+    arena.install_plan((4096,), (0,), 4096)
+    arena.begin_step()
+    old = arena.alloc(4096)
+    arena.install_plan((8192,), (0,), 8192)  # the old chunk is live: a new one replaces it
+    assert old.chunk is not arena.planned
+    arena.free(old)
+    assert old.chunk.live == 0 and arena.used == 0
