@@ -18,7 +18,9 @@ Copies out overlap the next block's forward and copies back the previous block's
 (twice a forward, times the prefetch depth): only the part a copy takes beyond that is added.
 The device peak is what the step holds outside the blocks, plus every kept block's bytes,
 plus the largest backward working set: one offloaded block's bytes back on the device (fetched
-or rebuilt) and the prefetch of ``depth`` more blocks' stored bytes.
+or rebuilt) and the prefetch of ``depth`` more blocks' stored bytes. A token-wise block that
+both stores and recomputes rows holds its stored rows twice while it is rebuilt: fetched
+packed, and scattered into the rebuilt tensors (the packed copy goes when the last is rebuilt).
 """
 
 from __future__ import annotations
@@ -27,7 +29,41 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PLACEMENTS", "BlockCost", "Placement", "Plan", "brute_force", "plan", "predict"]
+__all__ = [
+    "CUDA_MARGIN_BYTES",
+    "CUDA_MARGIN_SHARE",
+    "PLACEMENTS",
+    "PLAN_HEADROOM",
+    "REPLAN_TOLERANCE",
+    "BlockCost",
+    "Placement",
+    "Plan",
+    "allowed",
+    "brute_force",
+    "cuda_budget",
+    "floor_plan",
+    "off_by",
+    "outside_estimate",
+    "plan",
+    "predict",
+]
+
+# Note [the CUDA margin]: the default budget of a CUDA device is its total memory less the
+# larger of these: what lives outside torch's allocated bytes (the CUDA context, cuBLAS and
+# cuDNN workspaces, NCCL buffers) and the caching allocator's fragmentation, which the
+# allocator's figures of allocated bytes do not show.
+CUDA_MARGIN_BYTES = 2 * 2**30
+CUDA_MARGIN_SHARE = 0.05
+
+#: A step whose measured peak or time is off its prediction by more than this share is
+#: replanned from the new measurements.
+REPLAN_TOLERANCE = 0.10
+
+#: Plans leave this share of the budget free: what the model does not see (a block's
+#: transients in backward, the allocator's rounding, a recompute's rows and their rebuilt
+#: buffers alive together) moved measured peaks by up to 9% from predicted on the simulated
+#: device, and a plan's first step runs before any measurement of it.
+PLAN_HEADROOM = 0.05
 
 
 @dataclass(frozen=True)
@@ -40,6 +76,12 @@ class BlockCost:
     input_bytes: int
     attention_bytes: int
     local_bytes: int
+    #: The block can be recomputed token-wise (its probe passed): else of the token-wise
+    #: placements only ``tokenwise:1`` (everything stored) is open to it.
+    tokenwise: bool = True
+    #: The block may be run again in backward (its forward calls no collective outside a
+    #: token mixer, which a re-run on one rank would call again): else no ``checkpoint``.
+    rerun: bool = True
 
     @property
     def saved_bytes(self) -> int:
@@ -66,6 +108,20 @@ PLACEMENTS = (
 )
 
 
+def allowed(block: BlockCost) -> tuple[Placement, ...]:
+    """The placements open to ``block`` (`BlockCost.tokenwise`, `BlockCost.rerun`).
+
+    >>> [str(p) for p in allowed(BlockCost(0.01, 0.0, 1, 1, 1, tokenwise=False, rerun=False))]
+    ['keep', 'tokenwise:1']
+    """
+    return tuple(
+        p
+        for p in PLACEMENTS
+        if (p.kind != "tokenwise" or block.tokenwise or p.stored == 1.0)
+        and (p.kind != "checkpoint" or block.rerun)
+    )
+
+
 def _host_bytes(block: BlockCost, placement: Placement) -> float:
     """Bytes copied to the host and back."""
     if placement.kind == "keep":
@@ -73,6 +129,13 @@ def _host_bytes(block: BlockCost, placement: Placement) -> float:
     if placement.kind == "checkpoint":
         return block.input_bytes
     return block.input_bytes + block.attention_bytes + placement.stored * block.local_bytes
+
+
+def _working_bytes(block: BlockCost, placement: Placement) -> float:
+    """Bytes an offloaded block has back on the device at its backward (Note [the budget model])."""
+    if placement.kind == "tokenwise" and 0.0 < placement.stored < 1.0:
+        return block.saved_bytes + placement.stored * block.local_bytes
+    return block.saved_bytes
 
 
 def _recompute_s(block: BlockCost, placement: Placement) -> float:
@@ -133,11 +196,11 @@ def predict(
     """
     held = sum(b.saved_bytes for b, p in zip(blocks, placements, strict=True) if p.kind == "keep")
     working = 0.0
-    offloaded = [b for b, p in zip(blocks, placements, strict=True) if p.kind != "keep"]
-    fetched = [_host_bytes(b, p) for b, p in zip(blocks, placements, strict=True) if p.kind != "keep"]
-    for index, block in enumerate(offloaded):
+    offloaded = [(b, p) for b, p in zip(blocks, placements, strict=True) if p.kind != "keep"]
+    fetched = [_host_bytes(b, p) for b, p in offloaded]
+    for index, (block, placement) in enumerate(offloaded):
         ahead = sum(fetched[max(0, index - depth) : index])
-        working = max(working, block.saved_bytes + ahead)
+        working = max(working, _working_bytes(block, placement) + ahead)
     seconds = sum(
         added_seconds(b, p, link_bytes_per_s, depth) for b, p in zip(blocks, placements, strict=True)
     )
@@ -197,7 +260,6 @@ def _cheapest(
 ) -> tuple[Placement, ...] | None:
     """Offloaded placements for ``blocks`` (in forward order) with the least added time such
     that each block's bytes back plus the ``depth`` stored ones before it stay within ``cap``."""
-    choices = PLACEMENTS[1:]
     # state: the last ``depth`` placements (fewer at the start) -> (seconds, placements so far)
     states: dict[tuple[Placement, ...], tuple[float, tuple[Placement, ...]]] = {(): (0.0, ())}
     for block in blocks:
@@ -207,9 +269,9 @@ def _cheapest(
             ahead = sum(
                 _host_bytes(b, p) for b, p in zip(blocks[len(chosen) - len(before) :], before, strict=False)
             )
-            if block.saved_bytes + ahead > cap:
-                continue
-            for placement in choices:
+            for placement in allowed(block)[1:]:
+                if _working_bytes(block, placement) + ahead > cap:
+                    continue
                 total = seconds + added_seconds(block, placement, link_bytes_per_s, depth)
                 key = (*window, placement)[-depth:]
                 if key not in following or total < following[key][0] - 1e-15:
@@ -230,7 +292,7 @@ def brute_force(
 ) -> Plan | None:
     """Every combination of placements and depths: the reference `plan` is tested against."""
     best: Plan | None = None
-    for placements in itertools.product(PLACEMENTS, repeat=len(blocks)):
+    for placements in itertools.product(*(allowed(block) for block in blocks)):
         for depth in depths:
             peak, seconds = predict(
                 blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, depth=depth
@@ -238,3 +300,58 @@ def brute_force(
             if peak <= budget_bytes and (best is None or seconds < best.seconds - 1e-12):
                 best = Plan(tuple(placements), depth, peak, seconds)
     return best
+
+
+def outside_estimate(
+    peak_bytes: float,
+    blocks: Sequence[BlockCost],
+    placements: Sequence[Placement],
+    link_bytes_per_s: float,
+    *,
+    depth: int = 1,
+) -> float:
+    """The step's device memory outside the blocks, from a step's measured peak.
+
+    Note [memory outside the blocks]: what the step holds besides the blocks' saved bytes
+    (weights, gradients, optimizer state, the loss and its logits, the tokens, the embedding's
+    output, kernels' scratch) is not counted by anyone: it is the measured peak less what the
+    model says the blocks held at the peak under the placements that ran. Taken as the same
+    under every placement; a plan it misleads is caught by the next step's comparison
+    (`off_by`) and replanned from that step's peak.
+
+    >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 2
+    >>> outside_estimate(250, blocks, [Placement("keep")] * 2, 1e9)  # 100 of blocks
+    150.0
+    """
+    activations, _ = predict(blocks, placements, link_bytes_per_s, depth=depth)
+    return max(0.0, peak_bytes - activations)
+
+
+def off_by(measured: float, predicted: float, tolerance: float = REPLAN_TOLERANCE) -> bool:
+    """Whether ``measured`` is off ``predicted`` by more than ``tolerance`` of it.
+
+    >>> off_by(109, 100), off_by(111, 100), off_by(89, 100)
+    (False, True, True)
+    """
+    return abs(measured - predicted) > tolerance * max(predicted, 1e-12)
+
+
+def cuda_budget(total_bytes: int) -> int:
+    """The default budget of a CUDA device of ``total_bytes`` (Note [the CUDA margin]).
+
+    >>> cuda_budget(80 * 2**30) / 2**30  # an H100: 4 GiB (5%) kept free
+    76.0
+    """
+    return int(total_bytes - max(CUDA_MARGIN_BYTES, CUDA_MARGIN_SHARE * total_bytes))
+
+
+def floor_plan(blocks: Sequence[BlockCost], link_bytes_per_s: float, *, outside_bytes: int = 0) -> Plan:
+    """Every block at the least device memory open to it, prefetch depth 1: what runs when no
+    plan fits the budget (it may still fit: the model errs both ways).
+
+    >>> floor_plan([BlockCost(0.01, 0.002, 10, 10, 30)] * 2, 1e9).describe()
+    '2 checkpoint; prefetch depth 1'
+    """
+    placements = tuple(allowed(block)[-1] for block in blocks)
+    peak, seconds = predict(blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes)
+    return Plan(placements, 1, peak, seconds)
