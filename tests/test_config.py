@@ -70,7 +70,11 @@ def test_config_is_frozen():
 @pytest.mark.parametrize(
     ("variable", "value", "message"),
     [
-        ("ACTOFF_POLICY", "fast", "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, checkpoint, auto"),
+        (
+            "ACTOFF_POLICY",
+            "fast",
+            "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, checkpoint, auto",
+        ),
         ("ACTOFF_HOST_BANDWIDTH", "fast", "ACTOFF_HOST_BANDWIDTH.*not a size"),
         ("ACTOFF_CPU_FRACTION", "1.5", "ACTOFF_CPU_FRACTION.*out of range"),
         ("ACTOFF_CPU_FRACTION", "-0.1", "ACTOFF_CPU_FRACTION.*out of range"),
