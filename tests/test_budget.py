@@ -1,22 +1,45 @@
 """The budget planner against brute force, on numbers; and the figures the auto policy plans with."""
 
+import itertools
 import random
+from collections.abc import Sequence
 
 import pytest
 
 from actoff.budget import (
     PLACEMENTS,
     BlockCost,
+    Outside,
     Placement,
+    Plan,
     allowed,
-    brute_force,
     cuda_budget,
     floor_plan,
     off_by,
-    outside_estimate,
+    outside_from,
     plan,
     predict,
 )
+
+
+def brute_force(
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    budget_bytes: float,
+    *,
+    outside_bytes: int = 0,
+    depths: Sequence[int] = (1, 2),
+) -> Plan | None:
+    """Every combination of placements and depths: the reference `plan` is held to."""
+    best: Plan | None = None
+    for placements in itertools.product(*(allowed(block) for block in blocks)):
+        for depth in depths:
+            peak, seconds = predict(
+                blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, depth=depth
+            )
+            if peak <= budget_bytes and (best is None or seconds < best.seconds - 1e-12):
+                best = Plan(tuple(placements), depth, peak, seconds)
+    return best
 
 
 def _block(rng: random.Random) -> BlockCost:
@@ -109,13 +132,31 @@ def test_a_block_that_stores_and_recomputes_holds_its_stored_rows_twice_when_reb
         assert peak == block.saved_bytes + extra
 
 
-def test_the_memory_outside_the_blocks_is_the_measured_peak_less_the_blocks_share():
+def test_the_memory_outside_the_blocks_is_each_moments_peak_less_the_blocks_share():
     blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 3
     placements = [Placement("tokenwise", 0.0)] * 3
-    activations, _ = predict(blocks, placements, 1e9)  # one block back, one's stored bytes ahead
-    assert activations == 50 + 20
-    assert outside_estimate(1000, blocks, placements, 1e9) == 1000 - 70
-    assert outside_estimate(10, blocks, placements, 1e9) == 0  # never below nothing
+    # Forward: a block saving its 50 while the one before sends its 20 out. Head: the last
+    # block's 20 on their way out. Backward: one block back (50), the one before fetched (20).
+    assert outside_from((1000, 900, 800), blocks, placements) == Outside(930, 880, 730)
+    assert outside_from((10, 10, 10), blocks, placements) == Outside(0, 0, 0)  # never below nothing
+    outside = outside_from((1000, 900, 800), blocks, placements)
+    assert predict(blocks, placements, 1e9, outside_bytes=outside)[0] == 1000  # the peak it came from
+
+
+def test_kept_blocks_are_gone_before_offloaded_ones_come_back():
+    # The last blocks are kept: their backward comes first. The head holds them all with the
+    # logits; an offloaded block's backward holds only itself and what is fetched ahead.
+    blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4
+    placements = [Placement("checkpoint")] * 2 + [Placement("keep")] * 2
+    outside = Outside(forward=0, head=300, backward=100)
+    peak, _ = predict(blocks, placements, 1e9, outside_bytes=outside)
+    assert peak == 300 + 2 * 50  # the head: both kept blocks and the logits
+    early = [Placement("keep")] * 2 + [Placement("checkpoint")] * 2
+    assert predict(blocks, early, 1e9, outside_bytes=outside)[0] == 300 + 100 + 10  # (last input going out)
+    outside = Outside(forward=0, head=0, backward=100)
+    late_peak = predict(blocks, placements, 1e9, outside_bytes=outside)[0]
+    early_peak = predict(blocks, early, 1e9, outside_bytes=outside)[0]
+    assert early_peak > late_peak  # kept early, they are still held when the rest come back
 
 
 def test_off_by_is_relative_to_the_prediction():

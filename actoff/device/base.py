@@ -346,6 +346,12 @@ class StreamBackend(DeviceBackend):
     def default_budget(self) -> int | None:
         return self.streams.default_budget()
 
+    def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+        # A device with a modelled link (the simulated device's) gives its rate: a measurement
+        # would take ``nbytes`` of the device's memory, which a capped device may not have.
+        rate = getattr(self.streams, "link_rate", lambda: None)()
+        return rate if rate is not None else super().host_bandwidth(nbytes, repeats)
+
     def memory_watch(self) -> Any | None:
         return self.streams.memory_watch()
 

@@ -26,6 +26,13 @@ or a time off by more than `actoff.budget.REPLAN_TOLERANCE` replans from that st
 (the peak gives a new estimate of the memory outside the blocks; forward times keep the least
 seen, since a step that stalls on copies shows them in its forward).
 
+Note [calibrated plans]: the model of the peak (Note [the budget model] in actoff.budget) is
+exact for the placements whose step gave the memory outside the blocks, and drifts the further
+a plan's placements are from those (the device arena's buffers, transients in backward). So the
+first plan, from the measuring steps, leaves `PLAN_HEADROOM` of the budget free, and once its
+own step has run it is planned again from that step's peaks with `CALIBRATED_HEADROOM`; so is
+every replan.
+
 The budget is ``ACTOFF_GPU_BUDGET``, else the device's (`DeviceBackend.default_budget`). A
 device without one (a plain CPU device) gets no plan: every block is kept, as ``keep`` would.
 Where the device's memory is not counted the memory outside the blocks is taken as none: the
@@ -40,14 +47,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from actoff.budget import (
+    CALIBRATED_HEADROOM,
     PLAN_HEADROOM,
     BlockCost,
+    Outside,
     Placement,
     Plan,
-    added_seconds,
     floor_plan,
     off_by,
-    outside_estimate,
+    outside_from,
     plan,
 )
 from actoff.config import format_bytes
@@ -55,45 +63,19 @@ from actoff.policy import AutoDecision, budget_share, host_split
 from actoff.tiers.tokenwise.probes import ByOwner
 
 from .distributed import local_world_size
-from .measured import BlockKey, Measured
+from .measured import BlockKey, Measured, figures, measured_s, observe
 
 if TYPE_CHECKING:
     from .runtime import Runtime
     from .step import ScopeRun, Step
 
-__all__ = ["MEASURE_STEPS", "AutoPlanner", "StepPlan", "attention_ms", "forward_ms"]
+__all__ = ["MEASURE_STEPS", "AutoPlanner", "StepPlan"]
 
 #: Steps a block runs at the measuring placement under new conditions: one cold, one warm.
 MEASURE_STEPS = 2
 #: The measuring placement (Note [measuring at recompute]).
 MEASURING = Placement("tokenwise", 0.0)
 KEEP = Placement("keep")
-
-
-def forward_ms(run: ScopeRun) -> float:
-    """Measured forward time of a block, in milliseconds.
-
-    One of the two places where the auto policy reads a measured time (with `attention_ms`):
-    tests replace them to make decisions independent of the machine's load.
-    """
-    watch = run.forward_watch
-    if watch is None:
-        return 0.0
-    watch.synchronize()
-    return watch.elapsed_ms()
-
-
-def attention_ms(run: ScopeRun) -> float | None:
-    """Time of the token mixers' calls in the block's forward (milliseconds), or ``None`` when
-    they were not timed (a run not token-wise)."""
-    tokenwise = run.tokenwise
-    if tokenwise is None or tokenwise.mixer_watches is None:
-        return None
-    total = 0.0
-    for watch in tokenwise.mixer_watches:
-        watch.synchronize()
-        total += watch.elapsed_ms()
-    return total
 
 
 @dataclass
@@ -107,8 +89,9 @@ class StepPlan:
     costs: tuple[BlockCost, ...]
     budget_bytes: int
     link_bytes_per_s: float
-    outside_bytes: float
+    outside: Outside
     reason: str
+    calibrated: bool  # made from the peaks of a step of its own placements (Note [calibrated plans])
     measured_peak_bytes: int | None = None
     measured_s: float | None = None
 
@@ -156,6 +139,35 @@ class AutoPlanner:
         if watch is not None:
             watch.sample()
 
+    def sealed(self, run: ScopeRun) -> None:
+        """A run's forward ended: the forward's peak so far is kept, and a new window opens (the
+        one after the last block's is the head's)."""
+        watch = self.watch(run)
+        if watch is not None:
+            watch.sample()
+            run.step.auto_peaks[0] = max(run.step.auto_peaks[0], watch.peak)
+            watch.reset()
+
+    def backward_starts(self, run: ScopeRun) -> None:
+        """Backward reached its first run: the head's window closes, backward's opens."""
+        watch = self.watch(run)
+        if watch is not None:
+            watch.sample()
+            run.step.auto_peaks[1] = watch.peak
+            watch.reset()
+
+    def _moments(self, run: ScopeRun, step: Step) -> tuple[int, int, int] | None:
+        """The step's peaks at the moments of Note [the budget model] (the last forward's window
+        stands for the forward: every block's forward is one), or None where not counted."""
+        watch = self.watch(run)
+        if watch is None:
+            return None
+        watch.sample()
+        forward, head = step.auto_peaks
+        moments = (forward, head if head else watch.peak, watch.peak)
+        watch.reset()
+        return moments if watch.counted() else None
+
     def place(self, run: ScopeRun, key: BlockKey) -> None:
         """Set a new run's placement (``run.placement``; None: measuring), its token fractions
         and ``run.auto_key`` (left None without a budget: the run is kept, nothing planned). The
@@ -184,21 +196,17 @@ class AutoPlanner:
         runs = [run for run in step.runs if run.auto_key is not None]
         if not runs or step.aborted:
             return
-        watch = self.watch(runs[0])
-        peak = None
-        if watch is not None:
-            watch.sample()
-            peak = watch.peak if watch.counted() else None
-            watch.reset()
+        moments = self._moments(runs[0], step)
+        peak = None if moments is None else max(moments)
         entries = [self.blocks.get(run.auto_key.owner)[run.auto_key.conditions] for run in runs]
         counted: set[int] = set()
         for run, entry in zip(runs, entries, strict=True):
             if id(entry) not in counted:  # once a step, however often the block ran
                 counted.add(id(entry))
                 entry.steps += 1
-            _observe(entry, run)
+            observe(entry, run)
         if not all(entry.ready for entry in entries):
-            _figures(runs, None)
+            figures(runs, None)
             return  # still measuring
         step.harvest(block=True)  # the copies' and stalls' times of this step
         keys = tuple(run.auto_key.ident for run in runs)
@@ -212,15 +220,19 @@ class AutoPlanner:
         )
         current = self.plans.setdefault(runs[0].auto_key.owner, dict).get(keys)
         if current is not None and ran == current.plan.placements:
-            measured_s = sum(_measured_s(run) for run in runs)
-            current.measured_peak_bytes, current.measured_s = peak, measured_s
+            seconds = sum(measured_s(run) for run in runs)
+            current.measured_peak_bytes, current.measured_s = peak, seconds
             self.current = self.measured = current
-            _figures(runs, current)
+            figures(runs, current)
             off_peak = peak is not None and (
                 off_by(peak, current.plan.peak_bytes) or peak > current.budget_bytes
             )
-            off_time = off_by(measured_s, current.predicted_s)
-            if self.replan_allowed and (off_peak or off_time):
+            off_time = off_by(seconds, current.predicted_s)
+            if self.replan_allowed and not current.calibrated:
+                # planned again from the peaks of its own placements (Note [calibrated plans])
+                self._plan(runtime, runs, entries, keys, ran, step.depth, moments,
+                           "calibrated on its own step", calibrated=True)  # fmt: skip
+            elif self.replan_allowed and (off_peak or off_time):
                 self.replans += 1
                 what = (
                     [f"peak {format_bytes(peak)} vs {format_bytes(current.plan.peak_bytes)} predicted"]
@@ -228,42 +240,52 @@ class AutoPlanner:
                     else []
                 )
                 what += (
-                    [f"time {measured_s * 1e3:.1f} ms vs {current.predicted_s * 1e3:.1f} ms predicted"]
+                    [f"time {seconds * 1e3:.1f} ms vs {current.predicted_s * 1e3:.1f} ms predicted"]
                     if off_time
                     else []
                 )
                 self._plan(
-                    runtime, runs, entries, keys, ran, step.depth, peak, "replanned: " + ", ".join(what)
+                    runtime,
+                    runs,
+                    entries,
+                    keys,
+                    ran,
+                    step.depth,
+                    moments,
+                    "replanned: " + ", ".join(what),
+                    calibrated=True,
                 )
             return
         if current is not None:  # another plan placed these blocks since: this one again
             self._apply(runs, entries, current)
             return
-        self._plan(runtime, runs, entries, keys, ran, step.depth, peak, "planned after measuring")
-        _figures(runs, None)
+        self._plan(runtime, runs, entries, keys, ran, step.depth, moments, "planned after measuring")
+        figures(runs, None)
 
     def _plan(self, runtime: Runtime, runs: list[ScopeRun], entries: list[Measured], keys: tuple,
-              ran: tuple[Placement, ...], depth: int, peak: int | None, reason: str) -> None:  # fmt: skip
+              ran: tuple[Placement, ...], depth: int, moments: tuple | None, reason: str, *,
+              calibrated: bool = False) -> None:  # fmt: skip
         costs = tuple(entry.cost() for entry in entries)
         link = _link(runtime, runs[0])
         budget = self.budget(runs[0])
-        outside = 0.0 if peak is None else outside_estimate(peak, costs, ran, link, depth=depth)
-        chosen = plan(costs, link, budget * (1 - PLAN_HEADROOM), outside_bytes=int(outside))
+        outside = Outside() if moments is None else outside_from(moments, costs, ran, depth=depth)
+        headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
+        chosen = plan(costs, link, budget * (1 - headroom), outside_bytes=outside)
         if chosen is None:
-            chosen = floor_plan(costs, link, outside_bytes=int(outside))
+            chosen = floor_plan(costs, link, outside_bytes=outside)
             reason += "; nothing fits the budget: the least memory"
             if "floor" not in self._warned:
                 self._warned.add("floor")
                 warnings.warn(
                     f"actoff: auto: no placement fits the device budget of {format_bytes(budget)} "
                     f"(predicted least {format_bytes(chosen.peak_bytes)}, of which "
-                    f"{format_bytes(outside)} outside the blocks): every block runs at its least "
+                    f"{format_bytes(outside.peak)} outside the blocks): every block runs at its least "
                     "memory (checkpoint); the step may run out of memory",
                     RuntimeWarning,
                     stacklevel=3,
                 )
         step_plan = StepPlan(keys, tuple(run.name for run in runs), tuple(entries), chosen, costs, budget,
-                             link, outside, reason)  # fmt: skip
+                             link, outside, reason, calibrated)  # fmt: skip
         self.reasons.append(reason)
         self.plans.setdefault(runs[0].auto_key.owner, dict)[keys] = self.current = step_plan
         self.budget_bytes = budget
@@ -346,7 +368,7 @@ class AutoPlanner:
             "plan": current.plan.describe(),
             "plan_reason": current.reason,
             "budget_bytes": current.budget_bytes,
-            "outside_bytes": int(current.outside_bytes),
+            "outside_bytes": int(current.outside.peak),
             "predicted_peak_bytes": int(current.plan.peak_bytes),
             "predicted_step_ms": current.predicted_s * 1e3,
             "replans": self.replans,
@@ -365,45 +387,6 @@ class AutoPlanner:
             "measured_predicted_step_ms": measured.predicted_s * 1e3,
             "measured_step_ms": None if measured.measured_s is None else measured.measured_s * 1e3,
         }
-
-
-def _observe(entry: Measured, run: ScopeRun) -> None:
-    """Take a run's measurements into its block's: bytes by class while it measures (the
-    token-wise placement sorts them), times from warm steps."""
-    if run.placement is None and run.classes is not None:
-        entry.input_bytes, entry.attention_bytes, entry.local_bytes, entry.tokenwise = run.classes
-    tokenwise = run.tokenwise
-    if tokenwise is not None and tokenwise.collective is not None:
-        entry.rerun = False  # a re-run would call the collective again, on this rank alone
-    if entry.steps < 2:
-        return  # cold: the probe's re-forward, the allocators and kernels warming up
-    # The least forward time seen, and attention's share in the step that gave it: figures
-    # that only settle, so replans from them settle too (no plan flapping with the noise).
-    forward_s = forward_ms(run) / 1e3
-    if forward_s > 0 and (entry.forward_s is None or forward_s < entry.forward_s):
-        entry.forward_s = forward_s
-        mixers = attention_ms(run)
-        if mixers is not None:
-            entry.attention_share = min(mixers / 1e3 / forward_s, 1.0)
-
-
-def _measured_s(run: ScopeRun) -> float:
-    """A run's forward, and what its placement added in backward: recompute and stalls."""
-    return forward_ms(run) / 1e3 + (run.stats.recompute_ms + run.stats.wait_ms) / 1e3
-
-
-def _figures(runs: list[ScopeRun], step_plan: StepPlan | None) -> None:
-    """Each run's placement, measured time and, where a plan ran, its prediction (statistics)."""
-    for index, run in enumerate(runs):
-        stats = run.stats
-        stats.placement = "measuring (recompute)" if run.placement is None else str(run.placement)
-        stats.forward_ms = forward_ms(run)
-        stats.measured_ms = _measured_s(run) * 1e3
-        if step_plan is not None:
-            cost = step_plan.costs[index]
-            placement = step_plan.plan.placements[index]
-            added = added_seconds(cost, placement, step_plan.link_bytes_per_s, step_plan.plan.depth)
-            stats.predicted_ms = (cost.forward_s + added) * 1e3
 
 
 def _link(runtime: Runtime, run: ScopeRun) -> float:

@@ -1,5 +1,6 @@
 """What the auto policy measures of a block: its key (module and conditions), its bytes by
-class, its times, and its placements (Note [measuring at recompute] in actoff.runtime.auto)."""
+class, its times (`forward_ms` and `attention_ms` are the one place measured times are read:
+tests replace them), and its placements (Note [measuring at recompute] in actoff.runtime.auto)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,54 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from actoff.budget import BlockCost, Placement
+from actoff.budget import BlockCost, Placement, added_seconds
 from actoff.policy import AutoDecision
 from actoff.tiers.record import Record, param_like
 from actoff.tiers.tokenwise.probes import conditions
 from actoff.tiers.tokenwise.reforward import autocast_state
 
 if TYPE_CHECKING:
+    from .auto import StepPlan
     from .step import ScopeRun
 
-__all__ = ["BlockKey", "Measured", "block_key", "classes", "input_bytes"]
+__all__ = [
+    "BlockKey",
+    "Measured",
+    "attention_ms",
+    "block_key",
+    "classes",
+    "figures",
+    "forward_ms",
+    "input_bytes",
+    "measured_s",
+    "observe",
+]
+
+
+def forward_ms(run: ScopeRun) -> float:
+    """Measured forward time of a block, in milliseconds.
+
+    One of the two places where the auto policy reads a measured time (with `attention_ms`):
+    tests replace them to make decisions independent of the machine's load.
+    """
+    watch = run.forward_watch
+    if watch is None:
+        return 0.0
+    watch.synchronize()
+    return watch.elapsed_ms()
+
+
+def attention_ms(run: ScopeRun) -> float | None:
+    """Time of the token mixers' calls in the block's forward (milliseconds), or ``None`` when
+    they were not timed (a run not token-wise)."""
+    tokenwise = run.tokenwise
+    if tokenwise is None or tokenwise.mixer_watches is None:
+        return None
+    total = 0.0
+    for watch in tokenwise.mixer_watches:
+        watch.synchronize()
+        total += watch.elapsed_ms()
+    return total
 
 
 @dataclass
@@ -110,3 +149,42 @@ def input_bytes(run: ScopeRun) -> int:
         if nbytes and nbytes >= run.config.min_bytes and not param_like(value, storage, run.param_storages):
             seen[id(value)] = nbytes
     return sum(seen.values())
+
+
+def observe(entry: Measured, run: ScopeRun) -> None:
+    """Take a run's measurements into its block's: bytes by class while it measures (the
+    token-wise placement sorts them), times from warm steps."""
+    if run.placement is None and run.classes is not None:
+        entry.input_bytes, entry.attention_bytes, entry.local_bytes, entry.tokenwise = run.classes
+    tokenwise = run.tokenwise
+    if tokenwise is not None and tokenwise.collective is not None:
+        entry.rerun = False  # a re-run would call the collective again, on this rank alone
+    if entry.steps < 2:
+        return  # cold: the probe's re-forward, the allocators and kernels warming up
+    # The least forward time seen, and attention's share in the step that gave it: figures
+    # that only settle, so replans from them settle too (no plan flapping with the noise).
+    forward_s = forward_ms(run) / 1e3
+    if forward_s > 0 and (entry.forward_s is None or forward_s < entry.forward_s):
+        entry.forward_s = forward_s
+        mixers = attention_ms(run)
+        if mixers is not None:
+            entry.attention_share = min(mixers / 1e3 / forward_s, 1.0)
+
+
+def measured_s(run: ScopeRun) -> float:
+    """A run's forward, and what its placement added in backward: recompute and stalls."""
+    return forward_ms(run) / 1e3 + (run.stats.recompute_ms + run.stats.wait_ms) / 1e3
+
+
+def figures(runs: list[ScopeRun], step_plan: StepPlan | None) -> None:
+    """Each run's placement, measured time and, where a plan ran, its prediction (statistics)."""
+    for index, run in enumerate(runs):
+        stats = run.stats
+        stats.placement = "measuring (recompute)" if run.placement is None else str(run.placement)
+        stats.forward_ms = forward_ms(run)
+        stats.measured_ms = measured_s(run) * 1e3
+        if step_plan is not None:
+            cost = step_plan.costs[index]
+            placement = step_plan.plan.placements[index]
+            added = added_seconds(cost, placement, step_plan.link_bytes_per_s, step_plan.plan.depth)
+            stats.predicted_ms = (cost.forward_s + added) * 1e3

@@ -215,13 +215,14 @@ class Runtime:
                 run.tokenwise.prepare(self)
             if run.auto_key is not None:
                 run.classes = classes(run)
-                self.auto.sample(run)
             step = run.step
             if not run.kept:
                 step.pending.append(run)
                 for _ in range(runs_to_place(len(step.pending), run.config.keep_last)):
                     self._place(step.pending.popleft())
             step.progress()
+            if run.auto_key is not None:  # placed: what it let go of is not the head's
+                self.auto.sealed(run)
 
     def _place(self, run: ScopeRun) -> None:
         for record in run.records:

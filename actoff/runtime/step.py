@@ -53,6 +53,7 @@ class Step:
         # Runs prefetched ahead of the one backward is in (the auto policy's plan may raise it)
         self.depth = 1
         self.auto_seen: collections.Counter = collections.Counter()  # auto runs per block key so far
+        self.auto_peaks = [0, 0]  # device peaks of the forward and the head (actoff.runtime.auto)
 
     def harvest(self, *, block: bool) -> None:
         """Add the times of copies that were in flight when accounted (`ScopeRun.account`):
@@ -136,7 +137,10 @@ class ScopeRun(PackHook):
         end-of-backward callback, bring back this run's records and prefetch the records of the
         ``step.depth`` runs before it; later, move those prefetches on."""
         step = self.step
-        step.backward_started = True
+        if not step.backward_started:
+            step.backward_started = True
+            if step.auto_seen:
+                self.runtime.auto.backward_starts(self)
         arena = self.runtime.arenas.on_device.get(self.device)
         if arena is not None:
             arena.unpacked()  # the tenants that die from now to the next unpack are a wave

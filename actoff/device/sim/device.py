@@ -168,6 +168,10 @@ class SimStreams:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
+    def link_rate(self) -> float | None:
+        """The link's modelled rate in bytes per second each way (None: copies at memcpy speed)."""
+        return self.settings.bandwidth
+
     def default_budget(self) -> int | None:
         return self.memory.capacity  # the whole of it: no context, no fragmentation here
 

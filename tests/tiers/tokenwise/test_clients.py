@@ -21,7 +21,7 @@ from _helpers import RECOMPUTE_TOL, assert_close_history, make_model, train
 from torch import nn
 
 import actoff
-import actoff.runtime.auto
+import actoff.runtime.measured
 import actoff.runtime.runtime
 from actoff.reference import Block
 from actoff.runtime.step import ScopeRun, Step
@@ -59,7 +59,7 @@ def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
     # Under auto (with a budget: a plain CPU device has none) every length is new, so every
     # step measures at the recompute placement. The forward time is injected (1 ms): a plan
     # made from a time measured on a loaded machine could differ from run to run.
-    monkeypatch.setattr(actoff.runtime.auto, "forward_ms", lambda run: 1.0)
+    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
     already = _live_actoff_objects()  # left by other tests in this process (a mutation test's)
     model = make_model()
     actoff.offload_(model, block_cls=Block, min_bytes=0, **overrides)
