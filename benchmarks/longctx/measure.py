@@ -150,7 +150,7 @@ def measure(spec: dict, seq: int, model, net, step_context, config, device, capp
     step = Step(spec, model, net, tokens, step_context, cuda, capped, timeline)
     hooks = timeline.watch(model.layers)
     try:
-        with _tunnel(spec, seq):
+        with _tunnel(spec, seq, capped):
             static_bytes, times = _run_steps(spec, step, model, cuda, capped)
         stats = actoff.stats()  # of the timed steps
         memory_fields = _memory_fields(spec, step, model, tokens, static_bytes, stats)
@@ -184,10 +184,11 @@ def measure(spec: dict, seq: int, model, net, step_context, config, device, capp
     return record
 
 
-def _tunnel(spec: dict, seq: int):
+def _tunnel(spec: dict, seq: int, capped=None):
     """The warm-up and timed steps' device: under ``--like``, the simulated device with the link
-    rate scaled for this length (Note [scaling the tunnel]), copies without random delays;
-    else the worker's own."""
+    rate scaled for this length (Note [scaling the tunnel]), copies without random delays, and
+    on a capped device (``capped``: Note [a capped device on a CPU]) that device's memory, so
+    that its capacity and counts are the tunnel's (auto plans under them); else the worker's own."""
     import contextlib
 
     from actoff.testing import simulated_device
@@ -197,7 +198,7 @@ def _tunnel(spec: dict, seq: int):
     if rate is None:
         return contextlib.nullcontext()
     return simulated_device(seed=0, max_delay_s=0.0, max_lag_s=0.0, bandwidth=rate, track_memory=False,
-                            pageable_rate=tunnel["pageable_rate"])  # fmt: skip
+                            pageable_rate=tunnel["pageable_rate"], memory=capped)  # fmt: skip
 
 
 def _run_steps(spec: dict, step: Step, model, cuda: bool, capped) -> tuple[int | None, list[float]]:
@@ -252,6 +253,8 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
         "wait_ms": sum(b.wait_ms for b in blocks),
         "recompute_ms": sum(b.recompute_ms for b in blocks),
         "auto": {name: vars(d) for name, d in list(stats.auto.items())[:1]},
+        "auto_plan": None if stats.plan == "none" else stats.plan,
+        "auto_replans": stats.replans,
         "host_arena_bytes": stats.host_capacity,
         "nvme_file_bytes": stats.nvme_file_bytes,
         "io_backend": stats.io_backend,
