@@ -87,8 +87,9 @@ class Config:
     #: recompute by the fractions below), ``recompute`` (every token-local activation
     #: recomputed; block inputs and attention outputs kept in host memory), ``checkpoint``
     #: (only the block's inputs kept, in host memory; the whole block run again in backward,
-    #: attention included), ``auto`` (the stored fraction from MEMO's closed form, decided
-    #: after the first step).
+    #: attention included), ``auto`` (per block keep, a stored token fraction or checkpoint,
+    #: and a prefetch depth: the least predicted step time that fits ``gpu_budget``, planned
+    #: after two measuring steps at ``recompute``; actoff.runtime.auto).
     policy: str = "cpu"
     #: Token fraction stored in host memory under ``tokenwise`` (the rest: nvme, recompute).
     cpu_fraction: float = 1.0
@@ -102,7 +103,10 @@ class Config:
     keep_last: int = 0
     #: Cap on the host memory actoff may hold (``None``: no cap). Over it, tensors stay put.
     host_budget: int | None = None
-    #: GPU memory budget for the ``auto`` policy (``None``: the device's free memory).
+    #: Device memory the ``auto`` policy plans the whole step under: weights, gradients,
+    #: optimizer state and activations (``None``: the device's: CUDA's total memory less the
+    #: larger of 2 GiB and 5%, the simulated device's capacity; none on a plain CPU device,
+    #: where ``auto`` keeps everything).
     gpu_budget: int | None = None
     #: Memory layout planner of the host arena and the device arena: ``mip``, ``greedy`` or ``off``
     #: (``off``: bump allocation on the host, a new device tensor per request).

@@ -1,8 +1,9 @@
 """Policy: where a block's activations go, as pure functions of the settings and measurements.
 
 The whole-tensor tier of each policy, the token fractions of the token-wise policies, which
-sealed runs are placed (``keep_last``), a host budget's share per process, and the ``auto``
-policy's decision (MEMO's closed form). No tensors, no devices: tested on plain numbers.
+sealed runs are placed (``keep_last``), a host budget's share per process, and what the ``auto``
+policy reports of its plan per block, with the host budget's say in it (the plan itself:
+actoff.budget). No tensors, no devices: tested on plain numbers.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ __all__ = [
     "READ_BY",
     "TOKENWISE_POLICIES",
     "AutoDecision",
-    "auto_fractions",
     "budget_share",
+    "host_split",
     "ignored_settings",
     "runs_to_place",
     "token_fractions",
@@ -59,18 +60,19 @@ def ignored_settings(policy: str, names: object) -> list[str]:
     return [name for name in names if name in READ_BY and policy not in READ_BY[name]]
 
 
-def token_fractions(config: Config, decision: AutoDecision | None) -> tuple[float, float] | None:
-    """Token fractions ``(cpu, nvme)`` a token-wise run stores (the rest is recomputed), or
-    ``None`` when the run is to be stored whole: ``auto`` before its decision (the first step
-    measures). Call only for `TOKENWISE_POLICIES`.
+def token_fractions(config: Config, planned: tuple[float, float] | None) -> tuple[float, float]:
+    """Token fractions ``(cpu, nvme)`` a token-wise run stores (the rest is recomputed): under
+    ``auto`` the ones its plan gives the run (``planned``), or none while it measures (the
+    ``recompute`` placement: Note [measuring at recompute] in actoff.runtime.auto). Call only for
+    `TOKENWISE_POLICIES`.
 
     >>> token_fractions(Config(policy="recompute"), None)
     (0.0, 0.0)
-    >>> token_fractions(Config(policy="auto"), None) is None
-    True
+    >>> token_fractions(Config(policy="auto"), None), token_fractions(Config(policy="auto"), (0.5, 0.0))
+    ((0.0, 0.0), (0.5, 0.0))
     """
     if config.policy == "auto":
-        return None if decision is None else (decision.cpu_fraction, decision.nvme_fraction)
+        return (0.0, 0.0) if planned is None else planned
     if config.policy == "recompute":
         return 0.0, 0.0
     return config.cpu_fraction, config.nvme_fraction
@@ -97,12 +99,22 @@ def budget_share(budget: int | None, ranks_per_host: int) -> int | None:
 
 @dataclass(frozen=True)
 class AutoDecision:
-    """The `auto` policy's choice for one block shape, with its inputs (reported in stats)."""
+    """The `auto` policy's plan for one block, with what it was planned from (reported in stats).
 
+    ``placement`` is ``keep``, ``tokenwise:A`` (a share ``A`` of the token-local bytes stored,
+    ``cpu_fraction`` of the tokens in host memory and ``nvme_fraction`` on NVMe, the rest
+    recomputed) or ``checkpoint``; ``prefetch_depth`` is the step's. The measurements: the
+    host link, the block's forward and attention times (a warm step's), its saved bytes by
+    class (inputs, attention's saves and what else is stored whole, the token-local rest).
+    """
+
+    placement: str
     cpu_fraction: float
     nvme_fraction: float
+    prefetch_depth: int
     bandwidth_gbps: float  # host link, bytes per ns
     t_layer_ms: float
+    attention_ms: float
     input_bytes: int
     attention_bytes: int
     other_bytes: int
@@ -110,50 +122,29 @@ class AutoDecision:
     reason: str
 
 
-def auto_fractions(
+def host_split(
+    stored: float,
     *,
-    bandwidth_bytes_per_s: float,
-    t_layer_s: float,
-    input_bytes: int,
-    attention_bytes: int,
+    fixed_bytes: int,
     other_bytes: int,
-    num_layers: int,
-    host_budget: int | None,
+    host_budget_per_layer: float | None,
     nvme_available: bool,
-) -> AutoDecision:
-    """MEMO's closed form for the stored fraction of the token-local activations.
+) -> tuple[float, float, str]:
+    """Token fractions ``(cpu, nvme)`` for a planned stored share of the token-local bytes, and
+    why: in host memory as far as a block's share of the host budget holds it (MEMO's memory
+    bound: ``(M_cpu / (n - 2) - S_in - S_attn) / S_other``), the rest on NVMe when a directory is
+    set, else recomputed.
 
-    ``alpha = clip(min((B*T - S_in - S_attn) / S_other, (M_cpu/(n-2) - S_in - S_attn) / S_other), 0, 1)``:
-    store as much as the host link can copy during one block's forward, within the host budget.
-    When the budget binds and an NVMe directory is set, the part the link could still hide
-    goes to NVMe instead of being recomputed.
-
-    >>> d = auto_fractions(bandwidth_bytes_per_s=1e9, t_layer_s=0.01, input_bytes=2_000_000,
-    ...                    attention_bytes=2_000_000, other_bytes=12_000_000, num_layers=8,
-    ...                    host_budget=None, nvme_available=False)
-    >>> round(d.cpu_fraction, 3)
-    0.5
+    >>> host_split(0.5, fixed_bytes=4, other_bytes=12, host_budget_per_layer=None, nvme_available=False)
+    (0.5, 0.0, 'planned')
+    >>> host_split(1.0, fixed_bytes=4, other_bytes=12, host_budget_per_layer=7, nvme_available=True)
+    (0.25, 0.75, 'host budget bound; spilling to NVMe')
     """
-    fixed = input_bytes + attention_bytes
-    other = max(other_bytes, 1)
-    alpha_time = (bandwidth_bytes_per_s * t_layer_s - fixed) / other
-    per_layer = None if host_budget is None else host_budget / max(num_layers - 2, 1)
-    alpha_memory = float("inf") if per_layer is None else (per_layer - fixed) / other
-    clip = lambda value: min(max(value, 0.0), 1.0)  # noqa: E731
-    cpu = clip(min(alpha_time, alpha_memory))
-    nvme = 0.0
-    reason = "host link bound" if alpha_time <= alpha_memory else "host budget bound"
-    if nvme_available and alpha_memory < alpha_time:
-        nvme = clip(alpha_time) - cpu
-        reason = "host budget bound; spilling to NVMe"
-    return AutoDecision(
-        cpu_fraction=cpu,
-        nvme_fraction=max(nvme, 0.0),
-        bandwidth_gbps=bandwidth_bytes_per_s / 1e9,
-        t_layer_ms=t_layer_s * 1e3,
-        input_bytes=input_bytes,
-        attention_bytes=attention_bytes,
-        other_bytes=other_bytes,
-        host_budget_per_layer=per_layer,
-        reason=reason,
-    )
+    if host_budget_per_layer is None:
+        return stored, 0.0, "planned"
+    room = min(max((host_budget_per_layer - fixed_bytes) / max(other_bytes, 1), 0.0), 1.0)
+    if stored <= room:
+        return stored, 0.0, "planned"
+    if nvme_available:
+        return room, stored - room, "host budget bound; spilling to NVMe"
+    return room, 0.0, "host budget bound; recomputing the rest"

@@ -50,6 +50,7 @@ def simulated_device(
     track_memory: bool = True,
     bandwidth: int | str | None = None,
     pageable_rate: float = 0.5,
+    memory: DeviceMemory | None = None,
 ) -> Iterator[SimStreams]:
     """Run the scopes on a CPU device inside the block on a fresh simulated device.
 
@@ -62,8 +63,11 @@ def simulated_device(
     stream then takes at least its bytes over that rate, copies in one direction queue, and
     compute waits for a copy it depends on, so step times compare as on a GPU with that
     copy-to-compute ratio (``device.links`` has each direction's figures); a synchronous copy
-    from pageable memory (`SimStreams.transfer`) runs at ``pageable_rate`` of it. On leaving, the
-    device is drained, and a race not yet raised in the block raises `RaceError`.
+    from pageable memory (`SimStreams.transfer`) runs at ``pageable_rate`` of it. ``memory``: the
+    device's memory is that `DeviceMemory` (its capacity and counts; the caller counts with it),
+    e.g. a capped `device_memory` the program runs in, given a link for a while (the
+    long-context benchmark's budget sweep). On leaving, the device is drained, and a race not
+    yet raised in the block raises `RaceError`.
 
     Example:
         >>> import torch, actoff
@@ -77,6 +81,9 @@ def simulated_device(
         ([], True)
     """
     from .config import parse_size
+
+    if memory is not None and capacity is not None:
+        raise ValueError("simulated_device(memory=..., capacity=...): the memory given has its own capacity")
 
     limit = capacity if capacity is None or isinstance(capacity, int) else parse_size(capacity)
     rate = (
@@ -97,10 +104,12 @@ def simulated_device(
     )
     cpu = torch.device("cpu")
     device = backend_for(cpu, settings).streams
+    if memory is not None:
+        device.memory = memory  # counted already (entered by the caller): not entered again
     _override.append(settings)
-    memory = device.memory if track_memory else contextlib.nullcontext()
+    counting = device.memory if track_memory and memory is None else contextlib.nullcontext()
     try:
-        with memory:
+        with counting:
             yield device
         device.drain()
         device.surface()

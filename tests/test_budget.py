@@ -1,10 +1,45 @@
-"""The budget planner against brute force, on numbers."""
+"""The budget planner against brute force, on numbers; and the figures the auto policy plans with."""
 
+import itertools
 import random
+from collections.abc import Sequence
 
 import pytest
 
-from actoff.budget import PLACEMENTS, BlockCost, Placement, brute_force, plan, predict
+from actoff.budget import (
+    PLACEMENTS,
+    BlockCost,
+    Outside,
+    Placement,
+    Plan,
+    allowed,
+    cuda_budget,
+    floor_plan,
+    off_by,
+    outside_from,
+    plan,
+    predict,
+)
+
+
+def brute_force(
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    budget_bytes: float,
+    *,
+    outside_bytes: int = 0,
+    depths: Sequence[int] = (1, 2),
+) -> Plan | None:
+    """Every combination of placements and depths: the reference `plan` is held to."""
+    best: Plan | None = None
+    for placements in itertools.product(*(allowed(block) for block in blocks)):
+        for depth in depths:
+            peak, seconds = predict(
+                blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, depth=depth
+            )
+            if peak <= budget_bytes and (best is None or seconds < best.seconds - 1e-12):
+                best = Plan(tuple(placements), depth, peak, seconds)
+    return best
 
 
 def _block(rng: random.Random) -> BlockCost:
@@ -60,3 +95,75 @@ def test_a_slow_link_prefers_recompute_to_stalled_copies():
         chosen.seconds
         < predict([block] * 4, [Placement("tokenwise", 1.0)] * 3 + [Placement("keep")], 55e9)[1]
     )
+
+
+def test_blocks_that_cannot_split_or_rerun_get_only_what_is_open_to_them():
+    block = BlockCost(0.001, 0.0002, 10**6, 10**6, 10**7, tokenwise=False, rerun=False)
+    assert allowed(block) == (Placement("keep"), Placement("tokenwise", 1.0))
+    tight = predict([block] * 4, [Placement("tokenwise", 1.0)] * 4, 1e12)[0]
+    chosen = plan([block] * 4, 1e12, tight)  # the link is free: storing everything fits
+    assert chosen is not None and set(chosen.placements) <= set(allowed(block))
+    assert plan([block] * 4, 1e12, tight - 1) is None  # nothing of theirs holds less
+    assert floor_plan([block] * 4, 1e12).placements == (Placement("tokenwise", 1.0),) * 4
+    rerun_only = BlockCost(0.001, 0.0002, 10**6, 10**6, 10**7, tokenwise=False)
+    assert floor_plan([rerun_only], 1e12).placements == (Placement("checkpoint"),)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_brute_force_agrees_when_some_placements_are_closed(seed):
+    rng = random.Random(500 + seed)
+    base = _block(rng)
+    block = BlockCost(base.forward_s, base.attention_s, base.input_bytes, base.attention_bytes, base.local_bytes,
+                      tokenwise=rng.random() < 0.5, rerun=rng.random() < 0.5)  # fmt: skip
+    blocks, link = [block] * rng.randint(1, 4), rng.choice([5e9, 55e9])
+    budget = predict(blocks, [PLACEMENTS[0]] * len(blocks), link)[0] * rng.uniform(0.2, 1.0)
+    expected, actual = brute_force(blocks, link, budget), plan(blocks, link, budget)
+    assert (actual is None) == (expected is None)
+    if expected is not None:
+        assert actual.seconds == pytest.approx(expected.seconds, abs=1e-12)
+        assert all(p in allowed(block) for p in actual.placements)
+
+
+def test_a_block_that_stores_and_recomputes_holds_its_stored_rows_twice_when_rebuilt():
+    # Fetched packed, then scattered into the rebuilt tensors: the packed copy goes last.
+    block = BlockCost(0.01, 0.002, 10, 10, 100)
+    for stored, extra in ((0.0, 0), (0.5, 50), (1.0, 0)):
+        peak, _ = predict([block], [Placement("tokenwise", stored)], 1e9)
+        assert peak == block.saved_bytes + extra
+
+
+def test_the_memory_outside_the_blocks_is_each_moments_peak_less_the_blocks_share():
+    blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 3
+    placements = [Placement("tokenwise", 0.0)] * 3
+    # Forward: a block saving its 50 while the one before sends its 20 out. Head: the last
+    # block's 20 on their way out. Backward: one block back (50), the one before fetched (20).
+    assert outside_from((1000, 900, 800), blocks, placements) == Outside(930, 880, 730)
+    assert outside_from((10, 10, 10), blocks, placements) == Outside(0, 0, 0)  # never below nothing
+    outside = outside_from((1000, 900, 800), blocks, placements)
+    assert predict(blocks, placements, 1e9, outside_bytes=outside)[0] == 1000  # the peak it came from
+
+
+def test_kept_blocks_are_gone_before_offloaded_ones_come_back():
+    # The last blocks are kept: their backward comes first. The head holds them all with the
+    # logits; an offloaded block's backward holds only itself and what is fetched ahead.
+    blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4
+    placements = [Placement("checkpoint")] * 2 + [Placement("keep")] * 2
+    outside = Outside(forward=0, head=300, backward=100)
+    peak, _ = predict(blocks, placements, 1e9, outside_bytes=outside)
+    assert peak == 300 + 2 * 50  # the head: both kept blocks and the logits
+    early = [Placement("keep")] * 2 + [Placement("checkpoint")] * 2
+    assert predict(blocks, early, 1e9, outside_bytes=outside)[0] == 300 + 100 + 10  # (last input going out)
+    outside = Outside(forward=0, head=0, backward=100)
+    late_peak = predict(blocks, placements, 1e9, outside_bytes=outside)[0]
+    early_peak = predict(blocks, early, 1e9, outside_bytes=outside)[0]
+    assert early_peak > late_peak  # kept early, they are still held when the rest come back
+
+
+def test_off_by_is_relative_to_the_prediction():
+    assert not off_by(110, 100) and off_by(110.5, 100) and off_by(0, 100)
+    assert off_by(1, 0) and not off_by(0, 0)
+
+
+def test_the_cuda_budget_keeps_a_margin_of_five_percent_or_two_gib():
+    assert cuda_budget(80 * 2**30) == int(80 * 2**30 * 0.95)
+    assert cuda_budget(16 * 2**30) == 14 * 2**30  # 5% would be 0.8 GiB: 2 GiB instead

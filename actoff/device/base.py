@@ -145,6 +145,19 @@ class DeviceBackend:
         """Raise if a copy still in flight touches ``buffer`` (host memory about to be freed
         or handed out): the simulated device checks; real devices trust the caller."""
 
+    def default_budget(self) -> int | None:
+        """The device memory the ``auto`` policy plans under when ``ACTOFF_GPU_BUDGET`` is not
+        set: a CUDA device's total memory less Note [the CUDA margin] (actoff.budget), the
+        simulated device's capacity; ``None`` where the device has none (a plain CPU device:
+        ``auto`` then keeps everything)."""
+        return None
+
+    def memory_watch(self) -> Any | None:
+        """A watch of the device's bytes in use over a window (``counted()``, ``live()``,
+        ``sample()``, ``reset()`` and ``peak``, as `actoff.device.sim.memory.PeakWatch`), or
+        ``None`` where the device's memory is not counted (a plain CPU device)."""
+        return None
+
     def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
         """Measured device-to-host copy bandwidth in bytes per second (memcpy on the CPU)."""
         src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -262,8 +275,8 @@ class StreamBackend(DeviceBackend):
     (Note [capture the compute stream], Note [no record_stream]).
 
     ``streams`` is the stream API: ``current()``, ``new_stream()``, ``event()``,
-    ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes)``
-    and ``check_host_reuse(buffer, action)``; its streams have ``wait_stream`` and
+    ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes)``,
+    ``check_host_reuse(buffer, action)``, ``default_budget()`` and ``memory_watch()``; its streams have ``wait_stream`` and
     ``wait_event``, its events ``record``, ``query``, ``synchronize`` and ``elapsed_time``,
     as ``torch.cuda``'s do. Optional: ``pinned`` (host buffers from torch's caching pinned
     allocator) and ``release_host_cache()``.
@@ -330,6 +343,18 @@ class StreamBackend(DeviceBackend):
 
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
         self.streams.check_host_reuse(buffer, action)
+
+    def default_budget(self) -> int | None:
+        return self.streams.default_budget()
+
+    def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+        # A device with a modelled link (the simulated device's) gives its rate: a measurement
+        # would take ``nbytes`` of the device's memory, which a capped device may not have.
+        rate = getattr(self.streams, "link_rate", lambda: None)()
+        return rate if rate is not None else super().host_bandwidth(nbytes, repeats)
+
+    def memory_watch(self) -> Any | None:
+        return self.streams.memory_watch()
 
 
 _backends: dict[tuple, DeviceBackend] = {}

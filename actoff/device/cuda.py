@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CudaStreams"]
+from actoff.budget import cuda_budget
+
+__all__ = ["CudaStreams", "SampledPeak"]
 
 
 class CudaStreams:
@@ -45,3 +47,35 @@ class CudaStreams:
 
     def check_host_reuse(self, buffer: torch.Tensor, action: str) -> None:
         pass  # the runtime orders host reuse itself (Note [host slot reuse])
+
+    def default_budget(self) -> int:
+        return cuda_budget(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def memory_watch(self) -> SampledPeak:
+        return SampledPeak(self.device)
+
+
+class SampledPeak:
+    """The most bytes torch's allocator held at the moments sampled since `reset` (the
+    ``auto`` policy samples at every block's entry, exit and first unpack in backward).
+
+    Sampled, not torch's own peak counter: ``torch.cuda.reset_peak_memory_stats`` is the
+    program's to call, and resetting it every step would break the program's own figures.
+    Peaks inside a block are missed; the ``auto`` policy's model of the blocks covers them
+    (Note [memory outside the blocks] in actoff.budget)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = self.live()
+
+    def counted(self) -> bool:
+        return True
+
+    def live(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.live())
+
+    def reset(self) -> None:
+        self.peak = self.live()

@@ -6,10 +6,12 @@
   (one call of an offload scope, its records and its pack hook).
 - `runtime`: the process's `Runtime`: it drives scope runs through placement, prefetch in
   backward and release at the end of the step.
-- `auto`: the auto policy's decision after its first step.
+- `auto`: the auto policy: blocks measured, planned under the device budget, checked every step.
+- `measured`: what the auto policy measures of a block, under its key (module and conditions).
+- `checkpoint`: the checkpoint placement: a block's inputs stored, the block run again in backward.
 - `enclosing`: scopes under activation checkpointing: other saved-tensor hooks around a scope,
   and calls during backward.
 - `lock`: the runtime's lock, and releases deferred from the garbage collector.
 - `stats`: per-block figures of the last step (`actoff.stats()`).
-- `distributed`: rank facts, and the one agreement with rank 0's first-step decisions.
+- `distributed`: rank facts, and the one agreement with rank 0's decisions.
 """

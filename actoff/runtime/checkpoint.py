@@ -25,14 +25,16 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from .step import ScopeRun
 
 __all__ = ["run_checkpointed"]
 
 
-def run_checkpointed(runtime: Runtime, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` under reentrant checkpointing (Note [offloaded checkpoint]); the
-    caller has installed the scope's saved-tensor hooks."""
+def run_checkpointed(run: ScopeRun, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` under reentrant checkpointing (Note [offloaded checkpoint]) as
+    ``run``; the caller has installed the scope's saved-tensor hooks. The run again in
+    backward is timed (the run's ``recompute_ms``)."""
+    runtime = run.runtime
     leaves, spec = pytree.tree_flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     backward_always = torch.empty(0, requires_grad=True)
@@ -42,11 +44,16 @@ def run_checkpointed(runtime: Runtime, fn: Callable[..., Any], args: tuple, kwar
         for index, tensor in zip(where, tensors, strict=True):
             values[index] = tensor
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
+        # The forward runs the body without grad; backward runs it again with grad.
+        watch = run.backend.stopwatch().start() if torch.is_grad_enabled() else None
         runtime.thread.disabled += 1  # the recompute in backward is not a scope
         try:
             return fn(*call_args, **call_kwargs)
         finally:
             runtime.thread.disabled -= 1
+            if watch is not None:
+                with runtime.lock:
+                    run.account("recompute_ms", watch.stop())
 
     inputs = [leaves[i] for i in where]
     return torch.utils.checkpoint.checkpoint(body, backward_always, *inputs, use_reentrant=True)

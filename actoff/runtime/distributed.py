@@ -1,15 +1,23 @@
-"""Distributed: rank facts, and the one agreement of every rank with rank 0's first-step decisions.
+"""Distributed: rank facts, and the one agreement of every rank with rank 0's decisions.
 
 Note [one agreement]
 ~~~~~~~~~~~~~~~~~~~~
-Under torch.distributed, the decisions ranks could make apart and then disagree on (the auto
-policy's fractions, the host arena's plan) are rank 0's, broadcast once, unconditionally, at
-the end of the first backward, with whatever rank 0 has by then. A collective is safe only at a
-point every rank reaches whatever its local state (lengths, budgets, timings), or a rank waits
-forever; that end is one. A rank installs rank 0's plan when its own first step traced the same
-buffers (same signature) and plans alone otherwise, as on any later re-plan. Plans are offsets
-into a rank's own arena and never feed a collective, so ranks holding different plans cannot
-deadlock: only the entry into the broadcast must be unconditional.
+Under torch.distributed, the decisions ranks could make apart and then disagree on are rank
+0's, each broadcast once, unconditionally, at the end of a backward counted from the start,
+with whatever rank 0 has by then: the host arena's plan at the end of the first backward, the
+auto policy's placements at the end of the backward that ends its measuring steps (the second:
+its first plan is made there). A collective is safe only at a point every rank reaches whatever
+its local state (lengths, budgets, timings, policy), or a rank waits forever; the end of the
+n-th backward is one. A rank installs rank 0's host plan when its own first step traced the
+same buffers (same signature) and plans alone otherwise, as on any later re-plan: plans are
+offsets into a rank's own arena and never feed a collective. A rank takes rank 0's placements
+by position in its step (modules and devices differ between processes) when its step has as
+many blocks, and replans no more on its own measurements: ranks with the same blocks keep one
+plan. A step of blocks or conditions a rank has not planned (a new length) is planned by that
+rank alone, as a broadcast then could wait on ranks that never run it; placements change where
+and how a block's activations are kept, never which collectives run (a block whose forward
+calls one is never re-run), so ranks holding different plans cannot deadlock. Only the entry
+into each broadcast must be unconditional.
 """
 
 from __future__ import annotations
@@ -19,7 +27,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["agree_with_rank0", "broadcast_from_rank0", "distributed_rank", "local_world_size"]
+__all__ = [
+    "agree_on_auto",
+    "agree_with_rank0",
+    "broadcast_from_rank0",
+    "distributed_rank",
+    "local_world_size",
+]
 
 
 def local_world_size() -> int:
@@ -55,19 +69,27 @@ def broadcast_from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def agree_with_rank0(auto_decisions: dict, plans: dict, plan_now: Callable[[], None]) -> None:
-    """Call at the first backward's end, on every rank exactly once (Note [one agreement]).
+def agree_with_rank0(plans: dict, plan_now: Callable[[], None]) -> None:
+    """Call at the end of the first backward, on every rank exactly once (Note [one agreement]).
 
-    Rank 0 first makes its plans (``plan_now``: from the cache or a solve); every rank then
-    takes rank 0's auto decisions, and ranks other than 0 its plans for traces they share.
+    Rank 0 first makes its plans (``plan_now``: from the cache or a solve); ranks other than 0
+    then take its host plans for traces they share.
     """
     rank = distributed_rank()
     if rank is None:
         return
     if rank == 0:
         plan_now()
-    shared = broadcast_from_rank0({"auto": auto_decisions, "plans": dict(plans) if rank == 0 else {}})
-    auto_decisions.update(shared["auto"])  # rank 0's where it has one (a pipeline stage may not)
+    shared = broadcast_from_rank0(dict(plans) if rank == 0 else {})
     if rank != 0:
-        for signature, layout in shared["plans"].items():
+        for signature, layout in shared.items():
             plans.setdefault(signature, dataclasses.replace(layout, method=f"rank 0 ({layout.method})"))
+
+
+def agree_on_auto(auto: Any) -> None:
+    """Call at the end of the backward that ends the auto policy's measuring steps, on every
+    rank exactly once, whatever its policy (Note [one agreement]): every rank takes rank 0's
+    auto plan (``auto``: an `actoff.runtime.auto.AutoPlanner`)."""
+    if distributed_rank() is None:
+        return
+    auto.adopt(broadcast_from_rank0(auto.export()))

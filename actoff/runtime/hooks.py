@@ -212,7 +212,7 @@ def _unpack_kept(alias: torch.Tensor, version: int, run: ScopeRun) -> torch.Tens
     if alias._version != version:
         raise modified_error(alias.shape, alias.dtype, run.name, alias._version, version)
     step = run.step  # a first unpack outside backward (grad_fn._saved_self) queued nothing
-    if not run.fetch_issued or not step.callback_queued or (run.index and step.runs[run.index - 1].fetching):
+    if not run.window_issued or not step.callback_queued or (run.index and step.runs[run.index - 1].fetching):
         with run.runtime.lock:
             run.reached()
     return alias

@@ -10,7 +10,8 @@ Data flow of one step (the README's "How it works" has the map of modules):
 3. Backward: the first unpack in a run fetches all of that run's records and prefetches the
    previous run's; unpack waits on exactly the record it serves.
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
-   evicted, the auto policy decides, ranks agree (actoff.runtime.distributed), statistics are
+   evicted, the auto policy measures, plans or replans (actoff.runtime.auto), ranks agree
+   (actoff.runtime.distributed), statistics are
    published, and the host arena is laid out for the next steps (actoff.memory.arenas).
    Under ``ACTOFF_ALLOCATOR=replay`` a step is also the replay allocator's window, from its
    first scope to here (actoff.memory.replay_steps).
@@ -46,7 +47,7 @@ from actoff.memory.arenas import Arenas
 from actoff.memory.host_arena import HostArena
 from actoff.memory.replay_steps import ReplayDrivers
 from actoff.planner import Layout
-from actoff.policy import TOKENWISE_POLICIES, AutoDecision, budget_share, runs_to_place, whole_tier
+from actoff.policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
 from actoff.tiers.nvme.store import StoreRegistry
 from actoff.tiers.record import Record, State, serve
 from actoff.tiers.registry import TIERS, tier_named
@@ -55,12 +56,13 @@ from actoff.tiers.tokenwise.probes import ByOwner, ModuleProbes
 from actoff.tiers.tokenwise.run import TokenwiseRun
 
 from .arguments import find_device, param_storages
-from .auto import decide_auto
+from .auto import MEASURE_STEPS, AutoPlanner
 from .checkpoint import run_checkpointed
-from .distributed import agree_with_rank0, local_world_size
+from .distributed import agree_on_auto, agree_with_rank0, local_world_size
 from .enclosing import enclosing, hooks_kind, warn_enclosed
 from .hooks import unpack
 from .lock import RuntimeLock
+from .measured import BlockKey, block_key, classes, input_bytes
 from .stats import BlockStats, Stats, collect, snapshot
 from .step import ScopeRun, Step
 
@@ -93,10 +95,9 @@ class Runtime:
         self.last_stats: dict[str, BlockStats] = {}
         # What probes learned, per module by identity (Note [probes per module and conditions])
         self.probe_results: ByOwner[ModuleProbes] = ByOwner()
-        self.auto_decisions: dict[str, AutoDecision] = {}  # by block name
+        self.auto = AutoPlanner()  # the auto policy's measurements and plans
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
-        self.agreed = False  # Note [one agreement]: rank 0's first-step decisions are in
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         self.stores = StoreRegistry()
@@ -115,23 +116,34 @@ class Runtime:
         """Run ``fn(*args, **kwargs)`` as an offload scope (or pass through, see `passes_through`)."""
         if self.passes_through(module):
             return fn(*args, **kwargs)
-        run = self.enter_scope(name, config, module, find_device(args, kwargs, module))
+        device = find_device(args, kwargs, module)
+        key = None
+        if config.policy == "auto":
+            key = block_key(module if module is not None else fn, module, args, kwargs, device)
+        run = self.enter_scope(name, config, module, device, auto_key=key)
         try:
             tokenwise = run.tokenwise
-            if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module):
+            if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module, run.auto_key):
                 run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
+            if run.auto_key is not None:  # timed for the auto policy (actoff.runtime.auto)
+                if run.placement is None:
+                    run.input_bytes = input_bytes(run)
+                run.auto_key.values = []  # the inputs: held no longer than the forward needs them
+                run.forward_watch = run.backend.stopwatch().start()
+                if tokenwise is not None:
+                    tokenwise.mixer_watches = []
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
-                if config.policy == "checkpoint":
-                    output = run_checkpointed(self, fn, args, kwargs)
+                if run.checkpointed:
+                    output = run_checkpointed(run, fn, args, kwargs)
                 elif tokenwise is None:
                     output = fn(*args, **kwargs)
                 else:
-                    tokenwise.forward_watch = run.backend.stopwatch().start()
                     probing = tokenwise.probed is None
                     watch = CollectiveWatch(tokenwise) if probing else contextlib.nullcontext()
                     with CaptureMode(tokenwise), watch:
                         output = fn(*args, **kwargs)
-                    tokenwise.forward_watch.stop()
+            if run.forward_watch is not None:
+                run.forward_watch.stop()
         except BaseException:
             self.exit_scope(run, failed=True)
             raise
@@ -170,9 +182,12 @@ class Runtime:
         module: torch.nn.Module | None,
         device: torch.device,
         tokenwise: bool = True,
+        auto_key: BlockKey | None = None,
     ) -> ScopeRun:
         """Open a run as the thread's current one (`exit_scope` closes it); the caller checked
-        `passes_through` and installs the hooks (`call`; actoff.scope.compile: Note [compile])."""
+        `passes_through` and installs the hooks (`call`; actoff.scope.compile: Note [compile]).
+        Under ``auto`` (``auto_key``) the plan places the run: kept, checkpointed or token-wise
+        (actoff.runtime.auto)."""
         with self.lock:
             step = self.step
             module_id = id(module) if module is not None else None
@@ -194,6 +209,11 @@ class Runtime:
                 device, settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
             )
             run = ScopeRun(self, step, name, config, backend, param_storages(module))
+            if auto_key is not None:
+                self.auto.place(run, auto_key)
+                run.kept = run.placement is not None and run.placement.kind == "keep"  # Note [kept as is]
+                run.checkpointed = run.placement is not None and run.placement.kind == "checkpoint"
+                tokenwise = not (run.kept or run.checkpointed)
             if tokenwise and config.policy in TOKENWISE_POLICIES:
                 run.tokenwise = TokenwiseRun(run)
             step.runs.append(run)
@@ -221,17 +241,21 @@ class Runtime:
                 tokenwise.prepare(self)
                 if tokenwise.saved_elsewhere is not None:
                     self._warn_checkpointed(run)
-                if not tokenwise.split_records and not tokenwise.probe_pending:
-                    # Nothing will be re-run: inputs and mixer outputs only actoff holds go now.
-                    unneeded, tokenwise.owned = tokenwise.owned, []
+            if run.auto_key is not None:
+                run.classes = classes(run)
+            if tokenwise is not None and not tokenwise.split_records and not tokenwise.probe_pending:
+                # Nothing will be re-run: inputs and mixer outputs only actoff holds go now.
+                unneeded, tokenwise.owned = tokenwise.owned, []
         del unneeded  # outside the lock: released at once, never placed (no copy out)
         with self.lock:
             step = run.step
-            if run.config.policy != "keep":
+            if not run.kept:
                 step.pending.append(run)
                 for _ in range(runs_to_place(len(step.pending), run.config.keep_last)):
                     self._place(step.pending.popleft())
             step.progress()
+            if run.auto_key is not None:  # placed: what it let go of is not the head's
+                self.auto.sealed(run)
 
     def _warn_checkpointed(self, run: ScopeRun) -> None:
         """A token-wise run whose body checkpoints itself (Note [under checkpointing])."""
@@ -291,18 +315,19 @@ class Runtime:
             step.callback_queued = False
             # Copies still running are timed when the next step begins (the host never waits).
             step.harvest(block=False)
-            decide_auto(self, step)
+            self.auto.end_step(self, step)
             for run in step.runs:
                 for record in run.all_records():
                     # Kept for retain_graph: drop the device copy; the stored copy stays.
                     record.tier.evict(record)
-                run.fetch_issued = False
+                run.fetch_issued = run.window_issued = False
                 if run.tokenwise is not None:
                     run.tokenwise.recomputed_rows = None
             self.steps_completed += 1
-            if not self.agreed:
-                self.agreed = True
-                agree_with_rank0(self.auto_decisions, self.plans, lambda: self._publish(step))
+            if self.steps_completed == 1:  # Note [one agreement]
+                agree_with_rank0(self.plans, lambda: self._publish(step))
+            if self.steps_completed == MEASURE_STEPS:
+                agree_on_auto(self.auto)
             self._publish(step)
             self.replay.end(self.warn_once)  # last: it may raise what the allocator recorded
 
@@ -358,7 +383,7 @@ class Runtime:
                 blocks = collect(step)
                 if step.backward_started:
                     self.last_stats = blocks
-            return snapshot(blocks, self.steps_completed, self.arenas, self.stores, self.auto_decisions)
+            return snapshot(blocks, self.steps_completed, self.arenas, self.stores, self.auto)
 
     def close(self) -> None:
         """Forget the step, statistics and host arenas; close NVMe stores (removing their files)."""
@@ -370,7 +395,7 @@ class Runtime:
             # the copies that still touch returned ones (HostArena's finalizer).
             self.arenas = Arenas()
             self.probe_results, self._warned = ByOwner(), set()
-            self.auto_decisions, self.plans, self.agreed = {}, {}, False
+            self.auto, self.plans = AutoPlanner(), {}
             self.stores.close()
             self.replay.close()
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from actoff.memory.device_arena import DeviceArena
     from actoff.tiers.nvme.store import StoreRegistry
 
+    from .auto import AutoPlanner
     from .step import Step
 
 __all__ = ["BlockStats", "Stats", "collect", "copy_stats", "snapshot"]
@@ -42,6 +43,14 @@ class BlockStats:
     recompute_ms: float = 0.0  # time of token-wise re-forwards in backward
     probes: int = 0  # re-forwards that planned a new module or new conditions (batch, length, ...)
     forwarded: int = 0  # unpacks served by a still-live tensor instead of a fetch
+    # The auto policy (actoff.runtime.auto): the block's placement in the step ("measuring
+    # (recompute)" before its plan; "" under other policies), the forward's measured time,
+    # and its time as predicted by the plan that ran ("" before one) and as measured: the
+    # forward plus what the placement added in backward (recompute, waits for copies).
+    placement: str = ""
+    forward_ms: float = 0.0
+    predicted_ms: float = 0.0
+    measured_ms: float = 0.0
 
     @property
     def bytes_offloaded(self) -> int:
@@ -67,7 +76,24 @@ class Stats:
     host_allocations: int = 0  # host buffers ever allocated (constant after the first step)
     nvme_file_bytes: int = 0  # size of the NVMe files
     io_backend: str = "none"  # I/O engine of the NVMe tier, once used
-    auto: dict = field(default_factory=dict)  # block -> actoff.tiers.tokenwise.run.AutoDecision
+    auto: dict = field(default_factory=dict)  # block name -> actoff.policy.AutoDecision
+    #: The auto policy's plan in force (actoff.runtime.auto): what it is and why, the budget,
+    #: the memory outside the blocks it assumed, the step's device peak and the blocks' time
+    #: (forwards plus what placements add) it predicts, and the replans so far ("none" and
+    #: zeros without a plan). Then the last plan a step ran (the one in force, or the one a
+    #: replan replaced): its prediction and that step's measurement.
+    plan: str = "none"
+    plan_reason: str = ""
+    budget_bytes: int = 0
+    outside_bytes: int = 0
+    predicted_peak_bytes: int = 0
+    predicted_step_ms: float = 0.0
+    replans: int = 0
+    measured_plan: str = "none"
+    measured_predicted_peak_bytes: int = 0
+    measured_peak_bytes: int | None = None
+    measured_predicted_step_ms: float = 0.0
+    measured_step_ms: float | None = None
     host_plan: str = "none"  # the host arena's plan: "greedy:...", "mip", "cache", "rank 0 (...)"
     #: The device arena (actoff.memory.device_arena; none on a plain CPU device or with the planner
     #: off): most bytes of its buffers alive at once in the last step (those of the step before
@@ -109,6 +135,9 @@ class Stats:
             "wait ms",
             "recompute ms",
         )
+        planned = any(block.placement for block in self.blocks.values())
+        if planned:  # the auto policy's columns
+            header += ("placement", "pred ms", "meas ms")
         rows = [header]
         for block in self.blocks.values():
             rows.append(
@@ -122,6 +151,7 @@ class Stats:
                     f"{block.fetch_ms:.2f}",
                     f"{block.wait_ms:.2f}",
                     f"{block.recompute_ms:.2f}",
+                    *(_plan_cells(block) if planned else ()),
                 )
             )
         totals = BlockStats("total")
@@ -144,8 +174,10 @@ class Stats:
                 f"{totals.fetch_ms:.2f}",
                 f"{totals.wait_ms:.2f}",
                 f"{totals.recompute_ms:.2f}",
+                *(("", f"{self.predicted_step_ms:.2f}" if self.plan != "none" else "",
+                   f"{sum(b.measured_ms for b in self.blocks.values()):.2f}") if planned else ()),
             )
-        )
+        )  # fmt: skip
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = [
             "  ".join(
@@ -171,20 +203,44 @@ class Stats:
                 f"{self.device_solve_s * 1e3:.1f} ms), {self.device_divergences} divergence(s), "
                 f"{self.device_fallbacks} fallback(s), {self.device_plans} plan(s) kept"
             )
+        if self.plan != "none":
+            lines.append(
+                f"auto plan: {self.plan} ({self.plan_reason}); budget {format_bytes(self.budget_bytes)}, "
+                f"outside the blocks {format_bytes(self.outside_bytes)}; predicted device peak "
+                f"{format_bytes(self.predicted_peak_bytes)}, blocks' time {self.predicted_step_ms:.2f} ms; "
+                f"{self.replans} replan(s)"
+            )
+        if self.measured_plan != "none":
+            peak = (
+                "not counted" if self.measured_peak_bytes is None else format_bytes(self.measured_peak_bytes)
+            )
+            lines.append(
+                f"auto last step ran {self.measured_plan}: device peak {peak} (predicted "
+                f"{format_bytes(self.measured_predicted_peak_bytes)}), blocks' time {self.measured_step_ms:.2f} ms "
+                f"(predicted {self.measured_predicted_step_ms:.2f} ms)"
+            )
         for name, decision in self.auto.items():
             lines.append(
-                f"auto {name}: cpu {decision.cpu_fraction:.2f}, nvme {decision.nvme_fraction:.2f} "
-                f"({decision.reason}; link {decision.bandwidth_gbps:.1f} GB/s, block forward "
-                f"{decision.t_layer_ms:.2f} ms, input {format_bytes(decision.input_bytes)}, attention "
-                f"{format_bytes(decision.attention_bytes)}, other {format_bytes(decision.other_bytes)})"
+                f"auto {name}: {decision.placement}, cpu {decision.cpu_fraction:.2f}, nvme "
+                f"{decision.nvme_fraction:.2f} ({decision.reason}; link {decision.bandwidth_gbps:.1f} GB/s, "
+                f"block forward {decision.t_layer_ms:.2f} ms, attention {decision.attention_ms:.2f} ms, input "
+                f"{format_bytes(decision.input_bytes)}, attention {format_bytes(decision.attention_bytes)}, "
+                f"other {format_bytes(decision.other_bytes)})"
             )
         return "\n".join(lines)
+
+
+def _plan_cells(block: BlockStats) -> tuple[str, str, str]:
+    if not block.placement:
+        return ("", "", "")
+    predicted = f"{block.predicted_ms:.2f}" if block.predicted_ms else ""
+    return (block.placement, predicted, f"{block.measured_ms:.2f}")
 
 
 _SUMMED = (
     "tensors", "bytes_saved", "dedup_hits", "skipped_param_bytes", "skipped_small_bytes",
     "skipped_other_bytes", "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms",
-    "fetch_ms", "wait_ms", "recompute_ms", "probes",
+    "fetch_ms", "wait_ms", "recompute_ms", "probes", "forward_ms", "predicted_ms", "measured_ms",
 )  # fmt: skip
 
 
@@ -199,6 +255,8 @@ def collect(step: Step) -> dict[str, BlockStats]:
         block.calls += 1
         for name in _SUMMED:
             setattr(block, name, getattr(block, name) + getattr(source, name))
+        if source.placement and source.placement not in block.placement.split(", "):
+            block.placement = ", ".join(filter(None, (block.placement, source.placement)))
         for tier, nbytes in source.bytes_per_tier.items():  # runs kept as is (actoff.runtime.step)
             block.bytes_per_tier[tier] += nbytes
         for record in run.records:
@@ -216,7 +274,7 @@ def copy_stats(block: BlockStats) -> BlockStats:
 
 
 def snapshot(
-    blocks: dict[str, BlockStats], steps: int, arenas: Arenas, stores: StoreRegistry, auto: dict
+    blocks: dict[str, BlockStats], steps: int, arenas: Arenas, stores: StoreRegistry, auto: AutoPlanner
 ) -> Stats:
     """A `Stats` of the runtime's figures: blocks copied, host arenas and NVMe stores summed."""
     return Stats(
@@ -227,7 +285,8 @@ def snapshot(
         host_allocations=sum(a.num_allocations for a in arenas.values()),
         nvme_file_bytes=stores.file_bytes(),
         io_backend=stores.backend_name(),
-        auto=dict(auto),
+        auto=auto.decisions(),
+        **auto.summary(),
         host_plan=next((a.plan_method for a in arenas.values() if a.plan is not None), "none"),
         **_device_arena_figures(arenas.on_device.values()),
     )

@@ -23,10 +23,13 @@ from .hooks import Handle, PackHook
 from .stats import BlockStats
 
 if TYPE_CHECKING:
+    from actoff.budget import Placement
+    from actoff.device.base import Stopwatch
     from actoff.memory.host_arena import HostArena
     from actoff.tiers.nvme.store import NvmeStore
     from actoff.tiers.tokenwise.run import TokenwiseRun
 
+    from .measured import BlockKey
     from .runtime import Runtime
 
 __all__ = ["ScopeRun", "Step"]
@@ -47,6 +50,10 @@ class Step:
         self.backward_started = False
         self.callback_queued = False
         self.aborted = False
+        # Runs prefetched ahead of the one backward is in (the auto policy's plan may raise it)
+        self.depth = 1
+        self.auto_seen: collections.Counter = collections.Counter()  # auto runs per block key so far
+        self.auto_peaks = [0, 0]  # device peaks of the forward and the head (actoff.runtime.auto)
 
     def harvest(self, *, block: bool) -> None:
         """Add the times of copies that were in flight when accounted (`ScopeRun.account`):
@@ -110,16 +117,30 @@ class ScopeRun(PackHook):
         self.kept = config.policy == "keep"  # Note [kept as is]
         self.live = 0  # records not yet released
         self.fetch_issued = False
+        self.window_issued = False  # the runs before it prefetched (at its first unpack)
         self.fetching: list[Record] = []  # records the prefetch left FETCHING, for `poll`
         # Token-wise state while the run may be split by token; None for runs placed whole.
         self.tokenwise: TokenwiseRun | None = None
+        # The whole block runs again in backward, only its inputs stored (actoff.runtime.checkpoint)
+        self.checkpointed = config.policy == "checkpoint"
+        # The auto policy (actoff.runtime.auto): the block's key (None: not planned), its
+        # placement (None: measuring), token fractions, bytes by class, the forward's time.
+        self.auto_key: BlockKey | None = None
+        self.placement: Placement | None = None
+        self.auto_fractions: tuple[float, float] | None = None
+        self.classes: tuple[int, int, int, bool] | None = None
+        self.input_bytes = 0  # its tensor inputs' bytes, while it measures
+        self.forward_watch: Stopwatch | None = None
 
     def reached(self) -> None:
         """Backward unpacks this run (the runtime's lock held): at its first unpack queue the
-        end-of-backward callback, bring back this run's records and prefetch the previous run's;
-        later, move the previous run's prefetches on."""
+        end-of-backward callback, bring back this run's records and prefetch the records of the
+        ``step.depth`` runs before it; later, move those prefetches on."""
         step = self.step
-        step.backward_started = True
+        if not step.backward_started:
+            step.backward_started = True
+            if step.auto_seen:
+                self.runtime.auto.backward_starts(self)
         arena = self.runtime.arenas.on_device.get(self.device)
         if arena is not None:
             arena.unpacked()  # the tenants that die from now to the next unpack are a wave
@@ -133,10 +154,17 @@ class ScopeRun(PackHook):
                 pass  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
         if not self.fetch_issued:
             self.prefetch()
-            if self.index > 0:
-                step.runs[self.index - 1].prefetch()
-        elif self.index > 0:
-            step.runs[self.index - 1].poll()
+        window = step.runs[max(0, self.index - step.depth) : self.index]
+        if not self.window_issued:
+            self.window_issued = True
+            for run in reversed(window):  # the next one backward reaches first
+                if not run.fetch_issued:
+                    run.prefetch()
+            if self.auto_key is not None:
+                self.runtime.auto.sample(self)  # the prefetches' buffers are taken now
+        else:
+            for run in reversed(window):
+                run.poll()
         tokenwise = self.tokenwise
         if tokenwise is not None and tokenwise.probe_pending:
             tokenwise.probe_now()  # Note [probe in the first backward] (actoff.tiers.tokenwise.run)

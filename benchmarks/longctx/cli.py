@@ -27,11 +27,13 @@ import threading
 import time
 
 import torch
-from _common import JsonLines, print_header, system_header, write_json
+from _common import JsonLines, format_table, print_header, system_header, write_json
 
 import actoff
 
 from . import calibrate
+from .budgets import AUTO_WARMUP, SWEEP_POLICIES, print_sweep
+from .budgets import sweep as budget_sweep
 from .ddp import gather_to_rank0, host_store, torchrun_launch
 from .emulate import check_emulation, scaled_budget
 from .maxseq import find_max
@@ -171,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a CPU: the tunnel against the committed H100 run (7B-shaped, 4 layers, 8k and 32k): "
         "step-time ratios to none side by side with their errors",
     )
+    parser.add_argument(
+        "--budgets",
+        type=int,
+        help="N device budgets from keep's peak down to the floor (the least peak of the policies), every "
+        "policy under each at one length: on a CPU the simulated device's capacity with the tunnel's link, on "
+        "CUDA ACTOFF_GPU_BUDGET and a hard cap; auto's step time against the fastest that fits (default "
+        "policies: " + ", ".join(SWEEP_POLICIES) + ")",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
 
@@ -187,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.calibrate:
         return _calibrate(args)
+    if args.budgets is not None:
+        return _budgets(args)
     preset_name = args.preset or ("7b" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[preset_name]
     if preset_name != "cpu" and not torch.cuda.is_available() and not args.shrink:
@@ -275,6 +287,52 @@ def _calibrate(args: argparse.Namespace) -> int:
         records = [r for _, recs in runs.values() for r in recs]
         write_json(args.json, header, records, calibration=rows, tunnel=tunnels)
     return 0 if all(row["within"] for row in rows) else 1
+
+
+def _budgets(args: argparse.Namespace) -> int:
+    """``--budgets N``: the budget sweep at one length (Note [a budget sweep])."""
+    if args.budgets < 1:
+        raise SystemExit(f"--budgets {args.budgets}: give a count of budgets >= 1")
+    if args.find_max_seq:
+        raise SystemExit("--budgets and --find-max-seq answer different questions: run them apart")
+    cuda = torch.cuda.is_available()
+    if args.policies is None:
+        args.policies = ",".join(SWEEP_POLICIES)
+    policies = _policies(args, cuda)
+    preset_name = args.preset or ("7b" if cuda else "cpu")
+    preset = PRESETS[preset_name]
+    like = _like(args, cuda, preset)
+    seq = parse_lengths(args.seq or preset["seq"])[0]
+    nvme_dir = args.nvme_dir or tempfile.mkdtemp(prefix="actoff-bench-")
+    base = {**_base_spec(args, preset, nvme_dir, capped=False), "interleave": False}
+    base["warmup"] = max(base["warmup"], AUTO_WARMUP)  # auto's timed steps run its plan
+    header = system_header(nvme_dir)
+    header.update(_describe(base, preset_name, None))
+    if like is not None:
+        tunnel = _scale_tunnel(like, base, [seq], header)
+        base["tunnel"] = {
+            "bandwidth": {str(seq): tunnel[seq]["bandwidth"]},
+            "pageable_rate": like.gpu.pageable,
+        }
+    header["budgets"] = (
+        f"{args.budgets} from keep's peak down to the floor at seq {seq} (Note [a budget sweep])"
+    )
+    print_header("actoff long-context benchmark: device budgets", header)
+    out = JsonLines(args.jsonl, header)
+    try:
+        uncapped, capped, budgets = budget_sweep(policies, base, seq, args.budgets, _time_left(args), out)
+    finally:
+        out.close()
+        if not args.nvme_dir:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+    add_derived(uncapped)
+    print(format_table(uncapped, [("policy", "policy"), ("status", "status"), ("step_ms", "step ms"),
+                                  ("step_vs_none", "x none"), ("peak_allocated_bytes", "peak bytes")]))  # fmt: skip
+    print("\nwithout a cap: each policy's device peak sets the budgets\n")
+    summary = print_sweep(capped, budgets, policies)
+    if args.json:
+        write_json(args.json, header, uncapped + capped, budgets=budgets, summary=summary)
+    return 0 if all(line["met"] for line in summary) else 1
 
 
 def _serve_worker(spec: dict) -> int:

@@ -14,6 +14,7 @@ from _common import JsonLines, format_table, write_json
 
 import actoff
 
+from .budgets import AUTO_WARMUP
 from .plots import plot_max_seq
 from .policies import is_actoff_policy, split_variants
 from .worker import run_one
@@ -70,6 +71,10 @@ def _probe(policy: str, base: dict, seq: int, timeout_s, on_record, clock: Probe
         raise TimeoutError(f"the probe at {seq} would need about {predicted:.0f} s; {left:.0f} s left")
     limit = left if predicted is None else min(left, PROBE_MARGIN * predicted + PROBE_SLACK_S)
     spec = {"steps": 1, "warmup": 1, **base, "policy": policy, "seq": seq}
+    if policy.startswith("auto"):
+        # Its measuring steps, its first plan, then the plan calibrated on that one's step: the
+        # probe's measured step (Note [calibrated plans] in actoff.runtime.auto).
+        spec["warmup"] = max(spec["warmup"], AUTO_WARMUP + 1)
     started = time.monotonic()
     status = run_one(spec, limit, on_record)[0]["status"]
     if status == "timeout":  # cut off, not failed: it says nothing about the length

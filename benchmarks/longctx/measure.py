@@ -158,7 +158,7 @@ def measure(
     hooks = timeline.watch(model.layers)
     extra: dict = {}
     try:
-        with _tunnel(spec, seq):
+        with _tunnel(spec, seq, capped):
             static_bytes, times, peaks = _run_steps(spec, step, model, cuda, capped, ballast, seq, extra)
         stats = actoff.stats()  # of the timed steps
         memory_fields = _memory_fields(spec, step, model, tokens, static_bytes, stats, ballast)
@@ -195,10 +195,11 @@ def measure(
     return record
 
 
-def _tunnel(spec: dict, seq: int):
+def _tunnel(spec: dict, seq: int, capped=None):
     """The warm-up and timed steps' device: under ``--like``, the simulated device with the link
-    rate scaled for this length (Note [scaling the tunnel]), copies without random delays;
-    else the worker's own."""
+    rate scaled for this length (Note [scaling the tunnel]), copies without random delays, and
+    on a capped device (``capped``: Note [a capped device on a CPU]) that device's memory, so
+    that its capacity and counts are the tunnel's (auto plans under them); else the worker's own."""
     import contextlib
 
     from actoff.testing import simulated_device
@@ -208,7 +209,7 @@ def _tunnel(spec: dict, seq: int):
     if rate is None:
         return contextlib.nullcontext()
     return simulated_device(seed=0, max_delay_s=0.0, max_lag_s=0.0, bandwidth=rate, track_memory=False,
-                            pageable_rate=tunnel["pageable_rate"])  # fmt: skip
+                            pageable_rate=tunnel["pageable_rate"], memory=capped)  # fmt: skip
 
 
 def _run_steps(spec: dict, step: Step, model, cuda: bool, capped, ballast, seq: int,
@@ -303,6 +304,8 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
         "wait_ms": sum(b.wait_ms for b in blocks),
         "recompute_ms": sum(b.recompute_ms for b in blocks),
         "auto": {name: vars(d) for name, d in list(stats.auto.items())[:1]},
+        "auto_plan": None if stats.plan == "none" else stats.plan,
+        "auto_replans": stats.replans,
         "host_arena_bytes": stats.host_capacity,
         # actoff's device arena: its planned size and the lower bound no layout undercuts
         "device_plan_bytes": stats.device_plan_bytes,

@@ -47,6 +47,9 @@ def worker(spec: dict):
         start_history()  # before the model: every live block then carries its stack
     # (Note [a capped device on a CPU]) With ACTOFF_SIM_DEVICE_MEMORY the whole worker, model
     # included, runs on the simulated device's memory, which raises out of memory past the cap.
+    if cuda and spec.get("budget_bytes"):  # Note [a budget sweep]: the budget is a hard cap too
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["budget_bytes"] / total), device)
     with _capped_device_memory(cuda) as memory:
         torch.manual_seed(0)
         model, net, step_context, adapters = _prepare(spec, config, device)
@@ -64,6 +67,8 @@ def worker(spec: dict):
                 **{key: spec[key] for key in ("policy", "batch", "model", "layers", "dtype")},
                 "seq": seq,
             }
+            if "budget_bytes" in spec:  # Note [a budget sweep]
+                record["budget_bytes"] = spec["budget_bytes"]
             if ddp is not None:
                 record["rank"] = ddp["rank"]
             if adapters:
@@ -161,6 +166,8 @@ def _worker_env(spec: dict) -> dict | None:
              for key, value in ALLOCATOR_VARIANTS.get(variant, {}).items()}  # fmt: skip
     if spec.get("sim_memory"):  # Note [a capped device on a CPU]
         extra.update(ACTOFF_SIM_DEVICE="1", ACTOFF_SIM_DEVICE_MEMORY=f"{spec['sim_memory']}B")
+    elif spec.get("budget_bytes"):  # Note [a budget sweep]: on CUDA, auto's budget
+        extra.update(ACTOFF_GPU_BUDGET=f"{spec['budget_bytes']}B")
     if spec.get("host_budget"):  # scaled under --emulate-layers (Note [emulated layers])
         extra["ACTOFF_HOST_BUDGET"] = f"{spec['host_budget']}B"
     return {**os.environ, **extra} if extra else None

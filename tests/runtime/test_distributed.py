@@ -26,9 +26,10 @@ SCRIPT = textwrap.dedent(
         base = make_model()
         expected = train_ddp(copy.deepcopy(base), [33] * 3, rank)
         model = copy.deepcopy(base)
-        extra = {{"host_bandwidth": f"{{50 * (rank + 1)}}MB"}} if policy == "auto" else {{}}  # ranks measure apart
+        # auto: ranks measure apart, under a budget (a CPU device has none) that forces offloading
+        extra = {{"host_bandwidth": f"{{50 * (rank + 1)}}MB", "gpu_budget": "400KiB"}} if policy == "auto" else {{}}
         actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0, nvme_dir=nvme_dir, **extra)
-        actual = train_ddp(model, [33] * 3, rank)
+        actual = train_ddp(model, [33] * 3, rank)  # auto: measures two steps, plans, runs rank 0's plan
         for (la, ga), (lb, gb) in zip(expected, actual):
             if policy == "auto":  # recompute: float32 reassociation at most
                 assert torch.allclose(la, lb, rtol=1e-5, atol=1e-6), (rank, la, lb)
@@ -39,7 +40,9 @@ SCRIPT = textwrap.dedent(
         if policy != "auto":
             assert actoff.stats().total_bytes_offloaded > 0
         else:  # compared across ranks by the test (see _write_result)
-            _write_result(out, rank, {{k: vars(v) for k, v in actoff.stats().auto.items()}})
+            stats = actoff.stats()
+            assert stats.plan != "none" and all(b.placement != "keep" for b in stats.blocks.values())
+            _write_result(out, rank, {{k: vars(v) for k, v in stats.auto.items()}})
         if policy == "nvme":  # the rank's own file, named for messages only: none on disk
             from actoff.runtime.runtime import get_runtime
 

@@ -32,7 +32,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from .link import Link, sleep_until
-from .memory import DeviceMemory, poison
+from .memory import DeviceMemory, PeakWatch, poison
 from .streams import ComputeStream, Gate, SideStream
 
 __all__ = [
@@ -169,6 +169,16 @@ class SimStreams:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
+    def link_rate(self) -> float | None:
+        """The link's modelled rate in bytes per second each way (None: copies at memcpy speed)."""
+        return self.settings.bandwidth
+
+    def default_budget(self) -> int | None:
+        return self.memory.capacity  # the whole of it: no context, no fragmentation here
+
+    def memory_watch(self) -> PeakWatch:
+        return self.memory.watch()
+
     def host_empty(self, nbytes: int) -> torch.Tensor:
         with no_dispatch():  # host memory: not the device's
             buffer = torch.empty(nbytes, dtype=torch.uint8)
@@ -296,7 +306,7 @@ class SimStreams:
             gate.open.set()
         for stream in self._side:
             stream.items.put(("stop", None))
-        self.compute.lagging.put((None, 0.0, ()))
+        self.compute.lagging.put((None, 0.0, (), 0.0))
         for worker in (*(stream.thread for stream in self._side), self.compute.thread):
             if worker is not threading.current_thread():
                 worker.join(timeout_s)

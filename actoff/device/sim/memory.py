@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BLOCK", "DeviceMemory", "poison"]
+__all__ = ["BLOCK", "DeviceMemory", "PeakWatch", "poison"]
 
 #: CUDA's caching allocator hands out multiples of this many bytes (Note [block sizes]).
 BLOCK = 512
@@ -72,10 +72,30 @@ class DeviceMemory(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes, until the storage dies
         self._lock = threading.Lock()
+        # Weak references without callbacks: read under the lock, which a WeakSet's removals
+        # (running finalizers, `_free` among them) would take again.
+        self._watches: list[weakref.ref[PeakWatch]] = []
+        self.entered = 0  # the mode's depth: counting only while it is above 0
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now."""
         self.peak = self.live
+
+    def watch(self) -> PeakWatch:
+        """A peak of its own, reset apart from ``peak`` (which the program owns)."""
+        watch = PeakWatch(self)
+        with self._lock:
+            self._watches = [ref for ref in self._watches if ref() is not None]
+            self._watches.append(weakref.ref(watch))
+        return watch
+
+    def __enter__(self) -> DeviceMemory:
+        self.entered += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.entered -= 1
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -109,8 +129,45 @@ class DeviceMemory(TorchDispatchMode):
             self._sizes[key] = size
             self.live += size
             self.peak = max(self.peak, self.live)
+            for ref in self._watches:
+                watch = ref()
+                if watch is not None and self.live > watch.peak:
+                    watch.peak = self.live
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
         with self._lock:
             self.live -= self._sizes.pop(key, 0)
+
+
+class PeakWatch:
+    """The most bytes a `DeviceMemory` held at once since `reset`: the auto policy's window
+    (one step) on the simulated device, kept apart from the memory's own ``peak``, which the
+    program (a benchmark's phases) resets as it likes.
+
+    >>> memory = DeviceMemory()
+    >>> watch = memory.watch()
+    >>> with memory:
+    ...     x = torch.ones(256)
+    >>> memory.reset_peak(); del x
+    >>> watch.counted(), watch.peak, memory.peak
+    (False, 1024, 1024)
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
+        self.peak = memory.live
+
+    def counted(self) -> bool:
+        """Whether the device's memory is being counted now (its mode entered)."""
+        return self.memory.entered > 0
+
+    def live(self) -> int:
+        return self.memory.live
+
+    def sample(self) -> None:
+        """Nothing to do: every allocation updates the peak."""
+
+    def reset(self) -> None:
+        """Start a new window from the bytes live now."""
+        self.peak = self.memory.live

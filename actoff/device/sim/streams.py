@@ -133,13 +133,14 @@ class ComputeStream:
         self.rng = random.Random(seed)
         self.lagging: queue.SimpleQueue = queue.SimpleQueue()
         self.last_due = 0.0
+        self.last_time = 0.0  # of the last event completed (the worker thread's)
         self.waited: list[SimEvent] = []  # side events this stream waits on, not yet done
         self.thread = threading.Thread(target=self._complete, name="actoff-simcompute", daemon=True)
         self.thread.start()
 
     def _complete(self) -> None:
         while True:
-            event, due, after = self.lagging.get()
+            event, due, after, recorded = self.lagging.get()
             if event is None:
                 return
             self.streams.compute_gate.open.wait()
@@ -148,7 +149,12 @@ class ComputeStream:
                 time.sleep(delay)
             for other in after:
                 other.done.wait()
-            event.time = time.perf_counter()
+            # Note [compute event times]: the stream reached the event when the host recorded it
+            # (work runs at once on the host, and a wait that holds compute back holds the host
+            # under a link model), never before the stream's previous event; not when this
+            # thread got round to it, which the host's own work (holding the GIL) can put off
+            # by a whole block: timed work between two events would seem to take no time.
+            self.last_time = event.time = max(recorded, self.last_time)
             event.done.set()
 
     def record(self, event: SimEvent) -> None:
@@ -160,7 +166,7 @@ class ComputeStream:
                 self.last_due, time.perf_counter() + self.rng.uniform(0, self.streams.settings.max_lag_s)
             )
             self.waited = [other for other in self.waited if not other.done.is_set()]
-            self.lagging.put((event, self.last_due, tuple(self.waited)))
+            self.lagging.put((event, self.last_due, tuple(self.waited), time.perf_counter()))
 
     def wait_event(self, event: SimEvent) -> None:
         """Compute waits for ``event``: in stream order, every copy before it is ordered for

@@ -86,8 +86,8 @@ def mixer_token_dim(fn: Callable[..., Any], output: Any, seq_len: int) -> int | 
 class CaptureMode(TorchFunctionMode):
     """Forward pass of a token-wise run: notes each mixer call and keeps its output whole.
 
-    ``run`` is the run's token-wise state: it counts ``in_mixer``, knows ``seq_len`` and takes
-    ``capture_mixer_output``.
+    ``run`` is the run's token-wise state: it counts ``in_mixer``, knows ``seq_len``, takes
+    ``capture_mixer_output`` and, when its ``mixer_watches`` is a list, a stopwatch per call.
     """
 
     def __init__(self, run: TokenwiseRun) -> None:
@@ -112,10 +112,13 @@ class CaptureMode(TorchFunctionMode):
             run.saved_elsewhere = top[0] if top is not None else "no hooks"
             return func(*args, **kwargs)
         run.in_mixer += 1
+        watch = None if run.mixer_watches is None else run.run.backend.stopwatch().start()
         try:
             output = func(*args, **kwargs)
         finally:
             run.in_mixer -= 1
+        if watch is not None:  # the auto policy's attention time
+            run.mixer_watches.append(watch.stop())
         run.capture_mixer_output(output, mixer_token_dim(func, output, run.seq_len))
         return output
 

@@ -29,6 +29,7 @@ from .tokens import TokenRanges, base_info, token_ranges
 if TYPE_CHECKING:
     from actoff.device.base import Stopwatch
     from actoff.runtime.hooks import Handle
+    from actoff.runtime.measured import BlockKey
     from actoff.runtime.runtime import Runtime
     from actoff.runtime.step import ScopeRun
 
@@ -93,29 +94,39 @@ class TokenwiseRun(Tier):
         # None for all of them, the copy kept at forward time).
         self.checks: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
         self.probe_pending: dict[int, Record] = {}  # Note [probe in the first backward]: what it checks
-        self.forward_watch: Stopwatch | None = None  # time of the forward (the auto policy's T_layer)
-        self.auto_sample: tuple[int, int, int] | None = None  # input, attention, other bytes
+        # The token mixers' calls in forward, timed for the auto policy (None: not timed)
+        self.mixer_watches: list[Stopwatch] | None = None
 
     # ------------------------------------------------------------------ forward
     def capture(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict, module: torch.nn.Module | None
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        module: torch.nn.Module | None,
+        key: BlockKey | None = None,
     ) -> bool:
         """What the re-forward needs: the inputs (kept whole), the function, the RNG state; and
         what probes learned about ``module`` (or ``fn`` when the scope is a function) under
-        these conditions. False when the run is placed whole: the block input has no token
-        dimension, or the block cannot be recomputed under these conditions."""
+        these conditions (``key``: computed already, by the auto policy). False when the run is
+        placed whole: the block input has no token dimension, or the block cannot be
+        recomputed under these conditions."""
         run = self.run
         token_dim = run.config.token_dim
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if first is None or first.dim() <= token_dim:
             return False
         self.seq_len = first.shape[token_dim]
-        # Inputs may nest (Hugging Face passes position_embeddings=(cos, sin)): flatten them.
-        values, self.input_spec = pytree.tree_flatten((args, kwargs))
-        self.grad_enabled, self.autocast = torch.is_grad_enabled(), reforward.autocast_state(run.device)
         owner = module if module is not None else fn
         self.learned = run.runtime.probe_results.setdefault(owner, ModuleProbes)
-        self.conditions = conditions(values, self.input_spec, module, self.grad_enabled, self.autocast)
+        if key is not None:
+            values, self.input_spec, self.conditions = key.values, key.spec, key.conditions
+            self.grad_enabled, self.autocast = key.grad_enabled, key.autocast
+        else:
+            # Inputs may nest (Hugging Face passes position_embeddings=(cos, sin)): flatten them.
+            values, self.input_spec = pytree.tree_flatten((args, kwargs))
+            self.grad_enabled, self.autocast = torch.is_grad_enabled(), reforward.autocast_state(run.device)
+            self.conditions = conditions(values, self.input_spec, module, self.grad_enabled, self.autocast)
         self.any_length = conditions(  # Note [a probe serves other lengths]
             values, self.input_spec, module, self.grad_enabled, self.autocast, self.seq_len
         )
@@ -172,16 +183,7 @@ class TokenwiseRun(Tier):
         if self.saved_elsewhere is not None:
             return  # checkpointed inside the scope: its inputs only, placed whole
         candidates = [r for r in run.records if not r.whole and not r.geometry.compact]
-        fractions = token_fractions(config, runtime.auto_decisions.get(run.name))
-        if fractions is None:  # auto's first step: measure, store whole, decide after backward
-            self.auto_sample = (
-                sum(v.geometry.nbytes for v in self.inputs if isinstance(v, Record)),
-                sum(v.geometry.nbytes for v, *_ in self.mixer_outputs if isinstance(v, Record)),
-                sum(r.geometry.nbytes for r in candidates),
-            )
-            if candidates and self.probed is None and self.from_another_length() is None:
-                self.probe_later(candidates)
-            return
+        fractions = token_fractions(config, run.auto_fractions)
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:
             return  # nothing to split (or every token to host memory): whole

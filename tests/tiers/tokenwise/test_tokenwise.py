@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import actoff
-import actoff.runtime.auto
+import actoff.runtime.measured
 from actoff.reference import Block, ModelConfig, RMSNorm, rope_tables
 from actoff.runtime.runtime import get_runtime
 
@@ -329,52 +329,84 @@ def test_recompute_is_partial_and_skips_attention(recompute_fraction):
 
 
 # ---------------------------------------------------------------------------------- auto
-def test_auto_decides_after_the_first_step_and_stays_close(monkeypatch):
-    # A slow link (20 MB/s) cannot hide much of a block's activations in its forward time,
-    # so auto stores little and recomputes the rest from step two on. The forward time is
-    # injected (1 ms a block): measured, it grows with the machine's load and so would the
-    # stored fraction.
-    monkeypatch.setattr(actoff.runtime.auto, "forward_ms", lambda tokenwise: 1.0)
-    model = make_model()
-    reference = copy.deepcopy(model)
-    expected = train(reference, 3)
-    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="20MB")
-    train(model, 1)
-    stats = actoff.stats()
-    assert set(stats.auto) == {"layers.0", "layers.1"}
-    assert stats.blocks["layers.0"].bytes_per_tier["recompute"] == 0  # first step: measured, stored whole
-    decision = stats.auto["layers.0"]
-    assert decision.bandwidth_gbps == pytest.approx(0.02)
-    assert decision.t_layer_ms > 0 and decision.input_bytes > 0 and decision.attention_bytes > 0
-    assert 0.0 <= decision.cpu_fraction < 1.0 and decision.nvme_fraction == 0.0
-    assert "auto layers.0: cpu" in str(stats)
-    # Steps two and three run the decision.
-    model2 = make_model()
+def _block_bytes(model) -> int:
+    """What one block of ``model`` saves (a step under keep)."""
+    probe = copy.deepcopy(model)
+    actoff.offload_(probe, block_cls=Block, policy="keep", min_bytes=0)
+    train(probe, 1)
+    saved = actoff.stats().blocks["layers.0"].bytes_saved
     actoff.reset()
-    actoff.offload_(model2, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="20MB")
-    history = train(model2, 3)
+    return saved
+
+
+def test_auto_measures_at_recompute_then_plans_under_the_budget(monkeypatch):
+    # A plain CPU device has no budget of its own: ACTOFF_GPU_BUDGET gives one (and its memory
+    # is not counted: the budget is for what the blocks save). 1.6 blocks' worth cannot keep a
+    # block, nor bring one back while a whole one is fetched ahead of it; and a slow link
+    # (20 MB/s) cannot hide much: the plan recomputes. Forward times are injected (1 ms a
+    # block, attention none): measured, they grow with the machine's load, and so would what
+    # the link hides. The plan stores what it can and recomputes the rest, token-wise or whole.
+    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
+    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.0)
+    model = make_model()
+    budget = int(1.6 * _block_bytes(model))
+    reference = copy.deepcopy(model)
+    expected = train(reference, 2) + train(reference, 2)
+    actoff.offload_(
+        model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="20MB", gpu_budget=budget
+    )
+    history = train(model, 2)
+    stats = actoff.stats()  # measuring: every block at recompute, nothing planned yet
+    assert stats.blocks["layers.0"].placement == "measuring (recompute)"
+    assert stats.blocks["layers.0"].bytes_per_tier["recompute"] > 0
+    assert stats.plan != "none"  # made at the end of the second step
+    assert set(stats.auto) == {"layers.0", "layers.1"}
+    decision = stats.auto["layers.0"]
+    assert decision.bandwidth_gbps == pytest.approx(0.02) and decision.t_layer_ms == pytest.approx(1.0)
+    assert decision.input_bytes > 0 and decision.attention_bytes > 0 and decision.other_bytes > 0
+    assert stats.predicted_peak_bytes <= budget
+    history += train(model, 2)  # the plan runs
+    stats = actoff.stats()
+    offloaded = [block for block in stats.blocks.values() if block.placement != "keep"]
+    assert offloaded and all(block.placement != "measuring (recompute)" for block in offloaded)
+    assert all(block.recompute_ms > 0 for block in offloaded)
+    assert "auto plan:" in str(stats) and "placement" in str(stats)
     assert_close_history(expected, history)
-    assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] > 0
-    assert actoff.stats().blocks["layers.0"].recompute_ms > 0
 
 
 def test_auto_spills_to_nvme_when_the_host_budget_binds(nvme_dir):
+    # A free link (1 TB/s): everything the budget cannot keep is stored, none recomputed; the
+    # host budget holds a share of it, and NVMe takes the rest.
     model = make_model(num_layers=4)
+    budget = int(2.5 * _block_bytes(model))  # two blocks back at once: one fetched ahead
     actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="1TB",
-                    host_budget="200KiB", nvme_dir=nvme_dir)  # fmt: skip
-    train(model, 2)
+                    host_budget="200KiB", nvme_dir=nvme_dir, gpu_budget=budget)  # fmt: skip
+    train(model, 3)
     decision = actoff.stats().auto["layers.0"]
-    assert decision.reason == "host budget bound; spilling to NVMe"
+    assert decision.placement == "tokenwise:1"
+    assert "spilling to NVMe" in decision.reason
     assert decision.cpu_fraction < 1.0 and decision.nvme_fraction > 0
     assert decision.cpu_fraction + decision.nvme_fraction == pytest.approx(1.0)
 
 
 def test_auto_measures_the_link_when_not_given():
     model = make_model()
-    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0)
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, gpu_budget=2 * _block_bytes(model))
     train(model, 2)
     decision = actoff.stats().auto["layers.0"]
     assert decision.bandwidth_gbps > 0.05  # a memcpy on this CPU
+
+
+def test_auto_keeps_everything_on_a_device_without_a_budget():
+    # A plain CPU device: no capacity, no ACTOFF_GPU_BUDGET. Nothing to fit: kept from the
+    # first step, as under keep, and nothing measured or planned.
+    model = make_model()
+    expected = train(copy.deepcopy(model), 2)
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0)
+    assert_same_history(expected, train(model, 2))
+    stats = actoff.stats()
+    assert stats.plan == "none" and not stats.auto
+    assert all(b.bytes_per_tier["keep"] == b.bytes_saved > 0 for b in stats.blocks.values())
 
 
 @pytest.mark.sim_device  # the host arena: copies happen on a device with DMA
