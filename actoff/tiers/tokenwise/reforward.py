@@ -98,16 +98,24 @@ def probe(
     length = recompute_len if 0 < recompute_len < seq_len else seq_len // 2
     if length < 1:
         return None, f"a sequence of {seq_len} token(s) cannot be sliced"
-    start = seq_len - length
-    try:
-        saved = recompute(tokenwise, start, seq_len, detect=candidates)
-    except ReforwardMismatch as error:
-        return None, str(error)
-    except Exception as error:  # the block cannot run on a token slice at all
-        return (
-            None,
-            f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}",
-        )
+    while True:
+        start, short_of_memory = seq_len - length, False
+        try:
+            saved = recompute(tokenwise, start, seq_len, detect=candidates)
+            break
+        except ReforwardMismatch as error:
+            return None, str(error)
+        except torch.OutOfMemoryError as error:
+            # Note [a probe short of memory]: the block's whole saves are on the device beside
+            # the re-forward's; a shorter slice asks less. Retried outside the handler, whose
+            # traceback holds the failed re-forward's tensors.
+            short_of_memory = length // PROBE_SHRINK >= PROBE_MIN_TOKENS
+            if not short_of_memory:
+                return None, _raised(start, seq_len, error)
+        except Exception as error:  # the block cannot run on a token slice at all
+            return None, _raised(start, seq_len, error)
+        if short_of_memory:
+            length //= PROBE_SHRINK
     canons: dict[int, Canon] = {}
     half = low_precision(tokenwise)  # a float32 value of a bf16 product: a rounding
     for record in candidates:
@@ -130,6 +138,18 @@ def probe(
     if not canons:
         return None, "no saved tensor has a token dimension"
     return canons, ""
+
+
+# Note [a probe short of memory]: the probe runs in backward with the block's saves served whole,
+# so its re-forward's saves come on top of them. Out of memory there says nothing about whether
+# the block can be recomputed: the probe tries a slice PROBE_SHRINK times shorter (the token
+# dimension is still the one that shrank), down to PROBE_MIN_TOKENS, and only then gives up.
+PROBE_SHRINK = 4
+PROBE_MIN_TOKENS = 8
+
+
+def _raised(start: int, seq_len: int, error: BaseException) -> str:
+    return f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}"
 
 
 def _likely_cause(module: torch.nn.Module | None) -> str:

@@ -1,8 +1,15 @@
 """The comparison of recomputed rows with the real ones (`actoff.tiers.tokenwise.reforward.rows_differ`), used by
-the probe, the sentinel rows and ACTOFF_VERIFY."""
+the probe, the sentinel rows and ACTOFF_VERIFY; and the probe's re-forward short of memory."""
+
+import copy
+import warnings
 
 import torch
+from _helpers import RECOMPUTE_TOL, make_model
 
+import actoff
+from actoff.reference import Block
+from actoff.tiers.tokenwise import reforward
 from actoff.tiers.tokenwise.reforward import rows_differ, rows_match
 
 
@@ -48,3 +55,53 @@ def test_one_answer_for_many_pairs():
     same = [(torch.ones(4), torch.ones(4)) for _ in range(3)]
     assert not rows_differ(same) and not rows_differ([])
     assert rows_differ([*same, (torch.ones(4), torch.zeros(4))])
+
+
+def _probed_under(monkeypatch, fits: int):
+    """A recompute model trained two steps where a probe's re-forward longer than ``fits``
+    tokens runs out of memory (what the first backward meets on a full device); the slice
+    lengths the probe tried, the step's stats, and the gradients against the model alone."""
+    real, tried = reforward.recompute, []
+
+    def short_of_memory(tokenwise, start, end, **kwargs):
+        if kwargs.get("detect") is not None:
+            tried.append(end - start)
+            if end - start > fits:
+                raise torch.OutOfMemoryError("simulated: the device is full")
+        return real(tokenwise, start, end, **kwargs)
+
+    monkeypatch.setattr(reforward, "recompute", short_of_memory)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="recompute", min_bytes=0)
+    tokens = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model.loss(tokens).backward()
+    reference.loss(tokens).backward()
+    return tried, actoff.stats(), caught, model, reference
+
+
+def test_a_probe_short_of_memory_tries_a_shorter_slice(monkeypatch):
+    """(Note [a probe short of memory]) out of memory in the probe's re-forward is no verdict on
+    the block: it probed a slice PROBE_SHRINK times shorter, and the next step recomputes."""
+    tried, stats, caught, model, reference = _probed_under(monkeypatch, fits=16)
+    assert tried[:2] == [64, 64 // reforward.PROBE_SHRINK] == [64, 16]  # 128 tokens: half, then 16
+    assert not [w for w in caught if "cannot be recomputed" in str(w.message)]
+    assert all(block.recompute_ms > 0 for block in stats.blocks.values())  # split in step 2
+    for actual, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, expected.grad, **RECOMPUTE_TOL)
+    actoff.reset()
+
+
+def test_a_probe_that_never_fits_places_the_block_whole_and_says_why(monkeypatch):
+    tried, stats, caught, model, reference = _probed_under(monkeypatch, fits=0)
+    assert min(tried) >= reforward.PROBE_MIN_TOKENS
+    messages = [str(w.message) for w in caught if "cannot be recomputed" in str(w.message)]
+    assert messages and "OutOfMemoryError" in messages[0]
+    assert all(block.recompute_ms == 0 for block in stats.blocks.values())
+    for actual, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, expected.grad, rtol=0, atol=0)  # stored whole: exact
+    actoff.reset()
