@@ -11,9 +11,13 @@ are the block's inputs, which attention saved and which the probe could split by
 those steps a token-local re-forward of every block (about what the block's forward costs
 outside attention) and the copies of the inputs and attention's saves. The ``checkpoint``
 placement would hold less, but under it the forward saves nothing but the block's inputs: the
-classes, and so the token-wise placements' costs, could not be measured. The first step is
-cold (the probe's re-forward, allocators and kernels warming up): bytes come from it, times
-from the second.
+classes, and so the token-wise placements' costs, could not be measured. A block not yet probed
+stores its first step whole and is probed in that step's backward (Note [probe in the first
+backward]; the probe shrinks its slice when short of memory: Note [a probe short of memory]);
+bytes by class come from the first step that splits, times from the second step on (the first
+is cold: the probe's re-forward, allocators and kernels warming up). Measuring steps fetch
+nothing ahead in backward (prefetch depth 0): a block stored whole holds the most, and the
+measuring steps must fit wherever the plan will.
 
 Then each step's blocks, in forward order, are planned together (`actoff.budget.plan`): the
 least added time whose predicted peak fits the budget, from each block's forward time and
@@ -182,8 +186,8 @@ class AutoPlanner:
         if entry is None:
             entry = by_conditions[key.conditions] = Measured(run.name)
         step = run.step
-        if not step.auto_seen:
-            step.depth = entry.depth
+        if not step.auto_seen:  # measuring: nothing fetched ahead (Note [measuring at recompute])
+            step.depth = entry.depth if entry.placements else 0
         occurrence = step.auto_seen[key.ident]
         step.auto_seen[key.ident] += 1
         if occurrence < len(entry.placements):
