@@ -193,6 +193,8 @@ class AutoPlanner:
         if occurrence < len(entry.placements):
             run.placement = entry.placements[occurrence]
             run.auto_fractions = entry.fractions[occurrence]
+            run.kept = run.placement.kind == "keep"  # Note [kept as is]
+            run.checkpointed = run.placement.kind == "checkpoint"
 
     # ------------------------------------------------------------------ end of a step
     def end_step(self, runtime: Runtime, step: Step) -> None:

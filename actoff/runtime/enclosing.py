@@ -24,10 +24,16 @@ nothing and held nothing, and actoff stored the whole block instead, with nothin
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["enclosing", "hooks_kind", "warn_enclosed"]
+from actoff.policy import whole_tier
+
+if TYPE_CHECKING:
+    from actoff.config import Config
+
+__all__ = ["enclosing", "hooks_kind", "warn_checkpointed", "warn_enclosed"]
 
 
 def hooks_kind(pack: object) -> str:
@@ -84,3 +90,18 @@ def warn_enclosed(
             "off). To offload what checkpoint keeps (the inputs), make the checkpointed module the "
             "offload scope (offload_(model, block_cls=CheckpointWrapper)).",
         )
+
+
+def warn_checkpointed(
+    warn_once: Callable[[str, str], None], config: Config, name: str, elsewhere: object
+) -> None:
+    """A token-wise run whose body checkpoints itself (``elsewhere``: the checkpoint's pack hook,
+    or ``"no grad"`` for a reentrant one), once per policy and kind of checkpoint."""
+    context = "a reentrant torch.utils.checkpoint" if elsewhere == "no grad" else hooks_kind(elsewhere)
+    warn_once(
+        f"checkpointed:{config.policy}:{context}",
+        f"actoff: policy {config.policy!r}: the body of block {name!r} (and of others like "
+        f"it) runs under {context}, which saves only the block's inputs and recomputes the rest in "
+        f"backward: actoff places those inputs ({whole_tier(config)}) and recomputes nothing token-wise, "
+        "which would store more (attention's output, token rows). Gradients stay exact.",
+    )

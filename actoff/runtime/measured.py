@@ -31,6 +31,7 @@ __all__ = [
     "input_bytes",
     "measured_s",
     "observe",
+    "start_timing",
 ]
 
 
@@ -151,6 +152,17 @@ def input_bytes(run: ScopeRun) -> int:
         if nbytes and nbytes >= run.config.min_bytes and not param_like(value, storage, run.param_storages):
             seen[id(value)] = nbytes
     return sum(seen.values())
+
+
+def start_timing(run: ScopeRun) -> None:
+    """A run's forward starts: its input bytes taken while it measures, its key's inputs let go,
+    its forward and its token mixers' calls timed."""
+    if run.placement is None:
+        run.input_bytes = input_bytes(run)
+    run.auto_key.values = []  # the inputs: held no longer than the forward needs them
+    run.forward_watch = run.backend.stopwatch().start()
+    if run.tokenwise is not None:
+        run.tokenwise.mixer_watches = []
 
 
 def observe(entry: Measured, run: ScopeRun) -> None:

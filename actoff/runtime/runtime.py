@@ -11,13 +11,11 @@ Data flow of one step (the README's "How it works" has the map of modules):
    previous run's; unpack waits on exactly the record it serves.
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
    evicted, the auto policy measures, plans or replans (actoff.runtime.auto), ranks agree
-   (actoff.runtime.distributed), statistics are
-   published, and the host arena is laid out for the next steps (actoff.memory.arenas).
-   Under ``ACTOFF_ALLOCATOR=replay`` a step is also the replay allocator's window, from its
-   first scope to here (actoff.memory.replay_steps).
+   (actoff.runtime.distributed), statistics are published, the host arena is laid out for the
+   next steps (actoff.memory.arenas); the replay allocator's window ends (actoff.memory.replay_steps).
 
 A record is released when autograd drops its handle (after its last use, or when a retained
-graph is freed), so ``retain_graph=True`` and partial backward passes need no special case.
+graph is freed): ``retain_graph=True`` and partial backward passes need no special case.
 
 Note [a runtime per thread]: a runtime's step is one training loop's forward until its
 backward ends, so each thread that enters a scope gets a runtime of its own (`get_runtime`):
@@ -59,10 +57,10 @@ from .arguments import find_device, param_storages
 from .auto import MEASURE_STEPS, AutoPlanner
 from .checkpoint import run_checkpointed
 from .distributed import agree_on_auto, agree_with_rank0, local_world_size
-from .enclosing import enclosing, hooks_kind, warn_enclosed
+from .enclosing import enclosing, warn_checkpointed, warn_enclosed
 from .hooks import unpack
 from .lock import RuntimeLock
-from .measured import BlockKey, block_key, classes, input_bytes
+from .measured import BlockKey, block_key, classes, start_timing
 from .stats import BlockStats, Stats, collect, snapshot
 from .step import ScopeRun, Step
 
@@ -117,21 +115,15 @@ class Runtime:
         if self.passes_through(module):
             return fn(*args, **kwargs)
         device = find_device(args, kwargs, module)
-        key = None
-        if config.policy == "auto":
-            key = block_key(module if module is not None else fn, module, args, kwargs, device)
+        owner = module if module is not None else fn
+        key = block_key(owner, module, args, kwargs, device) if config.policy == "auto" else None
         run = self.enter_scope(name, config, module, device, auto_key=key)
         try:
             tokenwise = run.tokenwise
             if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module, run.auto_key):
                 run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
-            if run.auto_key is not None:  # timed for the auto policy (actoff.runtime.auto)
-                if run.placement is None:
-                    run.input_bytes = input_bytes(run)
-                run.auto_key.values = []  # the inputs: held no longer than the forward needs them
-                run.forward_watch = run.backend.stopwatch().start()
-                if tokenwise is not None:
-                    tokenwise.mixer_watches = []
+            if run.auto_key is not None:
+                start_timing(run)  # for the auto policy (actoff.runtime.auto)
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
                 if run.checkpointed:
                     output = run_checkpointed(run, fn, args, kwargs)
@@ -186,8 +178,7 @@ class Runtime:
     ) -> ScopeRun:
         """Open a run as the thread's current one (`exit_scope` closes it); the caller checked
         `passes_through` and installs the hooks (`call`; actoff.scope.compile: Note [compile]).
-        Under ``auto`` (``auto_key``) the plan places the run: kept, checkpointed or token-wise
-        (actoff.runtime.auto)."""
+        Under ``auto`` (``auto_key``) its plan places the run (actoff.runtime.auto)."""
         with self.lock:
             step = self.step
             module_id = id(module) if module is not None else None
@@ -210,9 +201,7 @@ class Runtime:
             )
             run = ScopeRun(self, step, name, config, backend, param_storages(module))
             if auto_key is not None:
-                self.auto.place(run, auto_key)
-                run.kept = run.placement is not None and run.placement.kind == "keep"  # Note [kept as is]
-                run.checkpointed = run.placement is not None and run.placement.kind == "checkpoint"
+                self.auto.place(run, auto_key)  # kept, checkpointed or token-wise
                 tokenwise = not (run.kept or run.checkpointed)
             if tokenwise and config.policy in TOKENWISE_POLICIES:
                 run.tokenwise = TokenwiseRun(run)
@@ -240,7 +229,7 @@ class Runtime:
             if tokenwise is not None:
                 tokenwise.prepare(self)
                 if tokenwise.saved_elsewhere is not None:
-                    self._warn_checkpointed(run)
+                    warn_checkpointed(self.warn_once, run.config, run.name, tokenwise.saved_elsewhere)
             if run.auto_key is not None:
                 run.classes = classes(run)
             if tokenwise is not None and not tokenwise.split_records and not tokenwise.probe_pending:
@@ -256,19 +245,6 @@ class Runtime:
             step.progress()
             if run.auto_key is not None:  # placed: what it let go of is not the head's
                 self.auto.sealed(run)
-
-    def _warn_checkpointed(self, run: ScopeRun) -> None:
-        """A token-wise run whose body checkpoints itself (Note [under checkpointing])."""
-        elsewhere = run.tokenwise.saved_elsewhere
-        context = "a reentrant torch.utils.checkpoint" if elsewhere == "no grad" else hooks_kind(elsewhere)
-        tier = whole_tier(run.config)
-        self.warn_once(
-            f"checkpointed:{run.config.policy}:{context}",
-            f"actoff: policy {run.config.policy!r}: the body of block {run.name!r} (and of others like "
-            f"it) runs under {context}, which saves only the block's inputs and recomputes the rest in "
-            f"backward: actoff places those inputs ({tier}) and recomputes nothing token-wise, which "
-            "would store more (attention's output, token rows). Gradients stay exact.",
-        )
 
     def _place(self, run: ScopeRun) -> None:
         for record in run.records:

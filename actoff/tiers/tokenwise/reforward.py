@@ -106,9 +106,8 @@ def probe(
         except ReforwardMismatch as error:
             return None, str(error)
         except torch.OutOfMemoryError as error:
-            # Note [a probe short of memory]: the block's whole saves are on the device beside
-            # the re-forward's; a shorter slice asks less. Retried outside the handler, whose
-            # traceback holds the failed re-forward's tensors.
+            # A shorter slice asks less (Note [a probe short of memory]); retried outside the
+            # handler, whose traceback holds the failed re-forward's tensors.
             short_of_memory = length // PROBE_SHRINK >= PROBE_MIN_TOKENS
             if not short_of_memory:
                 return None, _raised(start, seq_len, error)
