@@ -65,7 +65,7 @@ def baseline():
         ("nvme", {}),
         ("tokenwise", {"cpu_fraction": 0.25, "nvme_fraction": 0.25}),
         ("recompute", {}),
-        ("auto", {"host_bandwidth": "50MB", "gpu_budget": "400KiB"}),  # under 2 blocks: offloads
+        ("auto", {"host_bandwidth": "50MB", "gpu_budget": "560KiB"}),  # under 2 blocks: offloads
     ],
 )
 def test_soak(policy, extra, baseline, nvme_dir):

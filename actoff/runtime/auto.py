@@ -178,7 +178,7 @@ class AutoPlanner:
         step's first auto run sets its prefetch depth."""
         self.sample(run)
         if self.budget(run) is None:
-            run.placement = KEEP  # no budget: nothing to fit
+            run.placement, run.kept = KEEP, True  # no budget: nothing to fit
             return
         run.auto_key = key
         by_conditions = self.blocks.setdefault(key.owner, dict)

@@ -13,6 +13,14 @@ block's parameters would get no gradient without a word (a frozen embedding befo
 block): a zero-size leaf that requires grad is passed along, always. Tensors in keyword
 arguments become positional inputs (reentrant checkpointing takes no keywords), so they are
 stored, and come back, like the rest.
+
+The run again in backward leaves the block's modules as the forward left them (Note [re-forwards
+leave no trace] in actoff.tiers.tokenwise.isolation): forward hooks do not fire, and buffers and
+attributes it changes are given back when the backward pass ends (the run's own backward reads
+the buffers as the run left them: BatchNorm saves its running statistics). A block given a key/value cache is not checkpointed: run
+again with the cache it would write its rows into the cache once more, and without it attention
+would see other keys (PyTorch's checkpoint has the same limit, which is why Hugging Face turns the
+cache off under gradient checkpointing). Such a block is placed whole, with one warning.
 """
 
 from __future__ import annotations
@@ -24,18 +32,31 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
+from actoff.tiers.tokenwise.isolation import forward_hooks_off, is_cache, left_as_found
+
 if TYPE_CHECKING:
     from .step import ScopeRun
 
 __all__ = ["run_checkpointed"]
 
 
-def run_checkpointed(run: ScopeRun, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)`` under reentrant checkpointing (Note [offloaded checkpoint]) as
-    ``run``; the caller has installed the scope's saved-tensor hooks. The run again in
-    backward is timed (the run's ``recompute_ms``)."""
+def run_checkpointed(
+    run: ScopeRun, fn: Callable[..., Any], args: tuple, kwargs: dict, module: torch.nn.Module | None = None
+) -> Any:
+    """``fn(*args, **kwargs)`` (the scope of ``module``, if one) under reentrant checkpointing
+    (Note [offloaded checkpoint]) as ``run``; the caller has installed the scope's saved-tensor
+    hooks. The run again in backward is timed (the run's ``recompute_ms``)."""
     runtime = run.runtime
     leaves, spec = pytree.tree_flatten((args, kwargs))
+    if any(is_cache(leaf) for leaf in leaves):
+        run.checkpointed = False
+        runtime.warn_once(
+            "checkpoint:cache",
+            f"actoff: block {run.name!r} (and others like it) is given a key/value cache: run again "
+            "in backward it would write the cache a second time, so it is not checkpointed; its "
+            "activations are placed whole instead (pass use_cache=False in training to checkpoint it).",
+        )
+        return fn(*args, **kwargs)
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     backward_always = torch.empty(0, requires_grad=True)
 
@@ -48,7 +69,15 @@ def run_checkpointed(run: ScopeRun, fn: Callable[..., Any], args: tuple, kwargs:
         watch = run.backend.stopwatch().start() if torch.is_grad_enabled() else None
         runtime.thread.disabled += 1  # the recompute in backward is not a scope
         try:
-            return fn(*call_args, **call_kwargs)
+            if watch is None:
+                return fn(*call_args, **call_kwargs)
+            # Note [re-forwards leave no trace]; given back once the whole backward is over, as
+            # this run's own backward still reads the buffers it used (BatchNorm's statistics).
+            found = left_as_found(module, values)
+            found.__enter__()
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: found.__exit__(None, None, None))
+            with forward_hooks_off(module):
+                return fn(*call_args, **call_kwargs)
         finally:
             runtime.thread.disabled -= 1
             if watch is not None:

@@ -126,7 +126,7 @@ class Runtime:
                 start_timing(run)  # for the auto policy (actoff.runtime.auto)
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
                 if run.checkpointed:
-                    output = run_checkpointed(run, fn, args, kwargs)
+                    output = run_checkpointed(run, fn, args, kwargs, module)
                 elif tokenwise is None:
                     output = fn(*args, **kwargs)
                 else:

@@ -101,3 +101,75 @@ def _masked_history(offloaded: bool) -> list:
 
 def test_keyword_tensors_and_dropout_come_back_the_same():
     assert_same_history(_masked_history(False), _masked_history(True))
+
+
+# ------------------------------------------------- the run again leaves no trace (issue 28's rule)
+class StatefulBlock(Block):
+    """A block with state a second run would change: a BatchNorm at its end (running statistics,
+    a batch counter) and a statistic logged on itself in forward."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.norm = nn.BatchNorm1d(config.hidden_size)
+
+    def forward(self, x, cos, sin):
+        out = super().forward(x, cos, sin)
+        out = self.norm(out.reshape(-1, out.shape[-1])).reshape(out.shape)
+        self.logged = out.detach().abs().mean()
+        return out
+
+
+def _stateful_model():
+    torch.manual_seed(0)
+    model = make_model(num_layers=2)
+    blocks = nn.ModuleList(StatefulBlock(model.config) for _ in model.layers)
+    blocks.load_state_dict(model.layers.state_dict(), strict=False)
+    model.layers = blocks
+    return model
+
+
+def test_the_run_again_in_backward_leaves_buffers_attributes_and_hooks_as_the_forward_did():
+    """Note [re-forwards leave no trace]: the backward's run again of a checkpointed block updated
+    BatchNorm's statistics a second time (num_batches_tracked 6 after 3 steps), overwrote what
+    forward logged, and fired forward hooks once more."""
+    model = _stateful_model()
+    reference = copy.deepcopy(model)
+    calls = {"reference": 0, "actoff": 0}
+    reference.layers[0].register_forward_hook(
+        lambda *_: calls.__setitem__("reference", calls["reference"] + 1)
+    )
+    model.layers[0].register_forward_hook(lambda *_: calls.__setitem__("actoff", calls["actoff"] + 1))
+    expected = train(reference, 3)
+    actoff.offload_(model, block_cls=StatefulBlock, policy="checkpoint", min_bytes=0)
+    assert_same_history(expected, train(model, 3))  # the same kernels on the same shapes: exact
+    assert actoff.stats().blocks["layers.0"].recompute_ms > 0  # it did run again
+    for (name, buffer), other in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(buffer, other, rtol=0, atol=0, msg=name)
+    assert int(model.layers[0].norm.num_batches_tracked) == 3
+    torch.testing.assert_close(model.layers[1].logged, reference.layers[1].logged, rtol=0, atol=0)
+    assert calls["actoff"] == calls["reference"] == 3
+
+
+def test_a_block_given_a_cache_is_placed_whole_with_one_warning():
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected = reference(input_ids=tokens, labels=tokens, use_cache=True)
+    expected.loss.backward()
+    actoff.offload_(model, block_cls=type(model.model.layers[0]), policy="checkpoint", min_bytes=0)
+    with pytest.warns(RuntimeWarning, match="given a key/value cache") as caught:
+        out = model(input_ids=tokens, labels=tokens, use_cache=True)
+        out.loss.backward()
+    assert sum("key/value cache" in str(w.message) for w in caught) == 1
+    torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
+    for actual, wanted in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, wanted.grad, rtol=0, atol=0)
+    for layer, other in zip(out.past_key_values.layers, expected.past_key_values.layers, strict=True):
+        assert layer.keys.shape == other.keys.shape  # 32 positions, written once
+    assert actoff.stats().blocks["model.layers.0"].bytes_per_tier["cpu"] > 0
