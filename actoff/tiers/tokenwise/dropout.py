@@ -2,7 +2,7 @@
 
 Note [dropout in a re-forward]: dropout draws a mask the size of its input, so a re-forward on a
 token slice would draw other masks (other values in every row). The forward notes the input
-shape of each ``F.dropout`` call (`dropout_call`; ``nn.Dropout`` and PEFT's ``lora_dropout``
+shape and strides of each ``F.dropout`` call (`dropout_call`; ``nn.Dropout`` and PEFT's ``lora_dropout``
 call it), and the re-forward, which starts from the forward's RNG state, draws each mask again at
 that full shape, in the same order, with the same kernel, so with the same random numbers, then
 takes the rows of its slice (`sliced_dropout`). What autograd saves is what the forward's call
@@ -60,22 +60,28 @@ class _SavedMask(torch.autograd.Function):
 
 
 def sliced_dropout(
-    x: torch.Tensor, p: float, full_shape: tuple[int, ...], dim: int, start: int
+    x: torch.Tensor, p: float, full: tuple[tuple[int, ...], tuple[int, ...]], dim: int, start: int
 ) -> torch.Tensor:
-    """Dropout of ``x``, rows ``[start, start + len)`` along ``dim`` of an input of ``full_shape``,
-    with the mask the forward drew for it (Note [dropout in a re-forward]).
+    """Dropout of ``x``, rows ``[start, start + len)`` along ``dim`` of the forward's input,
+    whose shape and strides were ``full``, with the mask the forward drew for it (Note [dropout
+    in a re-forward]). The mask is drawn on a tensor laid out as that input was: the kernels
+    draw in memory order, so a permuted input (``(B, S, H)`` seen from ``(S, B, H)``) gets
+    another mask than a contiguous one.
 
     >>> x = torch.randn(2, 8, 4)
     >>> _ = torch.manual_seed(0); full = F.dropout(x, 0.5)
-    >>> _ = torch.manual_seed(0); rows = sliced_dropout(x[:, 5:], 0.5, (2, 8, 4), 1, 5)
+    >>> _ = torch.manual_seed(0); rows = sliced_dropout(x[:, 5:], 0.5, ((2, 8, 4), x.stride()), 1, 5)
     >>> torch.equal(rows, full[:, 5:])
     True
     """
     length = x.shape[dim]
-    ones = torch.ones(full_shape, dtype=x.dtype, device=x.device)
+    # ones_like keeps the layout where the kernel's own empty_like would (dense strides).
+    ones = torch.ones_like(torch.empty_strided(*full, dtype=x.dtype, device=x.device))
     with torch.no_grad():
         if x.device.type in _FUSED:
             _, mask = torch.native_dropout(ones, p, True)
-            return _SavedMask.apply(x, mask.narrow(dim, start, length), 1.0 / (1.0 - p))
-        noise = F.dropout(ones, p, True)  # the CPU kernel: ones * (bernoulli / (1 - p))
+        else:
+            noise = F.dropout(ones, p, True)  # the CPU kernel: ones * (bernoulli / (1 - p))
+    if x.device.type in _FUSED:  # with grad: the re-forward's graph saves the mask, as forward's did
+        return _SavedMask.apply(x, mask.narrow(dim, start, length), 1.0 / (1.0 - p))
     return x * noise.narrow(dim, start, length)

@@ -100,7 +100,7 @@ class CaptureMode(TorchFunctionMode):
         if func not in _MIXERS:
             dropout = dropout_call(func, args, kwargs)
             if dropout is not None and not run.in_mixer:  # Note [dropout in a re-forward]
-                run.dropouts.append(tuple(dropout[0].shape))
+                run.dropouts.append((tuple(dropout[0].shape), tuple(dropout[0].stride())))
             return func(*args, **kwargs)
         if not torch.is_grad_enabled():  # a reentrant checkpoint's forward: nothing is saved
             run.saved_elsewhere = "no grad"
@@ -153,9 +153,9 @@ class CollectiveWatch(TorchDispatchMode):
 class ReforwardMode(TorchFunctionMode):
     """Re-forward of a token-wise run on rows ``[start, stop)`` of ``seq_len``: mixer calls
     return the stored output rows, in order; dropout calls draw the forward's masks (at the
-    forward's input shapes, ``dropouts``) and keep their rows (Note [dropout in a re-forward])."""
+    forward's input shapes and strides, ``dropouts``) and keep their rows (Note [dropout in a re-forward])."""
 
-    def __init__(self, outputs: list[torch.Tensor], dropouts: list[tuple[int, ...]], seq_len: int, start: int,
+    def __init__(self, outputs: list[torch.Tensor], dropouts: list[tuple[tuple, tuple]], seq_len: int, start: int,
                  stop: int) -> None:  # fmt: skip
         super().__init__()
         self.outputs = outputs
@@ -179,7 +179,8 @@ class ReforwardMode(TorchFunctionMode):
     def _dropout(self, func, args, kwargs, x: torch.Tensor, p: float) -> torch.Tensor:
         if self.dropout_calls >= len(self.dropouts):
             raise ReforwardMismatch("the re-forward called dropout more often than the forward did")
-        full_shape = self.dropouts[self.dropout_calls]
+        full = self.dropouts[self.dropout_calls]
+        full_shape = full[0]
         self.dropout_calls += 1
         if tuple(x.shape) == full_shape:  # every token (a re-forward from the first): as it was
             return func(*args, **kwargs)
@@ -188,7 +189,7 @@ class ReforwardMode(TorchFunctionMode):
             raise ReforwardMismatch(
                 f"a dropout's input has shape {list(x.shape)} in the re-forward, {list(full_shape)} in the forward"
             )
-        return sliced_dropout(x, p, full_shape, dim, self.start)
+        return sliced_dropout(x, p, full, dim, self.start)
 
 
 def rows_like(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
