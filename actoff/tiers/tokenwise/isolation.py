@@ -12,15 +12,20 @@ gets:
   ``use_cache=False``: the keys a cache would add feed attention only, whose output the
   re-forward serves from what forward stored. A block whose saves depend on the cache is seen
   by the probe (another count or shape) and placed whole.
-- buffers of the block's modules written in place (BatchNorm's running statistics and its
-  counter) get the forward's values back, and a buffer rebound is bound back (`left_as_found`).
-- attributes the re-forward sets on the block's modules (``self.l_aux`` of a mixture of
-  experts, a statistic logged in forward) are restored to the forward's values, graphs
-  included, attributes it adds are removed, and lists and dictionaries they hold get their
-  items back (an auxiliary loss appended to ``self.aux_losses``): the loss that reads them after
-  forward reads the forward's. So are the attributes of plain objects given to the block.
-- forward hooks of the block's submodules do not fire (`forward_hooks_off`, Note [re-forwards
-  without forward hooks]).
+- the block's modules are its module's submodules, or for a function scope every module its
+  forward ran (noted during that forward) with theirs.
+- buffers of those modules that the re-forward changed (BatchNorm's running statistics and its
+  counter, a write through ``.data``: compared by value) get the forward's values back, and a
+  buffer rebound is bound back (`left_as_found`).
+- attributes the re-forward sets on those modules (``self.l_aux`` of a mixture of experts, a
+  statistic logged in forward) are restored to the forward's values, graphs included,
+  attributes it adds are removed, lists and dictionaries they hold get their items back (an
+  auxiliary loss appended to ``self.aux_losses``; one level deep: a list inside a dictionary
+  keeps what was appended to it), and tensors up to 1 MiB held as attributes get their values
+  back (``self.tally += 1``): the loss that reads them after forward reads the forward's. So
+  are the attributes of plain objects given to the block.
+- forward hooks of those modules do not fire (`forward_hooks_off`, Note [re-forwards without
+  forward hooks]).
 Not undone, as with ``torch.utils.checkpoint`` (which re-runs a block in backward too): Python
 side effects outside the block's modules and inputs, such as appending to a global list or one
 the block closes over, printing, or counting calls in an object the block reaches otherwise.
@@ -87,6 +92,15 @@ class _Attributes:
             for name, value in self.bindings.items()
             if name not in own and type(value) in (list, dict)
         }
+        # Small tensors held as plain attributes (a counter, a running statistic): their values,
+        # for writes in place (``self.tally += 1``).
+        self.values = {
+            name: value.detach().clone()
+            for name, value in self.bindings.items()
+            if name not in own
+            and isinstance(value, torch.Tensor)
+            and value.numel() * value.element_size() <= _ATTRIBUTE_VALUES_UP_TO
+        }
 
     def restore(self) -> None:
         now, bindings = vars(self.owner), self.bindings
@@ -95,6 +109,10 @@ class _Attributes:
         for name, value in bindings.items():
             if name not in _NEVER_BOUND_BACK and now.get(name, _MISSING) is not value:
                 now[name] = value
+        for name, copy in self.values.items():
+            tensor = bindings[name]
+            if not torch.equal(tensor.detach(), copy):
+                tensor.data.copy_(copy)  # unversioned, as buffers are (`left_as_found`)
         for name, items in self.items.items():
             container = bindings[name]
             if container != items:
@@ -106,6 +124,8 @@ class _Attributes:
 
 
 _MISSING = object()
+#: Tensors held as plain attributes up to this size get their values back (larger ones their binding).
+_ATTRIBUTE_VALUES_UP_TO = 1 << 20
 
 
 def _plain_object(value: Any) -> bool:
@@ -117,12 +137,25 @@ def _plain_object(value: Any) -> bool:
     )
 
 
+def _modules_of(module: torch.nn.Module | None, touched: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules a re-forward may change: ``module``'s, or for a function scope (``None``) those
+    its forward ran (``touched``), with their submodules, each once."""
+    roots = [module] if module is not None else touched
+    found: dict[int, torch.nn.Module] = {}
+    for root in roots:
+        for sub in root.modules():
+            found.setdefault(id(sub), sub)
+    return list(found.values())
+
+
 @contextlib.contextmanager
-def left_as_found(module: torch.nn.Module | None, inputs: list[Any]) -> Iterator[None]:
-    """Run a re-forward of ``module`` (``None``: a function scope) on the flattened ``inputs``
-    and give back what it changed (Note [re-forwards leave no trace]): the buffers of the
-    module's submodules (values and bindings), their attributes, and the attributes of the
-    plain objects among the inputs.
+def left_as_found(
+    module: torch.nn.Module | None, inputs: list[Any], touched: list[torch.nn.Module] = ()
+) -> Iterator[None]:
+    """Run a re-forward of ``module`` (``None``: a function scope, whose forward ran the modules
+    ``touched``) on the flattened ``inputs`` and give back what it changed (Note [re-forwards
+    leave no trace]): the buffers of the modules (values and bindings), their attributes, and the
+    attributes of the plain objects among the inputs.
 
     >>> norm = torch.nn.BatchNorm1d(2)
     >>> with left_as_found(norm, []):
@@ -133,18 +166,12 @@ def left_as_found(module: torch.nn.Module | None, inputs: list[Any]) -> Iterator
     kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
     buffers = []
     with torch.no_grad():
-        for sub in module.modules() if module is not None else ():
+        for sub in _modules_of(module, touched):
             kept.append(_Attributes(sub, _TORCH_OWN))
             bound = dict(sub._buffers)
-            # A copy of each buffer's values, written back if the re-forward writes it in place:
-            # seen by its version counter, except BatchNorm's running statistics, which its kernel
-            # writes without counting (so they are always written back).
-            uncounted = isinstance(sub, torch.nn.modules.batchnorm._NormBase)
-            values = [
-                (buffer, -1 if uncounted else buffer._version, buffer.clone())
-                for buffer in bound.values()
-                if buffer is not None
-            ]
+            # A copy of each buffer's values, written back where the re-forward changed them: by
+            # value, as writes through ``.data`` and BatchNorm's kernel leave the version as it was.
+            values = [(buffer, buffer.clone()) for buffer in bound.values() if buffer is not None]
             buffers.append((sub, bound, values))
     try:
         yield
@@ -155,15 +182,18 @@ def left_as_found(module: torch.nn.Module | None, inputs: list[Any]) -> Iterator
             for sub, bound, values in buffers:
                 sub._buffers.clear()
                 sub._buffers.update(bound)
-                for buffer, version, copy in values:
-                    if buffer._version != version:
-                        buffer.copy_(copy)
+                for buffer, copy in values:
+                    if not torch.equal(buffer, copy):
+                        # The forward's values again, through .data: what saved them is at
+                        # their version, and sees them as it saved them.
+                        buffer.data.copy_(copy)
 
 
 @contextlib.contextmanager
-def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
-    """The forward hooks of ``module`` and its submodules do not fire inside the block (a
-    function scope, ``None``: nothing to lift; Note [re-forwards without forward hooks]).
+def forward_hooks_off(module: torch.nn.Module | None, touched: list[torch.nn.Module] = ()) -> Iterator[None]:
+    """The forward hooks of ``module`` and its submodules (a function scope, ``None``: of the
+    modules its forward ran, ``touched``) do not fire inside the block (Note [re-forwards
+    without forward hooks]).
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
@@ -173,7 +203,7 @@ def forward_hooks_off(module: torch.nn.Module | None) -> Iterator[None]:
     hook
     """
     lifted = []
-    for sub in module.modules() if module is not None else ():
+    for sub in _modules_of(module, touched):
         if sub._forward_hooks:
             lifted.append((sub, sub._forward_hooks))
             sub._forward_hooks = collections.OrderedDict()

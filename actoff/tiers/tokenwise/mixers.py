@@ -93,6 +93,21 @@ class CaptureMode(TorchFunctionMode):
     def __init__(self, run: TokenwiseRun) -> None:
         super().__init__()
         self.run = run
+        self.hook: Any = None
+
+    def __enter__(self) -> CaptureMode:
+        if self.run.module is None:  # a function scope: note the modules it runs (`touched`)
+            touched = self.run.touched
+            self.hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: None if module in touched else touched.append(module)
+            )
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

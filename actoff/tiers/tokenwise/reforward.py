@@ -311,7 +311,8 @@ def recompute(
             if tokenwise.rng[1] is not None:
                 torch.cuda.set_rng_state(tokenwise.rng[1], run.device)
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed)
-            with hooks, mode, left_as_found(tokenwise.module, sliced), forward_hooks_off(tokenwise.module):
+            found = left_as_found(tokenwise.module, sliced, tokenwise.touched)
+            with hooks, mode, found, forward_hooks_off(tokenwise.module, tokenwise.touched):
                 tokenwise.fn(*args, **kwargs)
     finally:
         runtime.thread.stack.pop()

@@ -60,6 +60,7 @@ class TokenwiseRun(Tier):
         self.events: list[int] = []  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
+        self.touched: list[torch.nn.Module] = []  # a function scope's modules (CaptureMode)
         # Input shape and strides of each dropout: Note [dropout in a re-forward]
         self.dropouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.saved_elsewhere: object = None  # a checkpoint's hooks, or "no grad": Note [under checkpointing]

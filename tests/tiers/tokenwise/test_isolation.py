@@ -243,6 +243,73 @@ def test_buffers_and_eval_outputs_are_as_without_actoff(block_cls, overrides):
         torch.testing.assert_close(model.loss(tokens), reference.loss(tokens), rtol=0, atol=0)
 
 
+class QuietWritesBlock(Block):
+    """State written so that no version counter sees it: a buffer through ``.data`` (an EMA), and
+    a counter held as a plain tensor attribute, written in place."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.register_buffer("ema", torch.zeros(config.hidden_size))
+        self.tally = torch.zeros(())
+
+    def forward(self, x, cos, sin):
+        out = super().forward(x, cos, sin)
+        self.ema.data.mul_(0.9).add_(out.detach().mean((0, 1)), alpha=0.1)
+        self.tally += 1
+        return out
+
+
+@pytest.mark.parametrize("overrides", POLICIES, ids=POLICY_IDS)
+def test_writes_no_version_counter_sees_are_given_back(overrides):
+    """(Review of issue 28) buffers were given back when their version changed: one written
+    through ``.data`` kept the re-forwards' values, and a tensor attribute kept their counts."""
+    model = _blocks_model(QuietWritesBlock)
+    reference = copy.deepcopy(model)
+    expected = train(reference, 3)
+    actoff.offload_(model, block_cls=QuietWritesBlock, min_bytes=0, **overrides)
+    assert_close_history(expected, train(model, 3))
+    assert _recomputed("layers.0")
+    for layer, other in zip(model.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.ema, other.ema, rtol=0, atol=0)
+        assert float(layer.tally) == float(other.tally) == 3
+
+
+@pytest.mark.parametrize("closed_over", [False, True], ids=["module_as_argument", "closed_over"])
+def test_a_function_scope_gives_back_the_state_of_the_modules_it_ran(closed_over):
+    """(Review of issue 28) a function scope restored no module: a BatchNorm it ran counted every
+    re-forward as a batch. Its forward now notes the modules it runs."""
+    from actoff.reference import rope_tables
+
+    def run_layer(layer, x, cos, sin):
+        return layer(x, cos, sin)
+
+    def steps(model, call):
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            tokens = torch.randint(0, 256, (2, 33), generator=generator)
+            x = model.embed(tokens[:, :-1])
+            cos, sin = rope_tables(32, model.config.head_dim)
+            for layer in model.layers:
+                x = call(layer, x, cos, sin)
+            model.head(model.norm(x)).logsumexp(-1).mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    model = _blocks_model(BatchNormBlock)
+    reference = copy.deepcopy(model)
+    expected = steps(reference, run_layer)
+    if closed_over:
+        scopes = {id(layer): actoff.offload(lambda x, c, s, layer=layer: layer(x, c, s), policy="recompute",
+                                            min_bytes=0) for layer in model.layers}  # fmt: skip
+        grads = steps(model, lambda layer, x, c, s: scopes[id(layer)](x, c, s))
+    else:
+        grads = steps(model, actoff.offload(run_layer, policy="recompute", min_bytes=0))
+    assert any(block.bytes_per_tier["recompute"] > 0 for block in actoff.stats().blocks.values())
+    for (name, buffer), other in zip(model.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(buffer, other, rtol=0, atol=0, msg=name)
+    for actual, wanted in zip(grads, expected, strict=True):
+        torch.testing.assert_close(actual, wanted, **RECOMPUTE_TOL)
+
+
 # ---------------------------------------------------------------------------------- auxiliary losses, logged statistics
 class AuxLossBlock(Block):
     """A mixture of experts' habits: an auxiliary loss appended to a list on the model
