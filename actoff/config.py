@@ -206,9 +206,8 @@ class Config:
                 )
             if not self.sim_device:
                 raise ValueError(
-                    f"ACTOFF_SIM_DEVICE_MEMORY={self.sim_device_memory!r} caps the simulated device, "
-                    "which is off: set ACTOFF_SIM_DEVICE=1 as well (Config.sim_device), or unset "
-                    "ACTOFF_SIM_DEVICE_MEMORY"
+                    f"{_where('sim_device_memory')}={self.sim_device_memory!r} caps the simulated device, "
+                    f"which is off: turn {_where('sim_device')} on as well (1), or leave the cap unset"
                 )
             set_(self, "sim_device_memory", capacity)
         if self.sim_device_bandwidth is not None:
@@ -226,8 +225,8 @@ class Config:
                 set_(self, name, _as_int(name, getattr(self, name), 1))
         if self.tile_chunks is not None and self.tile_max_tokens is not None:
             raise ValueError(
-                f"ACTOFF_TILE_CHUNKS={self.tile_chunks} and ACTOFF_TILE_MAX_TOKENS={self.tile_max_tokens} are "
-                "both set: a tile is sized by one of them; unset the other"
+                f"{_where('tile_chunks')}={self.tile_chunks} and {_where('tile_max_tokens')}={self.tile_max_tokens} "
+                "are both set: a tile is sized by one of them; unset the other"
             )
 
         for name in ("nvme_dir", "plan_cache"):
@@ -240,8 +239,8 @@ class Config:
             self.policy == "nvme" or (self.policy == "tokenwise" and self.nvme_fraction > 0)
         ) and self.nvme_dir is None:
             raise ValueError(
-                f"ACTOFF_POLICY={self.policy!r} with NVMe placement needs a directory: set "
-                "ACTOFF_NVME_DIR (Config.nvme_dir) to a directory on a fast local disk"
+                f"{_where('policy')}={self.policy!r} with NVMe placement needs a directory: set "
+                f"{_where('nvme_dir')} to a directory on a fast local disk"
             )
         if self.nvme_dir is not None:
             check_writable_dir(self.nvme_dir, _where("nvme_dir"))

@@ -48,6 +48,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "cpu_fraction": ("tokenwise",),
     "nvme_fraction": ("tokenwise",),
     "host_bandwidth": ("auto",),
+    "gpu_budget": ("auto",),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import types
@@ -49,9 +50,13 @@ class _ScopeSpec:
         self._names: ByOwner[str] = ByOwner()  # by instance, forgotten when it dies
         self._counter = itertools.count()
         self._resolved: tuple[Config, Config] | None = None  # the last base seen, resolved
+        self._checked: Config | None = None  # the last base `_warn_unread` saw
 
     def resolve(self) -> Config:
         base = self.config if self.config is not None else get_config()
+        if base is not self._checked:  # a new source of settings: its unread ones are said
+            self._checked = base
+            _warn_unread(base, self.overrides)
         if not self.overrides:
             return base
         cached = self._resolved  # Note [pack is hot] (actoff.runtime.hooks): replaced once per base
@@ -83,6 +88,27 @@ def _warn_ignored(caller: str, config: Config, overrides: dict[str, object]) -> 
             UserWarning,
             stacklevel=4,
         )
+
+
+_UNREAD_SAID: set[tuple[str, str]] = set()  # (policy, setting) pairs said once per process
+
+
+def _warn_unread(base: Config, overrides: dict[str, object]) -> None:
+    """Settings given in the environment, ``set_config`` or a ``Config`` (those off their default)
+    that the policy in force does not read, said once each (keywords are said at decoration)."""
+    policy = overrides.get("policy", base.policy)
+    defaults = {field.name: field.default for field in dataclasses.fields(Config)}
+    changed = [name for name in READ_BY if name not in overrides and getattr(base, name) != defaults[name]]
+    for name in ignored_settings(policy, changed):
+        if (policy, name) not in _UNREAD_SAID:
+            _UNREAD_SAID.add((policy, name))
+            readers = " or ".join(map(repr, READ_BY[name]))
+            warnings.warn(
+                f"actoff: ACTOFF_{name.upper()} (Config.{name})={getattr(base, name)!r} has no effect under "
+                f"policy {policy!r}: it is read by policy {readers}",
+                UserWarning,
+                stacklevel=5,
+            )
 
 
 def offload(

@@ -166,7 +166,7 @@ def _worker_env(spec: dict) -> dict | None:
              for key, value in ALLOCATOR_VARIANTS.get(variant, {}).items()}  # fmt: skip
     if spec.get("sim_memory"):  # Note [a capped device on a CPU]
         extra.update(ACTOFF_SIM_DEVICE="1", ACTOFF_SIM_DEVICE_MEMORY=f"{spec['sim_memory']}B")
-    elif spec.get("budget_bytes"):  # Note [a budget sweep]: on CUDA, auto's budget
+    elif spec.get("budget_bytes") and spec["policy"].startswith("auto"):  # Note [a budget sweep]: on CUDA
         extra.update(ACTOFF_GPU_BUDGET=f"{spec['budget_bytes']}B")
     if spec.get("host_budget"):  # scaled under --emulate-layers (Note [emulated layers])
         extra["ACTOFF_HOST_BUDGET"] = f"{spec['host_budget']}B"

@@ -9,6 +9,7 @@ import torch
 from _helpers import assert_same_history, make_model, train
 
 import actoff
+import actoff.scope.offload
 from actoff.reference import Block
 
 
@@ -218,6 +219,42 @@ def test_settings_the_policy_reads_are_not_warned_about():
         warnings.simplefilter("error")
         actoff.offload_(make_model(), block_cls=Block, policy="tokenwise", cpu_fraction=0.5)
         actoff.offload_(make_model(), block_cls=Block, policy="auto", host_bandwidth="1GB")
+
+
+@pytest.mark.parametrize(
+    ("source", "ignored"),
+    [
+        ("environment", "ACTOFF_GPU_BUDGET \\(Config.gpu_budget\\)=1048576 has no effect under policy 'cpu'"),
+        ("set_config", "ACTOFF_CPU_FRACTION \\(Config.cpu_fraction\\)=0.5 has no effect under policy 'cpu'"),
+        (
+            "config",
+            "ACTOFF_HOST_BANDWIDTH \\(Config.host_bandwidth\\)=1000000000 has no effect under policy 'keep'",
+        ),
+    ],
+)
+def test_settings_from_the_environment_or_a_config_that_the_policy_ignores_are_said(
+    source, ignored, monkeypatch
+):
+    """(Review of issue 28) only keywords of offload/offload_ were checked: the same setting from
+    the environment, set_config or a Config went unsaid."""
+    monkeypatch.setattr(actoff.scope.offload, "_UNREAD_SAID", set())
+    config = None
+    if source == "environment":
+        monkeypatch.setenv("ACTOFF_GPU_BUDGET", "1MiB")
+        actoff.set_config()
+    elif source == "set_config":
+        actoff.set_config(cpu_fraction=0.5)
+    else:
+        config = actoff.Config(policy="keep", host_bandwidth="1GB")
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, min_bytes=0, **({"config": config} if config else {}))
+    try:
+        with pytest.warns(UserWarning, match=ignored) as caught:
+            train(model, 2)
+        assert len([w for w in caught if "has no effect" in str(w.message)]) == 1  # once, not per call
+    finally:
+        monkeypatch.delenv("ACTOFF_GPU_BUDGET", raising=False)
+        actoff.set_config()
 
 
 def test_offload_rejects_other_objects():
