@@ -165,7 +165,7 @@ class TinyModel(nn.Module):
 
     def loss(self, tokens):
         x = self.embed(tokens[:, :-1])
-        cos, sin = rope_tables(x.shape[1], 16)
+        cos, sin = rope_tables(x.shape[1], 16, device=x.device)
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.head(x)
@@ -203,12 +203,14 @@ def test_blocks_that_cannot_be_recomputed_fall_back_with_one_warning(block_facto
     assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
-def test_dropout_is_recomputed_with_the_forwards_masks(policy):
+def test_dropout_is_recomputed_with_the_forwards_masks(policy, device):
     """(Note [dropout in a re-forward]) A dropout drew other masks on a token slice, so every block
-    with dropout (LoRA's ``lora_dropout``, GPT-2's residual dropout) was placed whole."""
+    with dropout (LoRA's ``lora_dropout``, GPT-2's residual dropout) was placed whole. On CUDA the
+    fused kernel's branch runs (it saved nothing, and every such block fell back to whole)."""
     torch.manual_seed(0)
-    model = TinyModel(lambda: DropoutBlock(ModelConfig.preset("tiny")))
+    model = TinyModel(lambda: DropoutBlock(ModelConfig.preset("tiny"))).to(device)
     reference = copy.deepcopy(model)
     torch.manual_seed(5)
     expected = train(reference, 3)
