@@ -131,7 +131,10 @@ def test_sim_device_memory_is_a_size_and_needs_the_simulated_device():
         with pytest.raises(ValueError, match=message):
             Config.from_env({**on, "ACTOFF_SIM_DEVICE_MEMORY": value})
     # Without the simulated device there is nothing to cap: refused, naming the fix.
-    with pytest.raises(ValueError, match=r"caps the simulated device, which is off: turn ACTOFF_SIM_DEVICE \(Config.sim_device\) on"):
+    with pytest.raises(
+        ValueError,
+        match=r"caps the simulated device, which is off: turn ACTOFF_SIM_DEVICE \(Config.sim_device\) on",
+    ):
         Config.from_env({"ACTOFF_SIM_DEVICE_MEMORY": "2GiB"})
     with pytest.raises(TypeError, match="sim_device_memory"):
         Config(sim_device=True, sim_device_memory=1.5)

@@ -341,6 +341,7 @@ def _block_bytes(model) -> int:
     return saved
 
 
+@pytest.mark.no_sim_device  # its budget is for the blocks' bytes: a plain CPU device counts no other
 def test_auto_measures_at_recompute_then_plans_under_the_budget(monkeypatch):
     # A plain CPU device has no budget of its own: ACTOFF_GPU_BUDGET gives one (and its memory
     # is not counted: the budget is for what the blocks save). 1.6 blocks' worth cannot keep a
@@ -376,6 +377,7 @@ def test_auto_measures_at_recompute_then_plans_under_the_budget(monkeypatch):
     assert_close_history(expected, history)
 
 
+@pytest.mark.no_sim_device  # its budget is for the blocks' bytes: a plain CPU device counts no other
 def test_auto_spills_to_nvme_when_the_host_budget_binds(nvme_dir):
     # A free link (1 TB/s): everything the budget cannot keep is stored, none recomputed; the
     # host budget holds a share of it, and NVMe takes the rest.
@@ -391,6 +393,7 @@ def test_auto_spills_to_nvme_when_the_host_budget_binds(nvme_dir):
     assert decision.cpu_fraction + decision.nvme_fraction == pytest.approx(1.0)
 
 
+@pytest.mark.no_sim_device  # its budget is for the blocks' bytes: a plain CPU device counts no other
 def test_auto_measures_the_link_when_not_given():
     model = make_model()
     actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, gpu_budget=2 * _block_bytes(model))
