@@ -234,3 +234,17 @@ class HostEngine:
 
     def stats(self):
         return self.core.stats()
+
+
+def tiny_llama():
+    """A 2-layer Hugging Face Llama (hidden 64, 4 heads, 2 KV heads, SDPA), seeded; skips the
+    test when transformers is not installed."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")

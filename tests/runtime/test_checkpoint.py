@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import assert_same_history, make_model, train
+from _helpers import assert_same_history, make_model, tiny_llama, train
 from torch import nn
 
 import actoff
@@ -151,13 +151,7 @@ def test_the_run_again_in_backward_leaves_buffers_attributes_and_hooks_as_the_fo
 
 
 def test_a_block_given_a_cache_is_placed_whole_with_one_warning():
-    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = tiny_llama()
     reference = copy.deepcopy(model)
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     expected = reference(input_ids=tokens, labels=tokens, use_cache=True)

@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import RECOMPUTE_TOL, assert_close_history, make_model, train
+from _helpers import RECOMPUTE_TOL, assert_close_history, make_model, tiny_llama, train
 from torch import nn
 
 import actoff
@@ -35,13 +35,7 @@ def _recomputed(block: str) -> bool:
 
 # ---------------------------------------------------------------------------------- caches
 def _llama():
-    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = tiny_llama()
     return model, type(model.model.layers[0])
 
 
