@@ -247,7 +247,13 @@ def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(kvikio,
     stats = actoff.stats()
     assert stats.io_backend == ("kvikio (GDS)" if mode == "gds" else "kvikio (compat)")
     assert sum(block.bytes_per_tier["nvme"] for block in stats.blocks.values()) > 0
-    assert {op for op, _, _, _ in kvikio.calls} == {"pwrite", "pread"} and len(staged) == len(kvikio.calls)
+    ops = {op for op, _, _, _ in kvikio.calls}
+    # A record is read back from its file unless its write was still running when backward
+    # reached it: then the live tensor serves it (forwarding). Under load that can be every one
+    # of the last step's records, so a pread is asked for only where not all were forwarded.
+    forwarded = sum(block.forwarded for block in stats.blocks.values())
+    assert ops <= {"pwrite", "pread"} and "pwrite" in ops and ("pread" in ops or forwarded > 0)
+    assert len(staged) == len(kvikio.calls)
     threads = {thread.split("_")[0] for _, thread, _, _ in kvikio.calls}
     if mode == "gds":
         assert not any(staged) and threads == {"actoff-gds"}
