@@ -97,22 +97,28 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "crc32c",
-      [](py::buffer data, std::uint32_t crc) {
+      [](py::buffer data, std::uint32_t crc, const std::string& method) {
         Py_buffer view;
         if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0)
           throw py::error_already_set();  // BufferError: not contiguous
         std::uint32_t result;
-        {
+        try {
           py::gil_scoped_release release;
-          result = actoff::crc32c(crc, view.buf, static_cast<std::size_t>(view.len));
+          const auto nbytes = static_cast<std::size_t>(view.len);
+          result = method.empty() ? actoff::crc32c(crc, view.buf, nbytes)
+                                  : actoff::crc32c_by(method, crc, view.buf, nbytes);
+        } catch (...) {
+          PyBuffer_Release(&view);
+          throw;  // std::invalid_argument becomes ValueError
         }
         PyBuffer_Release(&view);
         return result;
       },
-      py::arg("data"), py::arg("crc") = 0,
-      "CRC32C of a contiguous buffer, continuing `crc` (the CPU's instruction where it has one).");
-  m.def("crc32c_hardware", &actoff::crc32c_hardware,
-        "Whether crc32c runs on the CPU's instruction (else portable tables).");
+      py::arg("data"), py::arg("crc") = 0, py::arg("method") = "",
+      "CRC32C of a contiguous buffer, continuing `crc`: the fastest method this CPU has, or the "
+      "one named (see crc32c_methods).");
+  m.def("crc32c_methods", &actoff::crc32c_methods,
+        "The CRC32C methods this CPU runs, fastest first: avx512, sse4.2, portable.");
   m.def("seal_start", &actoff::seal_start, py::arg("sequence"), py::arg("nbytes"),
         "The crc a record's seal starts from: crc32c of its sequence number and length.");
 

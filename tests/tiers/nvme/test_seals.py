@@ -23,16 +23,49 @@ def _crc32c_reference(data: bytes, crc: int = 0) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-@needs_extension
-def test_crc32c_is_castagnolis_on_every_length_and_alignment():
+def _crc32c_methods() -> list[str]:
+    if not actoff.HAS_EXTENSION:
+        return []
     from actoff import _C
 
-    assert _C.crc32c(b"123456789") == 0xE3069283  # the standard check value
-    data = os.urandom(3 * 8192 + 3 * 256 + 77)  # reaches the three-stream paths of both block sizes
-    for start, stop in [(0, len(data)), (1, len(data)), (3, 3 * 8192 + 5), (5, 900), (7, 8)]:
-        assert _C.crc32c(data[start:stop]) == _crc32c_reference(data[start:stop]), (start, stop)
-    assert _C.crc32c(data[100:], _C.crc32c(data[:100])) == _C.crc32c(data)  # it continues a crc
+    return list(_C.crc32c_methods())
+
+
+@needs_extension
+@pytest.mark.parametrize("method", _crc32c_methods())
+def test_crc32c_is_castagnolis_on_every_length_and_alignment(method):
+    from actoff import _C
+
+    assert _C.crc32c(b"123456789", 0, method) == 0xE3069283  # the standard check value
+    # Reaches every path: the three-stream blocks of 8192 and 256 bytes, the 256-byte folding
+    # loop, its 64- and 16-byte tails, the unaligned head and the last bytes.
+    data = os.urandom(3 * 8192 + 3 * 256 + 77)
+    reference = _crc32c_reference(data)
+    assert _C.crc32c(data, 0, "portable") == reference  # the bitwise definition, once
+    spans = [(0, len(data)), (1, len(data)), (3, 3 * 8192 + 5), (5, 900), (7, 8), (0, 511), (0, 512)]
+    spans += [
+        (start, start + 512 + 256 * k + 64 * j + 16 * i + tail)
+        for start in (0, 9)
+        for k in (0, 3)
+        for j in (0, 2)
+        for i in (0, 3)
+        for tail in (0, 15)
+    ]
+    for start, stop in spans:
+        piece = data[start:stop]
+        crc = (start * 0x9E3779B1 + stop) & 0xFFFFFFFF  # a crc carried in, not only zero
+        assert _C.crc32c(piece, crc, method) == _C.crc32c(piece, crc, "portable"), (start, stop)
+    assert _C.crc32c(data[100:], _C.crc32c(data[:100], 0, method), method) == reference  # it continues
     assert _C.seal_start(5, 4096) == _crc32c_reference(struct.pack("<QQ", 5, 4096))
+
+
+@needs_extension
+def test_crc32c_names_the_methods_it_has_when_asked_for_another():
+    from actoff import _C
+
+    assert _C.crc32c_methods()[-1] == "portable"  # every CPU has the tables
+    with pytest.raises(ValueError, match=r"no method 'sse5'.*it has: .*portable"):
+        _C.crc32c(b"abc", 0, "sse5")
 
 
 def test_seals_tell_apart_bytes_records_and_lengths():
