@@ -10,8 +10,8 @@ record, or another length, never pass even where the bytes are equal; each read 
 the same over what it read and fails with ``EBADMSG`` on a difference, naming the file and
 offset (the tier adds the block and step), before any gradient can use the bytes. Both run
 in the engines' worker threads, where the bytes pass through the host anyway: the C++ engine
-uses CRC32C on the CPU's instruction (csrc/crc32c.h), the Python engine ``zlib.crc32``,
-kvikio's host buffers the fastest of the two, and kvikio's device buffers (GPUDirect Storage)
+uses CRC32C on the CPU's vector or crc32 instructions (csrc/crc32c.h), the Python engine
+``zlib.crc32``, kvikio's host buffers the fastest of the two, and kvikio's device buffers (GPUDirect Storage)
 `device_seal`, a reduction on the device. ``ACTOFF_NVME_CHECKSUM=0`` turns seals off;
 ``ACTOFF_VERIFY`` checks more, in the training thread.
 """
@@ -35,7 +35,7 @@ __all__ = ["device_seal", "fast_crc", "mismatch", "seal_start", "zlib_crc"]
 Crc = Callable[..., int]  # crc(data, crc) -> crc, continuing a running crc
 
 zlib_crc: Crc = zlib.crc32
-#: The fastest host checksum here: CRC32C on the CPU's instruction when the extension is built.
+#: The fastest host checksum here: the extension's CRC32C (csrc/crc32c.h) when it is built.
 fast_crc: Crc = _C.crc32c if _C is not None else zlib.crc32
 
 
