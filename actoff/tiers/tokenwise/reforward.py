@@ -68,18 +68,39 @@ def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = Fal
             return True
         if not original.numel():
             continue
+        pieces = _pieces(original, recomputed)
         if not original.is_floating_point():
-            flags.append((original != recomputed).any())
+            flags += [(piece != again).any() for piece, again in pieces]
             continue
         full = original.dtype in (torch.float32, torch.float64) and not half
         tolerance = 1e-5 if full else 2e-2
         dtype = torch.promote_types(original.dtype, torch.float32)
-        original, recomputed = original.to(dtype), recomputed.to(dtype)
-        size = original.abs().nan_to_num(0.0, 0.0, 0.0)  # an infinity matches itself only
-        bound = tolerance * (size.mean() + size)
-        near = ((recomputed - original).abs() <= bound) | (recomputed == original)  # infinities
-        flags.append(~(near | (original.isnan() & recomputed.isnan())).all())
+        magnitude = sum(_size(piece, dtype).sum() for piece, _ in pieces) / original.numel()
+        for piece, again in pieces:
+            size = _size(piece, dtype)  # an infinity matches itself only
+            piece, again = piece.to(dtype), again.to(dtype)
+            near = ((again - piece).abs() <= tolerance * (magnitude + size)) | (again == piece)
+            flags.append(~(near | (piece.isnan() & again.isnan())).all())
     return bool(torch.stack([flag.to(pairs[0][0].device) for flag in flags]).any()) if flags else False
+
+
+def _size(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return values.to(dtype).abs().nan_to_num(0.0, 0.0, 0.0)
+
+
+#: Elements compared at a time: the comparison's temporaries (a few float32 copies of what it
+#: compares) stay small next to the block's saves (Note [a probe short of memory]).
+COMPARE_ELEMENTS = 1 << 18
+
+
+def _pieces(original: torch.Tensor, recomputed: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Both tensors cut alike along their longest dimension into pieces of at most about
+    `COMPARE_ELEMENTS` elements (views: nothing is copied)."""
+    if original.numel() <= COMPARE_ELEMENTS or original.dim() == 0:
+        return [(original, recomputed)]
+    dim = max(range(original.dim()), key=original.size)
+    rows = max(1, COMPARE_ELEMENTS * original.size(dim) // original.numel())
+    return list(zip(original.split(rows, dim), recomputed.split(rows, dim), strict=True))
 
 
 def probe(
@@ -143,6 +164,8 @@ def probe(
 # so its re-forward's saves come on top of them. Out of memory there says nothing about whether
 # the block can be recomputed: the probe tries a slice PROBE_SHRINK times shorter (the token
 # dimension is still the one that shrank), down to PROBE_MIN_TOKENS, and only then gives up.
+# Its check of the rows then compares COMPARE_ELEMENTS at a time, so its temporaries do not ask
+# for more than the re-forward did.
 PROBE_SHRINK = 4
 PROBE_MIN_TOKENS = 8
 

@@ -10,7 +10,7 @@ from _helpers import RECOMPUTE_TOL, make_model
 import actoff
 from actoff.reference import Block
 from actoff.tiers.tokenwise import reforward
-from actoff.tiers.tokenwise.reforward import rows_differ, rows_match
+from actoff.tiers.tokenwise.reforward import COMPARE_ELEMENTS, rows_differ, rows_match
 
 
 def test_a_large_value_does_not_hide_a_difference_in_the_others():
@@ -55,6 +55,33 @@ def test_one_answer_for_many_pairs():
     same = [(torch.ones(4), torch.ones(4)) for _ in range(3)]
     assert not rows_differ(same) and not rows_differ([])
     assert rows_differ([*same, (torch.ones(4), torch.zeros(4))])
+
+
+def test_the_comparison_holds_a_few_pieces_not_float32_copies_of_the_whole():
+    """Found lowering auto's floor: the probe's re-forward fit, then its comparison ran out of
+    memory, making float32 copies of all it compared (bf16 rows: four bytes an element each)."""
+    from actoff.device.sim.memory import DeviceMemory
+
+    elements = 16 * COMPARE_ELEMENTS
+    rows = torch.randn(64, elements // 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    again = rows.clone()
+    with DeviceMemory() as memory:
+        assert not rows_differ([(rows, again)])
+        again[-1, -1] += 1  # the very last element: the last piece is compared too
+        assert rows_differ([(rows, again)])
+    whole_float32 = 4 * elements
+    assert memory.peak <= 8 * 4 * COMPARE_ELEMENTS < whole_float32, memory.peak  # a few pieces'
+
+
+def test_the_pieces_share_the_whole_rows_mean_magnitude():
+    # Large values in the first piece, small ones in the last: the tolerance scales with the mean
+    # magnitude of all the rows (1e-5 * 500 here), as it did before the comparison was cut up.
+    rows = torch.cat([torch.full((2, COMPARE_ELEMENTS), 1000.0), torch.full((2, COMPARE_ELEMENTS), 1e-3)])
+    off = rows.clone()
+    off[2:] += 1e-3
+    assert not rows_differ([(rows, off)])
+    off[2:] += 1.0
+    assert rows_differ([(rows, off)])
 
 
 def _probed_under(monkeypatch, fits: int):
