@@ -14,6 +14,8 @@ placement would hold less, but under it the forward saves nothing but the block'
 classes, and so the token-wise placements' costs, could not be measured. A block not yet probed
 stores its first step whole and is probed in that step's backward (Note [probe in the first
 backward]; the probe shrinks its slice when short of memory: Note [a probe short of memory]);
+in that step a block's copies out finish before the next block runs
+(`ScopeRun.stored_whole_to_measure`), so it holds one block's saves at a time, not two;
 bytes by class come from the first step that splits, times from the second step on (the first
 is cold: the probe's re-forward, allocators and kernels warming up). Measuring steps fetch
 nothing ahead in backward (prefetch depth 0): a block stored whole holds the most, and the

@@ -76,7 +76,7 @@ class Step:
         """
         still: list[ScopeRun] = []
         for run in self.in_flight:
-            force = run is not self.last_placed
+            force = run is not self.last_placed or run.stored_whole_to_measure
             busy = False
             for record in run.all_records():
                 if record.state is State.OFFLOADING:
@@ -175,6 +175,14 @@ class ScopeRun(PackHook):
         self.live -= 1
         if self.live == 0 and self.step is self.runtime.step:  # not an older step's run
             self.runtime.arenas.run_done(self.device, self.index)
+
+    @property
+    def stored_whole_to_measure(self) -> bool:
+        """An auto run measuring its block stored whole, to be probed in backward (Note [measuring
+        at recompute]): its copies out finish before the next block runs, not alongside it, so
+        that step holds one block's saves at a time, as the checkpoint placement does."""
+        measuring = self.auto_key is not None and self.placement is None
+        return measuring and self.tokenwise is not None and bool(self.tokenwise.probe_pending)
 
     def all_records(self) -> tuple[Record, ...]:
         """The run's records and, for a token-wise run, the records of its packed rows."""

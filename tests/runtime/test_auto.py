@@ -25,6 +25,7 @@ from actoff.budget import PLAN_HEADROOM, Outside
 from actoff.reference import Block
 from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
+from actoff.tiers.record import State
 
 SEQ = 513  # activations well above the logits: placements move the peak
 
@@ -214,3 +215,32 @@ def test_a_deeper_prefetch_brings_back_two_runs_ahead():
     reference.loss(tokens).backward()
     for actual, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(actual.grad, expected.grad, rtol=0, atol=0)
+
+
+def test_the_step_stored_whole_lets_a_blocks_saves_go_before_the_next_block_runs(keep_peak):
+    """Found in the budget sweep: auto's first step stores every block whole to probe it in
+    backward (Note [measuring at recompute]), and its copies out ran alongside the next block's
+    forward, as ``cpu``'s do, so it held about two blocks' saves at once and ran out of memory at
+    budgets the checkpoint placement fits. Now that step's copies finish first; later steps
+    still overlap them."""
+    model = make_model(num_layers=4)
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="100MB")
+    in_flight = []  # per block's forward, from the second on: the earlier blocks' saves still copying
+
+    def before_block(module, args):
+        runs = get_runtime().step.runs if get_runtime().step is not None else []
+        if runs:
+            in_flight.append(
+                sum(record.state is State.OFFLOADING for run in runs for record in run.all_records())
+            )
+
+    for layer in model.layers:
+        layer.register_forward_pre_hook(before_block)
+    # A slow link (100 MB/s, Note [the wind tunnel] in actoff.device.sim.link): a block's copies
+    # out take many times its forward, so only a wait lets them finish before the next block.
+    with simulated_device(seed=0, capacity=int(keep_peak * 0.45), bandwidth="100MB/s") as device:
+        steps = _steps(model, reference, 1, device)
+    assert steps[0][0] == ["measuring (recompute)"] * 4
+    assert in_flight == [0, 0, 0], in_flight
+    _compare(steps[0][2], exact=True)  # stored whole: bit for bit
