@@ -58,10 +58,15 @@ def run_checkpointed(
         )
         return fn(*args, **kwargs)
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    inputs = [leaves[i] for i in where]
+    # The body lives as long as the graph: it must not hold the inputs, or they stay on the
+    # device until backward (Note [offloaded checkpoint]).
+    skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    del leaves, args, kwargs
     backward_always = torch.empty(0, requires_grad=True)
 
     def body(_always: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        values = list(leaves)
+        values = list(skeleton)
         for index, tensor in zip(where, tensors, strict=True):
             values[index] = tensor
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
@@ -84,5 +89,4 @@ def run_checkpointed(
                 with runtime.lock:
                     run.account("recompute_ms", watch.stop())
 
-    inputs = [leaves[i] for i in where]
     return torch.utils.checkpoint.checkpoint(body, backward_always, *inputs, use_reentrant=True)

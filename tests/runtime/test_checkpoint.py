@@ -52,6 +52,43 @@ def test_on_an_asynchronous_device_it_is_exact_and_holds_less_than_keep(seed):
     assert peaks["checkpoint"] < peaks["keep"]
 
 
+def test_the_inputs_leave_the_device_in_forward_and_each_blocks_go_after_its_backward():
+    """Found comparing with PyTorch's offloaded checkpoint on the simulated device, which trained
+    sequences twice as long: the checkpointed body held the forward's inputs until backward (so
+    they never left the device), and the run again in backward held its inputs until the whole
+    backward ended (one more block's inputs at every block)."""
+    import weakref
+
+    model = _checkpointed(make_model(num_layers=4))
+    tokens = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(0))
+    inputs, live_at_backward = [], []
+
+    def before(module, args):
+        inputs.append(weakref.ref(args[0]))
+
+    def grads() -> int:  # the parameters' gradients so far, as the device counts them (512-byte blocks)
+        return sum(
+            -(-p.grad.untyped_storage().nbytes() // 512) * 512
+            for p in model.parameters()
+            if p.grad is not None
+        )
+
+    def after(module, args, output):
+        output.register_hook(lambda grad: live_at_backward.append(device.memory.live - grads()))
+
+    for layer in model.layers:
+        layer.register_forward_pre_hook(before)
+        layer.register_forward_hook(after)
+    with simulated_device(seed=0) as device:
+        loss = model.loss(tokens)
+        # Blocks 1 and 2's inputs are on the host now; the last block's may still be copying.
+        assert [ref() is None for ref in inputs[1:3]] == [True, True]
+        loss.backward()
+    one_block = 2 * 129 * 64 * 4  # a block's hidden-state input, float32
+    # Each block's backward starts with what the one after it fetched and ran again gone.
+    assert max(live_at_backward) - min(live_at_backward) < one_block, live_at_backward
+
+
 def test_parameters_get_gradients_when_no_input_requires_grad():
     """A frozen embedding before the blocks: reentrant checkpointing alone would skip the
     blocks' backward and leave their weights without gradients, silently."""
