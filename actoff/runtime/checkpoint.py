@@ -16,8 +16,9 @@ stored, and come back, like the rest.
 
 The run again in backward leaves the block's modules as the forward left them (Note [re-forwards
 leave no trace] in actoff.tiers.tokenwise.isolation): forward hooks do not fire, and buffers and
-attributes it changes are given back when the backward pass ends (the run's own backward reads
-the buffers as the run left them: BatchNorm saves its running statistics). A block given a key/value cache is not checkpointed: run
+attributes it changes are given back when the checkpoint's backward node is done (the run's own
+backward reads the buffers as the run left them: BatchNorm saves its running statistics), so
+blocks sharing a module each give back their own changes, in turn. A block given a key/value cache is not checkpointed: run
 again with the cache it would write its rows into the cache once more, and without it attention
 would see other keys (PyTorch's checkpoint has the same limit, which is why Hugging Face turns the
 cache off under gradient checkpointing). Such a block is placed whole, with one warning.
@@ -64,6 +65,7 @@ def run_checkpointed(
     skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     del leaves, args, kwargs
     backward_always = torch.empty(0, requires_grad=True)
+    entered: list = []  # the runs again in backward whose changes are still to give back
 
     def body(_always: torch.Tensor, *tensors: torch.Tensor) -> Any:
         values = list(skeleton)
@@ -76,11 +78,11 @@ def run_checkpointed(
         try:
             if watch is None:
                 return fn(*call_args, **call_kwargs)
-            # Note [re-forwards leave no trace]; given back once the whole backward is over, as
-            # this run's own backward still reads the buffers it used (BatchNorm's statistics).
+            # Note [re-forwards leave no trace]; given back once this run's own backward is over
+            # (it still reads the buffers it used: BatchNorm's statistics), by `given_back`.
             found = left_as_found(module, values)
             found.__enter__()
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: found.__exit__(None, None, None))
+            entered.append(found)
             with forward_hooks_off(module):
                 return fn(*call_args, **call_kwargs)
         finally:
@@ -89,4 +91,18 @@ def run_checkpointed(
                 with runtime.lock:
                     run.account("recompute_ms", watch.stop())
 
-    return torch.utils.checkpoint.checkpoint(body, backward_always, *inputs, use_reentrant=True)
+    output = torch.utils.checkpoint.checkpoint(body, backward_always, *inputs, use_reentrant=True)
+    node = next(
+        (t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn), None
+    )
+    if node is not None:  # else no backward reaches the block, and it is never run again
+
+        def given_back(*_: Any) -> None:
+            # Right after the checkpoint's backward, which ran the block's own: not at the end
+            # of the whole backward, when every block's buffer copies, attributes and inputs
+            # would have been held, and blocks sharing a module would give back in the wrong order.
+            while entered:
+                entered.pop().__exit__(None, None, None)
+
+        node.register_hook(given_back)
+    return output

@@ -178,11 +178,12 @@ class ScopeRun(PackHook):
 
     @property
     def stored_whole_to_measure(self) -> bool:
-        """An auto run measuring its block stored whole, to be probed in backward (Note [measuring
-        at recompute]): its copies out finish before the next block runs, not alongside it, so
-        that step holds one block's saves at a time, as the checkpoint placement does."""
+        """An auto run measuring its block stored whole (to be probed in backward, or one that
+        cannot be split: Note [measuring at recompute]): its copies out finish before the next
+        block runs, not alongside it, so that step holds one block's saves at a time, as the
+        checkpoint placement does."""
         measuring = self.auto_key is not None and self.placement is None
-        return measuring and self.tokenwise is not None and bool(self.tokenwise.probe_pending)
+        return measuring and (self.tokenwise is None or not self.tokenwise.split_records)
 
     def all_records(self) -> tuple[Record, ...]:
         """The run's records and, for a token-wise run, the records of its packed rows."""

@@ -52,14 +52,19 @@ def test_on_an_asynchronous_device_it_is_exact_and_holds_less_than_keep(seed):
     assert peaks["checkpoint"] < peaks["keep"]
 
 
-def test_the_inputs_leave_the_device_in_forward_and_each_blocks_go_after_its_backward():
+@pytest.mark.parametrize("buffer_elements", [0, 1 << 16])
+def test_the_inputs_leave_the_device_in_forward_and_each_blocks_go_after_its_backward(buffer_elements):
     """Found comparing with PyTorch's offloaded checkpoint on the simulated device, which trained
     sequences twice as long: the checkpointed body held the forward's inputs until backward (so
     they never left the device), and the run again in backward held its inputs until the whole
-    backward ended (one more block's inputs at every block)."""
+    backward ended (one more block's inputs at every block); then, in review, the copies of each
+    block's buffers (a rotary cache, a causal mask: 256 KiB here) were held as long."""
     import weakref
 
-    model = _checkpointed(make_model(num_layers=4))
+    model = make_model(num_layers=4)
+    for layer in model.layers:
+        layer.register_buffer("table", torch.zeros(buffer_elements), persistent=False)
+    model = _checkpointed(model)
     tokens = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(0))
     inputs, live_at_backward = [], []
 
@@ -87,6 +92,41 @@ def test_the_inputs_leave_the_device_in_forward_and_each_blocks_go_after_its_bac
     one_block = 2 * 129 * 64 * 4  # a block's hidden-state input, float32
     # Each block's backward starts with what the one after it fetched and ran again gone.
     assert max(live_at_backward) - min(live_at_backward) < one_block, live_at_backward
+
+
+class _SharingBlock(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 8), norm
+
+    def forward(self, x):
+        y = x + torch.tanh(self.linear(x))
+        return self.norm(y.reshape(-1, 8)).reshape(y.shape)
+
+
+def test_blocks_sharing_a_stateful_module_leave_it_as_the_forward_did():
+    """Found in review: blocks sharing a BatchNorm (tied layers, a shared expert) gave the runs
+    again's changes back at the end of backward, first queued first, so the block run again last
+    restored the state another run had changed: 5 batches tracked instead of 3."""
+    torch.manual_seed(0)
+    shared = nn.BatchNorm1d(8)
+    blocks = nn.ModuleList(_SharingBlock(shared) for _ in range(3))
+    reference = copy.deepcopy(blocks)
+    actoff.offload_(blocks, block_cls=_SharingBlock, policy="checkpoint", min_bytes=0)
+    grads = []
+    for net in (reference, blocks):
+        x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = x
+        for block in net:
+            out = block(out)
+        out.pow(2).mean().backward()
+        grads.append([x.grad, *(p.grad for p in net.parameters())])
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(
+            getattr(blocks[0].norm, name), getattr(reference[0].norm, name), rtol=0, atol=0
+        )
+    for actual, expected in zip(*grads, strict=True):  # the same kernels on the same shapes
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
 def test_parameters_get_gradients_when_no_input_requires_grad():
