@@ -32,10 +32,12 @@ def _crc32c_methods() -> list[str]:
 
 
 @needs_extension
-@pytest.mark.parametrize("method", _crc32c_methods())
+@pytest.mark.parametrize("method", ["avx512", "sse4.2", "portable"])
 def test_crc32c_is_castagnolis_on_every_length_and_alignment(method):
     from actoff import _C
 
+    if method not in _crc32c_methods():
+        pytest.skip(f"this CPU cannot run the {method} CRC32C (it has: {', '.join(_crc32c_methods())})")
     assert _C.crc32c(b"123456789", 0, method) == 0xE3069283  # the standard check value
     # Reaches every path: the three-stream blocks of 8192 and 256 bytes, the 256-byte folding
     # loop, its 64- and 16-byte tails, the unaligned head and the last bytes.
