@@ -101,6 +101,11 @@ class Config:
     min_bytes: int = 64 * 2**10
     #: The last N blocks of the forward pass are never offloaded (backward needs them first).
     keep_last: int = 0
+    #: Blocks fetched ahead in backward: at a block's first unpack, the saves of this many
+    #: blocks before it start coming back. ``0``: each block's come back at its own first
+    #: unpack, as PyTorch's ``save_on_cpu`` brings them, holding one block's fewer on the device
+    #: with the copies no longer hidden. ``auto`` plans its own.
+    prefetch_depth: int = 1
     #: Cap on the host memory actoff may hold (``None``: no cap). Over it, tensors stay put.
     host_budget: int | None = None
     #: Device memory the ``auto`` policy plans the whole step under: weights, gradients,
@@ -192,7 +197,8 @@ class Config:
         if timeout <= 0:
             raise ValueError(f"{_where('io_timeout')}={timeout!r} is out of range: expected seconds > 0")
         set_(self, "io_timeout", timeout)
-        for name, low in (("keep_last", 0), ("io_threads", 1), ("token_dim", 0), ("verify_interval", 1)):
+        for name, low in (("keep_last", 0), ("prefetch_depth", 0), ("io_threads", 1), ("token_dim", 0),
+                          ("verify_interval", 1)):  # fmt: skip
             set_(self, name, _as_int(name, getattr(self, name), low))
         set_(self, "verify", _as_bool("verify", self.verify))
         set_(self, "nvme_checksum", _as_bool("nvme_checksum", self.nvme_checksum))

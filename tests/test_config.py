@@ -25,6 +25,7 @@ def test_from_env_reads_every_variable(tmp_path):
         "ACTOFF_NVME_DIR": str(tmp_path),
         "ACTOFF_MIN_BYTES": "4KiB",
         "ACTOFF_KEEP_LAST": "2",
+        "ACTOFF_PREFETCH_DEPTH": "0",
         "ACTOFF_HOST_BUDGET": "64GiB",
         "ACTOFF_GPU_BUDGET": "70GB",
         "ACTOFF_PLANNER": "MIP",
@@ -41,6 +42,7 @@ def test_from_env_reads_every_variable(tmp_path):
     assert (config.cpu_fraction, config.nvme_fraction) == (0.25, 0.5)
     assert config.min_bytes == 4096
     assert config.keep_last == 2
+    assert config.prefetch_depth == 0
     assert config.host_budget == 64 * 2**30
     assert config.gpu_budget == 70 * 10**9
     assert config.planner == "mip"
@@ -90,6 +92,7 @@ def test_config_is_frozen():
         ("ACTOFF_KEEP_LAST", "-1", "ACTOFF_KEEP_LAST.*out of range"),
         ("ACTOFF_KEEP_LAST", "two", "ACTOFF_KEEP_LAST.*'two' is not an integer"),
         ("ACTOFF_IO_THREADS", "0", "ACTOFF_IO_THREADS.*>= 1"),
+        ("ACTOFF_PREFETCH_DEPTH", "-1", "ACTOFF_PREFETCH_DEPTH.*>= 0"),
         ("ACTOFF_PLANNER", "optimal", "ACTOFF_PLANNER.*mip, greedy, off"),
         ("ACTOFF_IO_BACKEND", "gds", "ACTOFF_IO_BACKEND.*auto, kvikio, posix"),
         (

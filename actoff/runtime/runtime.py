@@ -192,7 +192,7 @@ class Runtime:
                 self._publish(step)
                 self.replay.begin(device, config.allocator, self.warn_once)
                 self.arenas.begin_step()
-                step = self.step = Step(self.steps_started)
+                step = self.step = Step(self.steps_started, config.prefetch_depth)
                 self.steps_started += 1
             if module_id is not None:
                 step.modules.add(module_id)

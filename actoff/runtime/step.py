@@ -38,7 +38,7 @@ __all__ = ["ScopeRun", "Step"]
 class Step:
     """The scope runs of one forward pass, in order, until its backward ends."""
 
-    def __init__(self, number: int) -> None:
+    def __init__(self, number: int, depth: int = 1) -> None:
         self.number = number
         self.runs: list[ScopeRun] = []
         self.pending: collections.deque[ScopeRun] = collections.deque()  # sealed, not placed
@@ -50,8 +50,9 @@ class Step:
         self.backward_started = False
         self.callback_queued = False
         self.aborted = False
-        # Runs prefetched ahead of the one backward is in (the auto policy's plan may raise it)
-        self.depth = 1
+        # Runs prefetched ahead of the one backward is in: the first scope's ``prefetch_depth``,
+        # or the auto policy's plan (actoff.runtime.auto).
+        self.depth = depth
         self.auto_seen: collections.Counter = collections.Counter()  # auto runs per block key so far
         self.auto_peaks = [0, 0]  # device peaks of the forward and the head (actoff.runtime.auto)
 

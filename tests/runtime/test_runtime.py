@@ -22,6 +22,7 @@ import actoff.runtime.hooks
 from actoff.reference import Block
 from actoff.runtime.runtime import Runtime, get_runtime
 from actoff.runtime.step import ScopeRun
+from actoff.testing import simulated_device
 from actoff.tiers.record import State
 
 
@@ -673,3 +674,49 @@ def test_a_graph_the_collector_frees_inside_actoffs_own_locks_is_released_withou
     )
     # A deadlock never ends; the limit is far above the seconds it takes on a loaded machine.
     run_without_deadlock(script, "trained", "the training thread", timeout=600)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "checkpoint"])
+def test_prefetch_depth_zero_fetches_each_block_at_its_own_first_unpack(policy):
+    """ACTOFF_PREFETCH_DEPTH=0: no block's saves come back ahead of its backward (PyTorch's
+    save_on_cpu profile); depth 1, the default, brings the next block's while one runs. Both
+    exact: the same kernels on the same shapes."""
+    tokens = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(1))
+    model = make_model(num_layers=4)
+    expected = copy.deepcopy(model)
+    expected.loss(tokens).backward()
+    seen, peaks = {}, {}
+    for depth in (0, 1):
+        net = copy.deepcopy(model)
+        actoff.offload_(net, block_cls=Block, policy=policy, min_bytes=0, prefetch_depth=depth)
+        issued = seen[depth] = []
+
+        def at_backward(module, args, output, issued=issued):
+            output.register_hook(
+                lambda grad: issued.append([run.fetch_issued for run in get_runtime().step.runs])
+            )
+
+        for layer in net.layers:
+            layer.register_forward_hook(at_backward)
+        with simulated_device(seed=0) as device:
+            net.loss(tokens).backward()
+            peaks[depth] = device.memory.peak
+        for actual, wanted in zip(net.parameters(), expected.parameters(), strict=True):
+            torch.testing.assert_close(actual.grad, wanted.grad, rtol=0, atol=0)
+        actoff.reset()
+    # As each block's backward begins (last block first): which blocks' fetches were issued.
+    assert seen[0] == [
+        [False] * 4,
+        [False, False, False, True],
+        [False, False, True, True],
+        [False, True, True, True],
+    ]
+    assert seen[1] == [
+        [False, False, False, False],
+        [False, False, True, True],
+        [False, True, True, True],
+        [True] * 4,
+    ]
+    # One block's saves fewer on the device while a block's backward runs: the step's peak under
+    # cpu; under checkpoint the saves are only the inputs, below the loss's peak on this model.
+    assert peaks[0] < peaks[1] if policy == "cpu" else peaks[0] <= peaks[1]
