@@ -102,9 +102,10 @@ class Config:
     #: The last N blocks of the forward pass are never offloaded (backward needs them first).
     keep_last: int = 0
     #: Blocks fetched ahead in backward: at a block's first unpack, the saves of this many
-    #: blocks before it start coming back. ``0``: each block's come back at its own first
-    #: unpack, as PyTorch's ``save_on_cpu`` brings them, holding one block's fewer on the device
-    #: with the copies no longer hidden. ``auto`` plans its own.
+    #: blocks before it start coming back (a setting per scope: each block's own). ``0``: each
+    #: block's come back at its own first unpack, as PyTorch's ``save_on_cpu`` brings them,
+    #: holding one block's fewer on the device with the copies no longer hidden. Under the
+    #: ``auto`` policy its plan sets the depth for the whole step.
     prefetch_depth: int = 1
     #: Cap on the host memory actoff may hold (``None``: no cap). Over it, tensors stay put.
     host_budget: int | None = None

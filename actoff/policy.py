@@ -49,7 +49,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "nvme_fraction": ("tokenwise",),
     "host_bandwidth": ("auto",),
     "gpu_budget": ("auto",),
-    "prefetch_depth": ("cpu", "nvme", "tokenwise", "recompute", "checkpoint"),
+    "prefetch_depth": ("keep", "cpu", "nvme", "tokenwise", "recompute", "checkpoint"),
 }
 
 

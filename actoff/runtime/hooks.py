@@ -205,7 +205,7 @@ def unpack(packed: Any) -> torch.Tensor:
 # saved at, the run), which autograd frees with the graph like any saved tensor. Unpack checks
 # the version (Note [version check]) and, at the run's first unpack of a backward, tells the
 # runtime backward has reached the run (`ScopeRun.reached`: the end-of-backward callback, the
-# previous run's prefetch), which a record's unpack would otherwise do. Statistics count the
+# earlier runs' prefetch), which a record's unpack would otherwise do. Statistics count the
 # tensor at pack. Runs kept for other reasons (``keep_last``, no room) are records on the keep
 # tier: they can still be placed.
 def _unpack_kept(alias: torch.Tensor, version: int, run: ScopeRun) -> torch.Tensor:

@@ -7,8 +7,8 @@ Data flow of one step (the README's "How it works" has the map of modules):
 2. Scope exit: the run is sealed and queued; once it is more than ``keep_last`` runs old its
    records are placed (actoff.policy says where) and their tier starts the copies out
    (actoff.tiers.base); `_progress` finishes them, MEMO's double buffering.
-3. Backward: the first unpack in a run fetches all of that run's records and prefetches the
-   previous run's; unpack waits on exactly the record it serves.
+3. Backward: the first unpack in a run fetches all of that run's records and prefetches those
+   of the ``prefetch_depth`` runs before it; unpack waits on exactly the record it serves.
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
    evicted, the auto policy measures, plans or replans (actoff.runtime.auto), ranks agree
    (actoff.runtime.distributed), statistics are published, the host arena is laid out for the
@@ -192,7 +192,7 @@ class Runtime:
                 self._publish(step)
                 self.replay.begin(device, config.allocator, self.warn_once)
                 self.arenas.begin_step()
-                step = self.step = Step(self.steps_started, config.prefetch_depth)
+                step = self.step = Step(self.steps_started)
                 self.steps_started += 1
             if module_id is not None:
                 step.modules.add(module_id)

@@ -38,7 +38,7 @@ __all__ = ["ScopeRun", "Step"]
 class Step:
     """The scope runs of one forward pass, in order, until its backward ends."""
 
-    def __init__(self, number: int, depth: int = 1) -> None:
+    def __init__(self, number: int) -> None:
         self.number = number
         self.runs: list[ScopeRun] = []
         self.pending: collections.deque[ScopeRun] = collections.deque()  # sealed, not placed
@@ -50,9 +50,9 @@ class Step:
         self.backward_started = False
         self.callback_queued = False
         self.aborted = False
-        # Runs prefetched ahead of the one backward is in: the first scope's ``prefetch_depth``,
-        # or the auto policy's plan (actoff.runtime.auto).
-        self.depth = depth
+        # Runs prefetched ahead of the one backward is in, for the whole step: the auto policy's
+        # plan (actoff.runtime.auto); None: each run's own ``prefetch_depth``.
+        self.depth: int | None = None
         self.auto_seen: collections.Counter = collections.Counter()  # auto runs per block key so far
         self.auto_peaks = [0, 0]  # device peaks of the forward and the head (actoff.runtime.auto)
 
@@ -155,7 +155,8 @@ class ScopeRun(PackHook):
                 pass  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
         if not self.fetch_issued:
             self.prefetch()
-        window = step.runs[max(0, self.index - step.depth) : self.index]
+        depth = self.config.prefetch_depth if step.depth is None else step.depth
+        window = step.runs[max(0, self.index - depth) : self.index]
         if not self.window_issued:
             self.window_issued = True
             for run in reversed(window):  # the next one backward reaches first

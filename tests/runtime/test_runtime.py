@@ -720,3 +720,30 @@ def test_prefetch_depth_zero_fetches_each_block_at_its_own_first_unpack(policy):
     # One block's saves fewer on the device while a block's backward runs: the step's peak under
     # cpu; under checkpoint the saves are only the inputs, below the loss's peak on this model.
     assert peaks[0] < peaks[1] if policy == "cpu" else peaks[0] <= peaks[1]
+
+
+def test_prefetch_depth_is_each_scopes_own():
+    """Found in review: the step's first scope set the depth for every block, so a first block at
+    the default depth 1 made the blocks that asked for 0 fetch ahead anyway."""
+    tokens = torch.randint(0, 256, (2, 129), generator=torch.Generator().manual_seed(1))
+    model = make_model(num_layers=4)
+    actoff.offload(model.layers[0], policy="cpu", min_bytes=0)  # the default depth, 1
+    for layer in model.layers[1:]:
+        actoff.offload(layer, policy="cpu", min_bytes=0, prefetch_depth=0)
+    issued = []
+
+    def at_backward(module, args, output):
+        output.register_hook(
+            lambda grad: issued.append([run.fetch_issued for run in get_runtime().step.runs])
+        )
+
+    for layer in model.layers:
+        layer.register_forward_hook(at_backward)
+    with simulated_device(seed=0):
+        model.loss(tokens).backward()
+    assert issued == [
+        [False] * 4,
+        [False, False, False, True],
+        [False, False, True, True],
+        [False, True, True, True],
+    ]
