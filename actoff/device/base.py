@@ -159,8 +159,17 @@ class DeviceBackend:
         return None
 
     def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
-        """Measured device-to-host copy bandwidth in bytes per second (memcpy on the CPU)."""
-        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        """Measured device-to-host copy bandwidth in bytes per second (memcpy on the CPU), on
+        ``nbytes`` or, on a device short of memory (the auto policy measures at the end of a
+        step, under its budget), on half as much, down to 1 MiB."""
+        while True:
+            try:
+                src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                break
+            except torch.OutOfMemoryError:
+                if nbytes <= 2**20:
+                    raise
+                nbytes //= 2
         dst = self.host_empty(nbytes)
         self.copy_to_host(dst, src).synchronize()  # warm-up
         best = float("inf")

@@ -436,3 +436,17 @@ def test_offloading_lowers_the_device_peak_however_late_the_copies_run(lag_s):
     # Resident at the peak: about two runs' activations and the device arena's two fetch
     # buffers, of eight runs offloaded.
     assert keep_peak - cpu_peak >= 0.5 * offloaded
+
+
+def test_the_host_link_is_measured_on_what_a_small_device_has():
+    """Found trying auto on a Hugging Face Llama under a 64 MiB simulated device: the link's
+    measurement at the end of the first step asked for 64 MiB of device memory and raised out of
+    memory in the middle of training. It now halves its buffer until one fits."""
+    with simulated_device(seed=0, capacity="8MiB") as streams:
+        backend = StreamBackend(torch.device("cpu"), streams)
+        assert backend.host_bandwidth() > 0
+        assert streams.memory.live == 0  # its buffers are gone
+        with pytest.raises(torch.OutOfMemoryError):  # under 1 MiB free: a real shortage, said so
+            held = torch.empty(7 * 2**20 + 2**19, dtype=torch.uint8)
+            backend.host_bandwidth()
+        del held
