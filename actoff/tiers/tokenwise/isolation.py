@@ -164,8 +164,8 @@ def left_as_found(
     (0, False)
     """
     kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
-    # Not held while suspended: a checkpointed block gives back what it changed only when the
-    # whole backward ends, and its inputs would stay on the device until then.
+    # Not held while suspended: a checkpointed block's run again stays open until its backward
+    # node is done (actoff.runtime.checkpoint), and its inputs would stay on the device as long.
     del inputs
     buffers = []
     with torch.no_grad():
