@@ -18,7 +18,7 @@ Example:
 
 from ._version import __version__
 from .config import Config, get_config, parse_size, set_config
-from .introspect import format_bytes, held_bytes, open_io_engine, probe_kvikio, trace_arenas
+from .introspect import check_kvikio, format_bytes, held_bytes, open_io_engine, trace_arenas
 from .memory import replay_allocator
 from .memory.replay_allocator import AllocatorStats
 from .memory.replay_allocator import install as install_replay_allocator
@@ -38,6 +38,9 @@ try:
 except ImportError:
     HAS_EXTENSION = False
 
+#: `check_kvikio`'s name until 0.1 ("probe" is token-wise recompute's word now); kept for a release.
+probe_kvikio = check_kvikio
+
 # ACTOFF_ALLOCATOR=replay must swap torch's CUDA allocator before the first CUDA allocation:
 # importing actoff is the earliest point actoff runs. A refusal is raised at the first CUDA step.
 replay_allocator.install_from_environment()
@@ -49,6 +52,7 @@ __all__ = [
     "Config",
     "Stats",
     "__version__",
+    "check_kvikio",
     "chunked_cross_entropy",
     "chunked_loss_",
     "format_bytes",
@@ -61,7 +65,6 @@ __all__ = [
     "offload_",
     "open_io_engine",
     "parse_size",
-    "probe_kvikio",
     "register_token_mixer",
     "replay_allocator_stats",
     "reset",

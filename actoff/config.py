@@ -10,12 +10,11 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
+from .policy import policy_names, spec
 from .units import format_bytes, parse_size
 
-__all__ = ["POLICIES", "Config", "format_bytes", "get_config", "keywords_of", "parse_size", "set_config"]
+__all__ = ["Config", "format_bytes", "get_config", "keywords_of", "parse_size", "set_config"]
 
-# Every value of ACTOFF_POLICY (README.md, Settings).
-POLICIES = ("keep", "recompute", "cpu", "nvme", "tokenwise", "checkpoint", "auto")
 PLANNERS = ("mip", "greedy", "off")
 IO_BACKENDS = ("auto", "kvikio", "posix")
 ALLOCATORS = ("caching", "replay")
@@ -165,17 +164,25 @@ class Config:
     allocator: str = "caching"
 
     def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_numbers()
+        self._check_sim_device()
+        self._check_paths()
+
+    def _check_choices(self) -> None:
         set_ = object.__setattr__  # frozen: normalise through object.__setattr__
         for name in ("policy", "planner", "io_backend", "allocator"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise TypeError(f"{_where(name)} must be a string, got {type(value).__name__}")
             set_(self, name, value.strip().lower())
-        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("policy", self.policy, policy_names())  # Note [the policy table]
         _check_choice("planner", self.planner, PLANNERS)
         _check_choice("io_backend", self.io_backend, IO_BACKENDS)
         _check_choice("allocator", self.allocator, ALLOCATORS)
 
+    def _check_numbers(self) -> None:
+        set_ = object.__setattr__
         for name in ("cpu_fraction", "nvme_fraction"):
             value = _as_float(name, getattr(self, name))
             if not 0.0 <= value <= 1.0:
@@ -198,11 +205,27 @@ class Config:
         if timeout <= 0:
             raise ValueError(f"{_where('io_timeout')}={timeout!r} is out of range: expected seconds > 0")
         set_(self, "io_timeout", timeout)
-        for name, low in (("keep_last", 0), ("prefetch_depth", 0), ("io_threads", 1), ("token_dim", 0),
-                          ("verify_interval", 1)):  # fmt: skip
+        for name, low in (
+            ("keep_last", 0),
+            ("prefetch_depth", 0),
+            ("io_threads", 1),
+            ("token_dim", 0),
+            ("verify_interval", 1),
+        ):
             set_(self, name, _as_int(name, getattr(self, name), low))
         set_(self, "verify", _as_bool("verify", self.verify))
         set_(self, "nvme_checksum", _as_bool("nvme_checksum", self.nvme_checksum))
+        for name in ("tile_chunks", "tile_max_tokens"):
+            if getattr(self, name) is not None:
+                set_(self, name, _as_int(name, getattr(self, name), 1))
+        if self.tile_chunks is not None and self.tile_max_tokens is not None:
+            raise ValueError(
+                f"{_where('tile_chunks')}={self.tile_chunks} and {_where('tile_max_tokens')}={self.tile_max_tokens} "
+                "are both set: a tile is sized by one of them; unset the other"
+            )
+
+    def _check_sim_device(self) -> None:
+        set_ = object.__setattr__
         set_(self, "sim_device", _as_bool("sim_device", self.sim_device))
         if self.sim_device_memory is not None:
             capacity = _as_size("sim_device_memory", self.sim_device_memory, allow_bare=False)
@@ -222,29 +245,24 @@ class Config:
             if rate <= 0 or not self.sim_device:
                 raise ValueError(
                     f"{_where('sim_device_bandwidth')}={self.sim_device_bandwidth!r}: "
-                    + ("expected a rate > 0, e.g. '2GB/s'" if rate <= 0 else
-                       "sets the simulated device's link, which is off: set ACTOFF_SIM_DEVICE=1 as well "
-                       "(Config.sim_device), or unset ACTOFF_SIM_DEVICE_BANDWIDTH")
-                )  # fmt: skip
+                    + (
+                        "expected a rate > 0, e.g. '2GB/s'"
+                        if rate <= 0
+                        else "sets the simulated device's link, which is off: set ACTOFF_SIM_DEVICE=1 as well "
+                        "(Config.sim_device), or unset ACTOFF_SIM_DEVICE_BANDWIDTH"
+                    )
+                )
             set_(self, "sim_device_bandwidth", rate)
-        for name in ("tile_chunks", "tile_max_tokens"):
-            if getattr(self, name) is not None:
-                set_(self, name, _as_int(name, getattr(self, name), 1))
-        if self.tile_chunks is not None and self.tile_max_tokens is not None:
-            raise ValueError(
-                f"{_where('tile_chunks')}={self.tile_chunks} and {_where('tile_max_tokens')}={self.tile_max_tokens} "
-                "are both set: a tile is sized by one of them; unset the other"
-            )
 
+    def _check_paths(self) -> None:
+        set_ = object.__setattr__
         for name in ("nvme_dir", "plan_cache"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{_where(name)} must be a path, got {type(value).__name__}")
             if value is not None:
                 set_(self, name, os.fspath(value) or None)
-        if (
-            self.policy == "nvme" or (self.policy == "tokenwise" and self.nvme_fraction > 0)
-        ) and self.nvme_dir is None:
+        if spec(self.policy).needs_nvme(self) and self.nvme_dir is None:
             raise ValueError(
                 f"{_where('policy')}={self.policy!r} with NVMe placement needs a directory: set "
                 f"{_where('nvme_dir')} to a directory on a fast local disk"
@@ -395,7 +413,7 @@ _global_config: Config | None = None
 def get_config() -> Config:
     """The process-wide configuration: read from the environment once, on first use.
 
-    >>> get_config().policy in POLICIES
+    >>> get_config().policy in policy_names()
     True
     """
     global _global_config

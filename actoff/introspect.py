@@ -1,5 +1,5 @@
 """What actoff holds and does, for benchmarks and tools: sizes as actoff prints them, the bytes
-it holds off the device, its I/O engines and kvikio probe, and the traces its arenas plan from.
+it holds off the device, its I/O engines and kvikio check, and the traces its arenas plan from.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from . import config
 from .runtime.runtime import get_runtime
 from .tiers.nvme import engines, kvikio, store
 
-__all__ = ["format_bytes", "held_bytes", "open_io_engine", "probe_kvikio", "trace_arenas"]
+__all__ = ["check_kvikio", "format_bytes", "held_bytes", "open_io_engine", "trace_arenas"]
 
 
 def format_bytes(nbytes: float) -> str:
@@ -78,17 +78,17 @@ def open_io_engine(
     return store.open_engine(path, backend, num_threads)
 
 
-def probe_kvikio(directory: str) -> tuple[bool, str]:
+def check_kvikio(directory: str) -> tuple[bool, str]:
     """Whether kvikio really does I/O in ``directory`` (a 4 KiB write and read-back, compared):
     ``(True, engine name)``, the name saying GDS or compat mode, or ``(False, why not)``.
 
     Example:
         >>> import tempfile, actoff
-        >>> ok, why = actoff.probe_kvikio(tempfile.mkdtemp())
+        >>> ok, why = actoff.check_kvikio(tempfile.mkdtemp())
         >>> ok or why.startswith(("kvikio is not installed", "kvikio cannot do I/O"))
         True
     """
-    return kvikio.probe_kvikio(directory)
+    return kvikio.check_kvikio(directory)
 
 
 @contextlib.contextmanager
@@ -143,8 +143,12 @@ def trace_arenas() -> Iterator[dict[str, list[list[tuple]]]]:
         trace = take_device(arena)
         if trace:
             parts = waves(trace)
-            traces["device"].append([(size, start, end, tag, part) for (size, start, end, _, tag, _), part
-                                     in zip(trace, parts, strict=True)])  # fmt: skip
+            traces["device"].append(
+                [
+                    (size, start, end, tag, part)
+                    for (size, start, end, _, tag, _), part in zip(trace, parts, strict=True)
+                ]
+            )
         return trace
 
     untraced = [arena for arena in get_runtime().arenas.values() if not arena.tracing]

@@ -297,8 +297,9 @@ def solve_bilevel(
         shape = tuple((buffers[i].size, buffers[i].start - begin, buffers[i].end - begin) for i in indices)
         inner = inner_cache.get(shape)
         if inner is None:
-            inner = inner_cache[shape] = solve([Buffer(*s) for s in shape], method=method,
-                                               time_limit_s=time_limit_s, alignment=alignment)  # fmt: skip
+            inner = inner_cache[shape] = solve(
+                [Buffer(*s) for s in shape], method=method, time_limit_s=time_limit_s, alignment=alignment
+            )
         inner_offsets[block] = inner.offsets
         rectangles.append(Buffer(_align(inner.peak, alignment), begin, max(buffers[i].end for i in indices)))
     outer = solve(rectangles, method=method, time_limit_s=time_limit_s, alignment=alignment)

@@ -193,8 +193,9 @@ class Transformer(nn.Module):
         """The normed last hidden states ``(B, S, H)``: what the head turns into logits (for a
         loss that never makes all the logits, e.g. `actoff.chunked_cross_entropy`)."""
         x = self.embed(tokens)  # (B, S, H)
-        cos, sin = rope_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta,
-                               device=tokens.device, dtype=x.dtype)  # fmt: skip
+        cos, sin = rope_tables(
+            tokens.shape[1], self.config.head_dim, self.config.rope_theta, device=tokens.device, dtype=x.dtype
+        )
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)

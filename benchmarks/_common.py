@@ -138,7 +138,7 @@ def system_header(nvme_dir: str | None = None) -> dict:
         header.update(nvme_dir=nvme_dir, file_system=file_system(nvme_dir), o_direct=o_direct_works(nvme_dir))
     header["io_backend"] = io_backend_name(nvme_dir)
     if nvme_dir is not None:
-        ok, kvikio_state = actoff.probe_kvikio(nvme_dir)
+        ok, kvikio_state = actoff.check_kvikio(nvme_dir)
         header["kvikio"] = kvikio_state if ok else f"not used: {kvikio_state}"
     else:
         header["kvikio"] = "installed" if actoff.kvikio_available() else "not installed"

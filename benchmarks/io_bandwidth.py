@@ -163,8 +163,9 @@ def checksum_cost(args: argparse.Namespace, directory: str, out: JsonLines) -> l
         for checksum in (True, False) if round_index % 2 == 0 else (False, True):
             torch.manual_seed(0)
             model = Transformer(ModelConfig.preset(args.preset))
-            actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=directory, min_bytes=0,
-                            nvme_checksum=checksum)  # fmt: skip
+            actoff.offload_(
+                model, block_cls=Block, policy="nvme", nvme_dir=directory, min_bytes=0, nvme_checksum=checksum
+            )
             times, cpu_start = [], 0.0
             for step in range(args.checksum_steps + 2):  # two warm-up steps: the file grows, plans
                 if step == 2:
@@ -185,19 +186,37 @@ def checksum_cost(args: argparse.Namespace, directory: str, out: JsonLines) -> l
                       "median_ms": wall[checksum][-1], "cpu_ms": cpu_ms,
                       "steps_ms": [t * 1e3 for t in times], "offloaded_bytes": offloaded}  # fmt: skip
             out.write(record)
-            print(f"   round {round_index} checksum={int(checksum)}: {wall[checksum][-1]:.0f} ms, "
-                  f"{cpu_ms:.0f} ms of CPU", file=sys.stderr)  # fmt: skip
+            print(
+                f"   round {round_index} checksum={int(checksum)}: {wall[checksum][-1]:.0f} ms, "
+                f"{cpu_ms:.0f} ms of CPU",
+                file=sys.stderr,
+            )
     ratios = sorted(on / off for on, off in zip(wall[True], wall[False], strict=True))
     cpu_ratios = sorted(on / off for on, off in zip(cpu[True], cpu[False], strict=True))
     records = [
-        {"method": "nvme-step", "checksum": checksum, "rounds": len(wall[checksum]),
-         "median_ms": median(wall[checksum]), "min_ms": min(wall[checksum]), "max_ms": max(wall[checksum]),
-         "cpu_ms": median(cpu[checksum])}
+        {
+            "method": "nvme-step",
+            "checksum": checksum,
+            "rounds": len(wall[checksum]),
+            "median_ms": median(wall[checksum]),
+            "min_ms": min(wall[checksum]),
+            "max_ms": max(wall[checksum]),
+            "cpu_ms": median(cpu[checksum]),
+        }
         for checksum in (True, False)
-    ]  # fmt: skip
-    records.append({"method": "nvme-step-ratio", "ratio": median(ratios), "min": ratios[0], "max": ratios[-1],
-                    "cpu_ratio": median(cpu_ratios), "cpu_min": cpu_ratios[0], "cpu_max": cpu_ratios[-1],
-                    "offloaded_bytes": offloaded})  # fmt: skip
+    ]
+    records.append(
+        {
+            "method": "nvme-step-ratio",
+            "ratio": median(ratios),
+            "min": ratios[0],
+            "max": ratios[-1],
+            "cpu_ratio": median(cpu_ratios),
+            "cpu_min": cpu_ratios[0],
+            "cpu_max": cpu_ratios[-1],
+            "offloaded_bytes": offloaded,
+        }
+    )
     out.write(records[-1])
     return records
 
@@ -238,8 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", default="1,4,8", help="engine thread counts")
     parser.add_argument("--json", help="write all records to this path at the end")
     parser.add_argument("--jsonl", help="append each record to this path as it is made (JSON lines)")
-    parser.add_argument("--checksum-steps", type=int, default=0,
-                        help="instead: time this many steps per round with seals on and off")  # fmt: skip
+    parser.add_argument(
+        "--checksum-steps",
+        type=int,
+        default=0,
+        help="instead: time this many steps per round with seals on and off",
+    )
     parser.add_argument("--rounds", type=int, default=6, help="rounds of --checksum-steps (alternating)")
     parser.add_argument("--preset", default="small", help="reference model preset for --checksum-steps")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length for --checksum-steps")
@@ -256,37 +279,60 @@ def main(argv: list[str] | None = None) -> int:
     header = system_header(directory)
     header.update(size=f"{size / 2**20:.0f} MiB in {CHUNK // 2**20} MiB requests", directory=directory)
     if args.checksum_steps:
-        header.update(size=f"{args.preset} model, batch {args.batch}, seq {args.seq}, {args.rounds} rounds "
-                      f"of {args.checksum_steps} steps per setting")  # fmt: skip
+        header.update(
+            size=f"{args.preset} model, batch {args.batch}, seq {args.seq}, {args.rounds} rounds "
+            f"of {args.checksum_steps} steps per setting"
+        )
     print_header("actoff I/O bandwidth", header)
     out = JsonLines(args.jsonl, header)  # the header line first, then each record as it is made
-    if args.checksum_steps:
-        try:
-            throughput = seal_throughput(out)
-            steps = checksum_cost(args, directory, out)
-        finally:
-            out.close()
-            if not args.dir:
-                shutil.rmtree(directory, ignore_errors=True)
-        print(format_table(throughput, [("method", "checksum"), ("gbps", "GB/s")]))
-        print(format_table(steps[:2], [("checksum", "ACTOFF_NVME_CHECKSUM"), ("rounds", "rounds"),
-                                       ("median_ms", "median step ms"), ("min_ms", "min"), ("max_ms", "max"),
-                                       ("cpu_ms", "CPU ms per step")]))  # fmt: skip
-        ratio = steps[2]
-        print(f"\nnvme step time with seals / without: {ratio['ratio']:.3f}x, median of {args.rounds} "
-              f"rounds (from {ratio['min']:.3f} to {ratio['max']:.3f}; {ratio['offloaded_bytes'] / 2**20:.0f} MiB "
-              f"written and read per step): {'meets' if ratio['ratio'] <= 1.02 else 'misses'} the 1.02x target")  # fmt: skip
-        print(f"CPU time per step (every thread) with seals / without: {ratio['cpu_ratio']:.3f}x "
-              f"(from {ratio['cpu_min']:.3f} to {ratio['cpu_max']:.3f}): the work the seals add")  # fmt: skip
-        if args.json:
-            write_json(args.json, header, [*throughput, *steps])
-        return 0
+    try:
+        if args.checksum_steps:
+            records = _seals(args, directory, out)
+        else:
+            records = _bandwidths(args, size, directory, out)
+    finally:
+        out.close()
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+    if args.json:
+        write_json(args.json, header, records)
+    return 0
 
+
+def _seals(args: argparse.Namespace, directory: str, out: JsonLines) -> list[dict]:
+    """--checksum-steps: the CRC32C methods' throughput and the seals' cost on a training step."""
+    throughput = seal_throughput(out)
+    steps = checksum_cost(args, directory, out)
+    print(format_table(throughput, [("method", "checksum"), ("gbps", "GB/s")]))
+    columns = [
+        ("checksum", "ACTOFF_NVME_CHECKSUM"),
+        ("rounds", "rounds"),
+        ("median_ms", "median step ms"),
+        ("min_ms", "min"),
+        ("max_ms", "max"),
+        ("cpu_ms", "CPU ms per step"),
+    ]
+    print(format_table(steps[:2], columns))
+    ratio = steps[2]
+    print(
+        f"\nnvme step time with seals / without: {ratio['ratio']:.3f}x, median of {args.rounds} "
+        f"rounds (from {ratio['min']:.3f} to {ratio['max']:.3f}; {ratio['offloaded_bytes'] / 2**20:.0f} MiB "
+        f"written and read per step): {'meets' if ratio['ratio'] <= 1.02 else 'misses'} the 1.02x target"
+    )
+    print(
+        f"CPU time per step (every thread) with seals / without: {ratio['cpu_ratio']:.3f}x "
+        f"(from {ratio['cpu_min']:.3f} to {ratio['cpu_max']:.3f}): the work the seals add"
+    )
+    return [*throughput, *steps]
+
+
+def _methods(directory: str, threads: str) -> dict:
+    """Every way of writing and reading a file this machine has, by name."""
     methods = {}
     if actoff.HAS_EXTENSION:
-        for threads in (int(t) for t in args.threads.split(",")):
-            methods[f"engine-cpp-t{threads}-direct"] = engine_method(
-                lambda p, t=threads: actoff.open_io_engine(p, "cpp", t)
+        for count in (int(t) for t in threads.split(",")):
+            methods[f"engine-cpp-t{count}-direct"] = engine_method(
+                lambda p, t=count: actoff.open_io_engine(p, "cpp", t)
             )
         methods["engine-cpp-t4-direct-sealed"] = engine_method(
             lambda p: actoff.open_io_engine(p, "cpp", 4), sealed=True
@@ -295,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda p: actoff.open_io_engine(p, "cpp", 4, direct=False), misalign=64
         )
     methods["engine-python-t4"] = engine_method(lambda p: actoff.open_io_engine(p, "python", 4))
-    kvikio_ok, kvikio_name = actoff.probe_kvikio(directory)
+    kvikio_ok, kvikio_name = actoff.check_kvikio(directory)
     if kvikio_ok:  # its name says whether GDS or compat mode runs (host buffers: POSIX either way)
         mode = "gds" if "GDS" in kvikio_name else "compat"
         methods[f"kvikio-t4-{mode}"] = engine_method(lambda p: actoff.open_io_engine(p, "kvikio", 4))
@@ -303,14 +349,18 @@ def main(argv: list[str] | None = None) -> int:
             methods["kvikio-t4-gds-device"] = kvikio_device_method()
     methods["raw-numpy"] = raw_numpy
     methods["raw-os-pwrite"] = raw_os
+    return methods
 
+
+def _bandwidths(args: argparse.Namespace, size: int, directory: str, out: JsonLines) -> list[dict]:
+    """Each method's write and read bandwidth (median of --repeats), the engine against raw I/O."""
     data = aligned_buffer(size)
     data.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
     back = aligned_buffer(size)
     records = []
     path = os.path.join(directory, "bandwidth.bin")
     try:
-        for name, method in methods.items():
+        for name, method in _methods(directory, args.threads).items():
             for op in ("write", "read"):
                 seconds = []
                 for _ in range(args.repeats):
@@ -323,37 +373,16 @@ def main(argv: list[str] | None = None) -> int:
                     seconds.append(time.perf_counter() - start)
                 if op == "read" and not np.array_equal(back.numpy(), data.numpy()):
                     raise SystemExit(f"{name}: data read back differs from data written")
-                records.append({"method": name, "op": op, "gbps": size / median(seconds) / 1e9,
-                                "seconds": median(seconds)})  # fmt: skip
+                seconds_median = median(seconds)
+                records.append(
+                    {"method": name, "op": op, "gbps": size / seconds_median / 1e9, "seconds": seconds_median}
+                )
                 out.write(records[-1])
                 print(f"   {name:<26} {op:<5} {records[-1]['gbps']:.2f} GB/s", file=sys.stderr, flush=True)
     finally:
         if os.path.exists(path):
             os.unlink(path)
-        if not args.dir:
-            shutil.rmtree(directory, ignore_errors=True)
-
-    if torch.cuda.is_available():
-        device = torch.empty(size, dtype=torch.uint8, device="cuda")
-        pinned = aligned_buffer(size)
-        for op, fn in (("d2h", lambda: pinned.copy_(device, non_blocking=True)),
-                       ("h2d", lambda: device.copy_(pinned, non_blocking=True))):  # fmt: skip
-            fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                fn()
-            torch.cuda.synchronize()
-            records.append(
-                {
-                    "method": "cuda-pinned",
-                    "op": op,
-                    "gbps": size * args.repeats / (time.perf_counter() - start) / 1e9,
-                }
-            )
-            out.write(records[-1])
-    out.close()
-
+    records += _cuda_copies(size, args.repeats, out)
     print(format_table(records, [("method", "method"), ("op", "op"), ("gbps", "GB/s")]))
     print()
     for op in ("write", "read"):
@@ -366,9 +395,30 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{op:<5}: best engine {engine:.2f} GB/s, best raw {raw:.2f} GB/s, ratio {ratio:.2f} ({verdict} the 0.9x target)"
         )
-    if args.json:
-        write_json(args.json, header, records)
-    return 0
+    return records
+
+
+def _cuda_copies(size: int, repeats: int, out: JsonLines) -> list[dict]:
+    """Pinned host <-> device copy bandwidth, where there is a GPU."""
+    if not torch.cuda.is_available():
+        return []
+    records = []
+    device = torch.empty(size, dtype=torch.uint8, device="cuda")
+    pinned = aligned_buffer(size)
+    for op, fn in (
+        ("d2h", lambda: pinned.copy_(device, non_blocking=True)),
+        ("h2d", lambda: device.copy_(pinned, non_blocking=True)),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        gbps = size * repeats / (time.perf_counter() - start) / 1e9
+        records.append({"method": "cuda-pinned", "op": op, "gbps": gbps})
+        out.write(records[-1])
+    return records
 
 
 if __name__ == "__main__":

@@ -124,8 +124,14 @@ def device_section(args: argparse.Namespace, records: list[dict]) -> None:
                 bound = lower_bound(buffers, DEVICE_ALIGNMENT)
                 greedy = solve(buffers, method="greedy", alignment=DEVICE_ALIGNMENT)
                 # The arena's plan: each wave of a block's fetches or rebuilds in a range apart.
-                bilevel = solve_bilevel(buffers, parts, method="auto", time_limit_s=args.time_limit,
-                                        alignment=DEVICE_ALIGNMENT, blocks_apart=True)  # fmt: skip
+                bilevel = solve_bilevel(
+                    buffers,
+                    parts,
+                    method="auto",
+                    time_limit_s=args.time_limit,
+                    alignment=DEVICE_ALIGNMENT,
+                    blocks_apart=True,
+                )
                 memo = memo_two_buffers(buffers, blocks, DEVICE_ALIGNMENT)
                 row = {
                     "instance": f"device {policy} seq={seq} layers={layers}", "arena": "device",
@@ -141,21 +147,45 @@ def device_section(args: argparse.Namespace, records: list[dict]) -> None:
                     ("bi-level", row["bilevel"]),
                     ("MEMO 2 buffers", row["memo"]),
                 ):
-                    records.append({"instance": row["instance"], "arena": "device", "buffers": len(buffers),
-                                    "method": method, "ratio": ratio, "lower_bound_mib": bound / 2**20,
-                                    "solve_s": bilevel.solve_s if method == "bi-level" else None,
-                                    "sim_peak_off_mib": row["sim_peak_off_mib"],
-                                    "sim_peak_planned_mib": row["sim_peak_planned_mib"]})  # fmt: skip
+                    records.append(
+                        {
+                            "instance": row["instance"],
+                            "arena": "device",
+                            "buffers": len(buffers),
+                            "method": method,
+                            "ratio": ratio,
+                            "lower_bound_mib": bound / 2**20,
+                            "solve_s": bilevel.solve_s if method == "bi-level" else None,
+                            "sim_peak_off_mib": row["sim_peak_off_mib"],
+                            "sim_peak_planned_mib": row["sim_peak_planned_mib"],
+                        }
+                    )
                 print(f"   {row['instance']:<36} bi-level {row['bilevel']:.4f}", file=sys.stderr, flush=True)
     print("\ndevice arena on the reference model's traces (simulated device; sizes over the lower bound):")
-    print(format_table(rows, [("instance", "instance"), ("buffers", "buffers"), ("lower_bound_mib", "bound MiB"),
-                              ("greedy", "greedy"), ("bilevel", "bi-level"), ("bilevel_layout", "layout from"),
-                              ("memo", "MEMO 2 buffers"), ("solve_s", "solve s"),
-                              ("sim_peak_off_mib", "peak off MiB"), ("sim_peak_planned_mib", "peak planned MiB")]))  # fmt: skip
+    print(
+        format_table(
+            rows,
+            [
+                ("instance", "instance"),
+                ("buffers", "buffers"),
+                ("lower_bound_mib", "bound MiB"),
+                ("greedy", "greedy"),
+                ("bilevel", "bi-level"),
+                ("bilevel_layout", "layout from"),
+                ("memo", "MEMO 2 buffers"),
+                ("solve_s", "solve s"),
+                ("sim_peak_off_mib", "peak off MiB"),
+                ("sim_peak_planned_mib", "peak planned MiB"),
+            ],
+        )
+    )
     worst = max((r["bilevel"] for r in rows), default=float("nan"))
-    print(f"device arena: worst size/bound {worst:.4f} (bi-level); MEMO's two buffers "
-          + ", ".join("n/a" if r["memo"] is None else f"{r['memo']:.2f}" for r in rows)
-          + "; peak planned/off " + ", ".join(f"{r['sim_peak_planned_mib'] / r['sim_peak_off_mib']:.3f}" for r in rows))  # fmt: skip
+    print(
+        f"device arena: worst size/bound {worst:.4f} (bi-level); MEMO's two buffers "
+        + ", ".join("n/a" if r["memo"] is None else f"{r['memo']:.2f}" for r in rows)
+        + "; peak planned/off "
+        + ", ".join(f"{r['sim_peak_planned_mib'] / r['sim_peak_off_mib']:.3f}" for r in rows)
+    )
 
 
 def random_instance(seed: int, count: int = 60, horizon: int = 120) -> tuple[list[Buffer], list[int]]:
@@ -202,29 +232,55 @@ def main(argv: list[str] | None = None) -> int:
             "bi-level": solve_bilevel(buffers, blocks, time_limit_s=args.time_limit, alignment=4096),
         }
         for method, layout in runs.items():
-            records.append({
-                "instance": name, "arena": "host", "buffers": len(buffers), "method": method, "peak_mib": layout.peak / 2**20,
-                "lower_bound_mib": layout.lower_bound / 2**20, "ratio": layout.peak / max(layout.lower_bound, 1),
-                "optimal": layout.optimal, "solve_s": layout.solve_s, "chosen": layout.method,
-            })  # fmt: skip
+            records.append(
+                {
+                    "instance": name,
+                    "arena": "host",
+                    "buffers": len(buffers),
+                    "method": method,
+                    "peak_mib": layout.peak / 2**20,
+                    "lower_bound_mib": layout.lower_bound / 2**20,
+                    "ratio": layout.peak / max(layout.lower_bound, 1),
+                    "optimal": layout.optimal,
+                    "solve_s": layout.solve_s,
+                    "chosen": layout.method,
+                }
+            )
             print(
                 f"   {name:<28} {method:<9} {records[-1]['ratio']:.4f}  {layout.solve_s:.2f} s",
                 file=sys.stderr,
                 flush=True,
             )
-    print(format_table(records, [("instance", "instance"), ("buffers", "buffers"), ("method", "method"),
-                                 ("peak_mib", "peak MiB"), ("lower_bound_mib", "bound MiB"), ("ratio", "peak/bound"),
-                                 ("optimal", "proven"), ("solve_s", "solve s"), ("chosen", "layout from")]))  # fmt: skip
+    print(
+        format_table(
+            records,
+            [
+                ("instance", "instance"),
+                ("buffers", "buffers"),
+                ("method", "method"),
+                ("peak_mib", "peak MiB"),
+                ("lower_bound_mib", "bound MiB"),
+                ("ratio", "peak/bound"),
+                ("optimal", "proven"),
+                ("solve_s", "solve s"),
+                ("chosen", "layout from"),
+            ],
+        )
+    )
     model_rows = [r for r in records if r["instance"].startswith("model") and r["method"] == "bi-level"]
     worst = max((r["ratio"] for r in model_rows), default=float("nan"))
     slowest = max((r["solve_s"] for r in model_rows), default=float("nan"))
     verdict = "meets" if worst <= 1.01 and slowest < 60 else "misses"
-    print(f"\nbi-level on model traces: worst peak/bound {worst:.4f}, slowest {slowest:.1f} s "
-          f"({verdict} the target: within 1% of the bound in under 60 s)")  # fmt: skip
+    print(
+        f"\nbi-level on model traces: worst peak/bound {worst:.4f}, slowest {slowest:.1f} s "
+        f"({verdict} the target: within 1% of the bound in under 60 s)"
+    )
     if not args.no_device:
         device_section(args, records)
-    print("CUDA figures (fragmentation under the default allocator, expandable_segments and actoff's planned "
-          "allocator; the longest sequence that fits) need a GPU and the plan-replaying allocator: not measured here.")  # fmt: skip
+    print(
+        "CUDA figures (fragmentation under the default allocator, expandable_segments and actoff's planned "
+        "allocator; the longest sequence that fits) need a GPU and the plan-replaying allocator: not measured here."
+    )
     if args.json:
         write_json(args.json, header, records)
     return 0

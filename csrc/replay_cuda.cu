@@ -254,7 +254,7 @@ ACTOFF_EXPORT const char* actoff_replay_stat_names(void) { return kStatNames; }
 
 // Can this library's (static) CUDA runtime use the driver? Writes both versions (0: none) and
 // returns the number of devices, or -1 with the error recorded. Creates no context.
-ACTOFF_EXPORT int actoff_replay_probe(int* driver_version, int* runtime_version) {
+ACTOFF_EXPORT int actoff_replay_check_driver(int* driver_version, int* runtime_version) {
   *driver_version = 0;
   *runtime_version = 0;
   (void)cudaRuntimeGetVersion(runtime_version);

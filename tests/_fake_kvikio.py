@@ -61,11 +61,17 @@ def _reset() -> None:
     io_delay_s = 0.0
     _settings.clear()
     _settings.update(
-        compat_mode=CompatMode[mode], num_threads=int(os.environ.get("KVIKIO_NTHREADS", "1")),
-        task_size=4 * 2**20, gds_threshold=16 * 2**10, bounce_buffer_size=16 * 2**20,
-        http_max_attempts=3, http_status_codes=[429, 500, 502, 503, 504], http_timeout=60,
-        auto_direct_io_read=False, auto_direct_io_write=True,
-    )  # fmt: skip
+        compat_mode=CompatMode[mode],
+        num_threads=int(os.environ.get("KVIKIO_NTHREADS", "1")),
+        task_size=4 * 2**20,
+        gds_threshold=16 * 2**10,
+        bounce_buffer_size=16 * 2**20,
+        http_max_attempts=3,
+        http_status_codes=[429, 500, 502, 503, 504],
+        http_timeout=60,
+        auto_direct_io_read=False,
+        auto_direct_io_write=True,
+    )
     with _pool_lock:
         if _pool is not None:
             _pool.shutdown(wait=True)

@@ -34,8 +34,16 @@ def make_model(seed: int = 0, **changes) -> Transformer:
     return Transformer(ModelConfig.preset("tiny", **changes))
 
 
-def train(model: torch.nn.Module, steps: int = 3, *, batch: int = 2, seq: int = 33, seed: int = 1,
-          retain_graph: bool = False, before_backward=None):  # fmt: skip
+def train(
+    model: torch.nn.Module,
+    steps: int = 3,
+    *,
+    batch: int = 2,
+    seq: int = 33,
+    seed: int = 1,
+    retain_graph: bool = False,
+    before_backward=None,
+):
     """Run ``steps`` SGD steps; return per step the loss and every parameter's gradient.
 
     Tokens are drawn on the CPU (same on every device) and moved to the model's device;
@@ -54,8 +62,11 @@ def train(model: torch.nn.Module, steps: int = 3, *, batch: int = 2, seq: int = 
         if retain_graph:
             loss.backward()
         # A trainable parameter without a gradient is kept as None, for the comparison to catch.
-        grads = {name: None if p.grad is None else p.grad.detach().clone()
-                 for name, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+        grads = {
+            name: None if p.grad is None else p.grad.detach().clone()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
         history.append((loss.detach().clone(), grads))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -105,11 +116,12 @@ RECOMPUTE_TOL = {"rtol": 1e-5, "atol": 1e-6}
 FLOAT32_EPS = torch.finfo(torch.float32).eps
 
 
-def reassociation_tolerance(reduction_len: int, scale: float, *, dtype: torch.dtype = torch.float32,
-                            roundings: int = 0) -> dict[str, float]:  # fmt: skip
+def reassociation_tolerance(
+    reduction_len: int, scale: float, *, dtype: torch.dtype = torch.float32, roundings: int = 0
+) -> dict[str, float]:
     """``rtol`` and ``atol`` between two results that sum the same terms in another order.
 
-    Note [reassociation tolerance]: chunking (``tile_``, the chunked loss, a re-forward on a
+    Note [reassociation tolerance]: chunking (``tile_``, the chunked loss, a re-run on a
     token slice) runs a matrix product on fewer rows, and BLAS may pick another kernel, with
     another blocking of the reduction, for fewer rows (which row counts do depends on the CPU:
     MKL on an AMD EPYC does for chunks of 2 to 10 rows where an Intel CPU did not, and
@@ -142,9 +154,16 @@ def reassociation_tolerance(reduction_len: int, scale: float, *, dtype: torch.dt
     return {"rtol": bound, "atol": bound * scale}
 
 
-def assert_close_reassociated(actual: torch.Tensor, expected: torch.Tensor, *, reduction_len: int,
-                              scale: float | None = None, dtype: torch.dtype = torch.float32,
-                              roundings: int = 0, msg=None) -> None:  # fmt: skip
+def assert_close_reassociated(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    reduction_len: int,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    roundings: int = 0,
+    msg=None,
+) -> None:
     """``actual`` equals ``expected`` up to float32 reassociation over ``reduction_len`` terms
     (Note [reassociation tolerance]); ``scale`` defaults to the largest |entry| of ``expected``."""
     if scale is None:
@@ -236,15 +255,25 @@ class HostEngine:
         return self.core.stats()
 
 
-def tiny_llama():
-    """A 2-layer Hugging Face Llama (hidden 64, 4 heads, 2 KV heads, SDPA), seeded; skips the
-    test when transformers is not installed."""
+#: The settings of the tiny Llama several tests train without a cache (`tiny_llama(**NO_CACHE)`).
+NO_CACHE = {"vocab_size": 256, "intermediate_size": 176, "max_position_embeddings": 128, "use_cache": False}
+
+
+def tiny_llama(**changes):
+    """A 2-layer Hugging Face Llama (hidden 64, 4 heads, 2 KV heads, SDPA), seeded, its config
+    changed by ``changes``; skips the test when transformers is not installed."""
     import pytest
 
     transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
+    settings = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config = transformers.LlamaConfig(**{**settings, **changes})
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")

@@ -61,8 +61,16 @@ def pytest_runtest_logreport(report):
     message = None
     if report.failed and report.longrepr is not None:
         message = str(getattr(report.longrepr, "reprcrash", None) or report.longrepr).splitlines()[-1][:500]
-    _jsonl_write(config, {"test": report.nodeid, "event": report.when, "outcome": report.outcome,
-                          "seconds": round(report.duration, 3), "message": message})  # fmt: skip
+    _jsonl_write(
+        config,
+        {
+            "test": report.nodeid,
+            "event": report.when,
+            "outcome": report.outcome,
+            "seconds": round(report.duration, 3),
+            "message": message,
+        },
+    )
 
 
 _CONFIG: dict = {}

@@ -33,8 +33,19 @@ def test_long_context_smoke(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["system"]["actoff"] == actoff.__version__
     policies = {r["policy"] for r in data["records"]}
-    assert policies == {"none", "keep", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "cpu",
-                        "nvme", "tokenwise:0.5:0", "tokenwise:0.25:0.25", "recompute", "auto"}  # fmt: skip
+    assert policies == {
+        "none",
+        "keep",
+        "torch_checkpoint",
+        "torch_save_on_cpu",
+        "torch_checkpoint_cpu",
+        "cpu",
+        "nvme",
+        "tokenwise:0.5:0",
+        "tokenwise:0.25:0.25",
+        "recompute",
+        "auto",
+    }
     # The default CPU run is the wind tunnel: the link scaled like a 7B block on an H100 at 8k.
     tunnel = data["tunnel"]["64"]
     assert tunnel["target"] == "h100:7b@8k" and tunnel["ratio"] > 1 and tunnel["bandwidth"] > 0
@@ -43,8 +54,19 @@ def test_long_context_smoke(tmp_path):
     for record in data["records"]:
         assert record["status"] == "ok"
         assert record["step_vs_none"] > 0 and record["peak_vs_keep"] > 0  # the plane a user judges by
-        for key in ("seq", "step_ms", "tokens_per_s", "act_cpu_bytes", "act_nvme_bytes", "peak_allocated_bytes",
-                    "fragmentation_bytes", "copy_gbps", "hidden_share", "rss_peak_bytes", "timeline"):  # fmt: skip
+        for key in (
+            "seq",
+            "step_ms",
+            "tokens_per_s",
+            "act_cpu_bytes",
+            "act_nvme_bytes",
+            "peak_allocated_bytes",
+            "fragmentation_bytes",
+            "copy_gbps",
+            "hidden_share",
+            "rss_peak_bytes",
+            "timeline",
+        ):
             assert key in record, key
         # Device memory on a CPU: measured on the simulated device (Note [device memory on a CPU]).
         assert record["memory_source"] == "simulated device"
@@ -59,8 +81,11 @@ def test_long_context_smoke(tmp_path):
     # single block's may all still be under way at backward (served from the device: no lower).
     assert by_policy["cpu"]["activation_peak_bytes"] < by_policy["keep"]["activation_peak_bytes"]
     whats = sorted(line["what"] for line in data["summary"])
-    assert [what.split(" (")[0] for what in whats] == ["cpu / torch_save_on_cpu", "cpu activation peak / keep's",
-                                                       "keep overhead"], whats  # fmt: skip
+    assert [what.split(" (")[0] for what in whats] == [
+        "cpu / torch_save_on_cpu",
+        "cpu activation peak / keep's",
+        "keep overhead",
+    ], whats
     assert all(line["ratio"] > 0 and line["target"] > 0 for line in data["summary"])
     # Step-time ratios on a CPU: the four policies interleaved in one process.
     (interleaved,) = data["interleaved"]
@@ -155,18 +180,30 @@ def test_long_context_under_torchrun_reports_per_rank_and_total(tmp_path, launch
         torchrun = shutil.which("torchrun")
         if torchrun is None:
             pytest.skip("torchrun is not on PATH")
-        done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), *args],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+        done = subprocess.run(
+            [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
         assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     else:
         port = next(p for p in range(65535, 60000, -1) if free_port(p))
         env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}  # fmt: skip
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        ranks = [subprocess.Popen([sys.executable, *args],
-                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=tmp_path,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank in (0, 1)]  # fmt: skip
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, *args],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
         for rank in ranks:
             out, err = rank.communicate(timeout=300)
             assert rank.returncode == 0, out + err[-3000:]
@@ -263,19 +300,34 @@ def test_gpu_session_script_parses_and_every_stage_dry_runs():
     markers = set(re.findall(r'^\s*"(\w+):', section, flags=re.MULTILINE))
     assert {"gpu", "nvme", "slow"} <= markers
     stages = _session_stages()
-    assert {"env", "calib", "snapshot", "frag", "maxseq-8b", "replay-exact", "gdb-engine", "tests",
-            "sanitizer"} <= set(stages)  # fmt: skip
+    assert {
+        "env",
+        "calib",
+        "snapshot",
+        "frag",
+        "maxseq-8b",
+        "replay-exact",
+        "gdb-engine",
+        "tests",
+        "sanitizer",
+    } <= set(stages)
     for stage in [*stages, "call1 call2 call3"]:
-        done = subprocess.run(["bash", GPU_SESSION, "--dry-run", *stage.split()], capture_output=True, text=True,
-                              timeout=60, env={**os.environ, "OUT": "/nonexistent/out"})  # fmt: skip
+        done = subprocess.run(
+            ["bash", GPU_SESSION, "--dry-run", *stage.split()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "OUT": "/nonexistent/out"},
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         commands = [line[2:] for line in done.stdout.splitlines() if line.startswith("+ ")]
         assert commands, f"stage {stage} runs nothing"
         for command in commands:
             _check_command(shlex.split(command), markers)
     assert not os.path.exists("/nonexistent/out")  # a dry run writes nothing
-    sanitizer = subprocess.run(["bash", GPU_SESSION, "--dry-run", "sanitizer"], capture_output=True, text=True,
-                               timeout=60).stdout  # fmt: skip
+    sanitizer = subprocess.run(
+        ["bash", GPU_SESSION, "--dry-run", "sanitizer"], capture_output=True, text=True, timeout=60
+    ).stdout
     assert "TORCH_CUDA_SANITIZER=1" in sanitizer and "-m gpu" in sanitizer
 
 
@@ -290,8 +342,12 @@ def test_gpu_session_plans_three_calls_that_each_fit_one_command():
     assert calls["call1"][1] == ["env", "calib", "snapshot", "frag"]
     assert calls["call2"][1] == ["env", "maxseq-8b"]
     assert calls["call3"][1] == ["env", "replay-exact", "gdb-engine", "tests", "sanitizer"]
-    dry = subprocess.run(["bash", GPU_SESSION, "--dry-run", "call1", "call2", "call3"], capture_output=True,
-                         text=True, timeout=60).stdout  # fmt: skip
+    dry = subprocess.run(
+        ["bash", GPU_SESSION, "--dry-run", "call1", "call2", "call3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     commands = {
         line.split(":")[0].removeprefix("== "): [] for line in dry.splitlines() if line.startswith("== call")
     }
@@ -303,14 +359,27 @@ def test_gpu_session_plans_three_calls_that_each_fit_one_command():
             commands[current].append(shlex.split(line[2:]))
     assert list(commands) == ["call1", "call2", "call3"]
     bench = _load_benchmark("long_context")
-    parsed = {call: [bench.build_parser().parse_args(words[words.index("benchmarks/long_context.py") + 1 :])
-                     for words in found if "benchmarks/long_context.py" in words] for call, found in commands.items()}  # fmt: skip
+    parsed = {
+        call: [
+            bench.build_parser().parse_args(words[words.index("benchmarks/long_context.py") + 1 :])
+            for words in found
+            if "benchmarks/long_context.py" in words
+        ]
+        for call, found in commands.items()
+    }
     # call1: the calibration table at 8k and 32k with every policy the tunnel models, auto
     # included; a snapshot under cpu; fragmentation with and without the replay allocator.
     calib, snapshot, frag = parsed["call1"]
     assert calib.preset == "7b" and calib.layers == 4 and bench.parse_lengths(calib.seq) == [8192, 32768]
-    assert set(bench.check_policies(calib.policies)) == {"none", "keep", "torch_checkpoint", "torch_save_on_cpu",
-                                                         "torch_checkpoint_cpu", "cpu", "auto"}  # fmt: skip
+    assert set(bench.check_policies(calib.policies)) == {
+        "none",
+        "keep",
+        "torch_checkpoint",
+        "torch_save_on_cpu",
+        "torch_checkpoint_cpu",
+        "cpu",
+        "auto",
+    }
     assert snapshot.memory_snapshot and snapshot.policies == "cpu"
     assert set(bench.check_policies(frag.policies)) == {"cpu", "cpu+replay", "auto", "auto+replay"}
     assert calib.time_budget + snapshot.time_budget + 2 * 60 < calls["call1"][0]  # frag keeps two minutes
@@ -318,8 +387,12 @@ def test_gpu_session_plans_three_calls_that_each_fit_one_command():
     (search,) = parsed["call2"]
     assert search.find_max_seq and search.preset == "8b" and search.lora and search.emulate_layers == 32
     assert bench.parse_lengths(search.seq) == [131072]
-    assert bench.check_policies(search.policies) == ["torch_checkpoint+tile+loss", "recompute+tile+loss",
-                                                     "cpu+tile+loss", "auto+tile+loss"]  # fmt: skip
+    assert bench.check_policies(search.policies) == [
+        "torch_checkpoint+tile+loss",
+        "recompute+tile+loss",
+        "cpu+tile+loss",
+        "auto+tile+loss",
+    ]
     assert any(w.startswith("ACTOFF_HOST_BUDGET=") for words in commands["call2"] for w in words)
     # call3: the replay allocator's exactness, the engine's error paths under the debugger with
     # the C++ engine, the gpu tests and the sanitizer.
@@ -336,8 +409,12 @@ def test_gpu_session_refuses_unknown_stages():
 
 
 def test_benchmark_header_says_file_system_o_direct_and_io_engine(tmp_path):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "_common.py"), "--header", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "_common.py"), "--header", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     for key in ("file_system", "o_direct", "io_backend", "kvikio", "triton", "host"):
         assert f"   {key}" in done.stdout, key
@@ -484,8 +561,10 @@ def test_policy_variants_are_parsed_and_checked():
         bench.check_policies("torch_checkpoint+noplan")
     # The allocator variants: expandable segments for any policy, the replay allocator for actoff's.
     assert bench.check_policies("torch_checkpoint+expandable,cpu+tile+loss+noplan+expandable,cpu+replay") == [
-        "torch_checkpoint+expandable", "cpu+tile+loss+noplan+expandable", "cpu+replay",
-    ]  # fmt: skip
+        "torch_checkpoint+expandable",
+        "cpu+tile+loss+noplan+expandable",
+        "cpu+replay",
+    ]
     with pytest.raises(SystemExit, match=r"\+replay plans by actoff's scopes; none does not use actoff"):
         bench.check_policies("none+replay")
 
@@ -531,8 +610,12 @@ def test_the_tunnel_scales_the_link_to_the_targets_ratio():
     tunnel = _load_benchmark("long_context").tunnel
     like = tunnel.parse_like("h100:7b@8k")
     assert (like.gpu.name, like.model, like.seq) == ("H100", "7b", 8192)
-    for bad, message in (("h100", "GPU:MODEL@LENGTH"), ("a100:7b@8k", "unknown GPU"), ("h100:3b@8k", "unknown model"),
-                         ("h100:7b@1", "at least 2 tokens")):  # fmt: skip
+    for bad, message in (
+        ("h100", "GPU:MODEL@LENGTH"),
+        ("a100:7b@8k", "unknown GPU"),
+        ("h100:3b@8k", "unknown model"),
+        ("h100:7b@1", "at least 2 tokens"),
+    ):
         with pytest.raises(SystemExit, match=message):
             tunnel.parse_like(bad)
     # The target's side, from its shapes: a 7B block saves 195,208 B per token in bf16 (what the
@@ -693,10 +776,20 @@ def test_a_memory_snapshot_is_summarized_by_where_its_blocks_were_allocated():
     snapshot = _load_benchmark("long_context").snapshot
     frames = [{"filename": "/x/site-packages/torch/autograd/graph.py", "line": 3, "name": "pack"},
               {"filename": "/w/actoff/tiers/cpu.py", "line": 30, "name": "place"}]  # fmt: skip
-    summary = snapshot.summarize_snapshot({"segments": [
-        {"total_size": 3 << 30, "blocks": [{"size": 1 << 30, "state": "active_allocated", "frames": frames},
-                                           {"size": 1 << 29, "state": "active_allocated", "frames": []},
-                                           {"size": 1 << 29, "state": "inactive", "frames": frames}]}]})  # fmt: skip
+    summary = snapshot.summarize_snapshot(
+        {
+            "segments": [
+                {
+                    "total_size": 3 << 30,
+                    "blocks": [
+                        {"size": 1 << 30, "state": "active_allocated", "frames": frames},
+                        {"size": 1 << 29, "state": "active_allocated", "frames": []},
+                        {"size": 1 << 29, "state": "inactive", "frames": frames},
+                    ],
+                }
+            ]
+        }
+    )
     assert summary["reserved_bytes"] == 3 << 30 and summary["live_bytes"] == (1 << 30) + (1 << 29)
     assert summary["top"][0] == {"origin": "cpu.py:30 place", "bytes": 1 << 30, "blocks": 1}
     assert summary["top"][1]["origin"].startswith("no Python frame")

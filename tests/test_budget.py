@@ -44,8 +44,13 @@ def brute_force(
 
 def _block(rng: random.Random) -> BlockCost:
     forward = rng.uniform(0.002, 0.05)
-    return BlockCost(forward, forward * rng.uniform(0.05, 0.5), rng.randint(1, 40) * 10**6,
-                     rng.randint(1, 60) * 10**6, rng.randint(10, 300) * 10**6)  # fmt: skip
+    return BlockCost(
+        forward,
+        forward * rng.uniform(0.05, 0.5),
+        rng.randint(1, 40) * 10**6,
+        rng.randint(1, 60) * 10**6,
+        rng.randint(10, 300) * 10**6,
+    )
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -113,8 +118,15 @@ def test_blocks_that_cannot_split_or_rerun_get_only_what_is_open_to_them():
 def test_brute_force_agrees_when_some_placements_are_closed(seed):
     rng = random.Random(500 + seed)
     base = _block(rng)
-    block = BlockCost(base.forward_s, base.attention_s, base.input_bytes, base.attention_bytes, base.local_bytes,
-                      tokenwise=rng.random() < 0.5, rerun=rng.random() < 0.5)  # fmt: skip
+    block = BlockCost(
+        base.forward_s,
+        base.attention_s,
+        base.input_bytes,
+        base.attention_bytes,
+        base.local_bytes,
+        tokenwise=rng.random() < 0.5,
+        rerun=rng.random() < 0.5,
+    )
     blocks, link = [block] * rng.randint(1, 4), rng.choice([5e9, 55e9])
     budget = predict(blocks, [PLACEMENTS[0]] * len(blocks), link)[0] * rng.uniform(0.2, 1.0)
     expected, actual = brute_force(blocks, link, budget), plan(blocks, link, budget)

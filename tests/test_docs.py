@@ -12,7 +12,7 @@ MODULES = sorted(
     name
     for _, name, _ in pkgutil.walk_packages(actoff.__path__, "actoff.")
     # compiled; kernels only (tested in test_pack); a plain C library (its .so suffix fools pkgutil)
-    if name not in ("actoff._C", "actoff.tiers.tokenwise.pack_triton", "actoff.libactoff_replay")
+    if name not in ("actoff._C", "actoff.tiers.tokenwise.rows_triton", "actoff.libactoff_replay")
 )
 
 

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from _helpers import NO_CACHE, tiny_llama
 
 import actoff
 
@@ -12,12 +13,7 @@ transformers = pytest.importorskip("transformers", reason="Hugging Face transfor
 
 
 def _model():
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    return tiny_llama(**NO_CACHE)
 
 
 def _train(model, steps=3):

@@ -25,8 +25,9 @@ def test_token_fractions_and_placement_order():
 
 
 def _split(stored, **changes):
-    values = dict(fixed_bytes=20_000_000, other_bytes=100_000_000, host_budget_per_layer=None,
-                  nvme_available=False)  # fmt: skip
+    values = dict(
+        fixed_bytes=20_000_000, other_bytes=100_000_000, host_budget_per_layer=None, nvme_available=False
+    )
     values.update(changes)
     return host_split(stored, **values)
 

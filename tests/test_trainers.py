@@ -35,9 +35,17 @@ LAYER = "LlamaDecoderLayer"  # by name, as a model's _no_split_modules gives it
 
 def _model():
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=2, bos_token_id=3,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=3,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
 
@@ -102,7 +110,7 @@ def _arguments(cls, tmp_path, **options):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
 def test_hugging_face_trainer(checkpointing, overrides, tmp_path):
     """The Trainer's AdamW steps on a tiny Llama (its default ``use_cache=True``: the KV cache of
-    a training forward is never written by a re-forward)."""
+    a training forward is never written by a re-run)."""
     generator = torch.Generator().manual_seed(0)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(4, 64, (6, 32), generator=generator)]
 
@@ -140,8 +148,8 @@ def _peft_config(kind):
 @pytest.mark.parametrize("kind", ["lora", "prefix", "prompt"])
 def test_peft_adapters(kind, overrides):
     """LoRA with ``lora_dropout=0.1`` is recomputed token-wise with the forward's masks (it was
-    placed whole: Note [dropout in a re-forward]); prefix tuning's cache is never written by a
-    re-forward; prompt tuning's virtual tokens are more tokens."""
+    placed whole: Note [dropout in a re-run]); prefix tuning's cache is never written by a
+    re-run; prompt tuning's virtual tokens are more tokens."""
     import peft
 
     def train(offload):

@@ -3,7 +3,7 @@ a few buffers of planned sizes.
 
 What it serves, on backends with streams (CUDA, the simulated device): the destinations of
 copies back (actoff.tiers.base, actoff.tiers.nvme.tier; packed token rows included) and the tensors a
-token-wise run rebuilds (actoff.tiers.tokenwise.run). Every step is traced: each request's key (which
+token-wise run rebuilds (actoff.tiers.tokenwise.tier). Every step is traced: each request's key (which
 run, what, which record), size, and lifetime on a logical clock that ticks at every request and
 every death. After a step the planner lays the trace out (actoff.memory.arenas); from then on a
 request whose key the plan knows, at the planned size, is served at its offset in its part's

@@ -60,7 +60,7 @@ def load_library(path: str) -> ctypes.CDLL:
         "actoff_replay_free": (None, [ctypes.c_void_p, c_size, c_int, ctypes.c_void_p]),
         "actoff_replay_abi_version": (c_int, []),
         "actoff_replay_stat_names": (ctypes.c_char_p, []),
-        "actoff_replay_probe": (c_int, [ctypes.POINTER(c_int), ctypes.POINTER(c_int)]),
+        "actoff_replay_check_driver": (c_int, [ctypes.POINTER(c_int), ctypes.POINTER(c_int)]),
         "actoff_replay_begin_record": (c_int, [c_int]),
         "actoff_replay_begin_step": (c_int, [c_int]),
         "actoff_replay_end_step": (c_ll, [c_int]),
@@ -129,7 +129,7 @@ def install() -> None:
         raise _refuse("no CUDA device is visible (torch.cuda.is_available() is False)")
     try:
         library = load_library(path)
-        _probe(library)
+        _check_driver(library)
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(
             path, "actoff_replay_malloc", "actoff_replay_free"
         )
@@ -139,11 +139,11 @@ def install() -> None:
     _library, _pluggable = library, pluggable
 
 
-def _probe(library: ctypes.CDLL) -> None:
+def _check_driver(library: ctypes.CDLL) -> None:
     """Refuse before swapping when the library's CUDA runtime cannot use the driver (it is
     static: built with the toolkit where actoff was built, not the one torch ships)."""
     driver, runtime = ctypes.c_int(0), ctypes.c_int(0)
-    if library.actoff_replay_probe(ctypes.byref(driver), ctypes.byref(runtime)) > 0:
+    if library.actoff_replay_check_driver(ctypes.byref(driver), ctypes.byref(runtime)) > 0:
         return
     _, message = _error(library, clear=True)
     raise _refuse(

@@ -1,5 +1,4 @@
-"""What a scope call's arguments and module say: the device it runs on and the storages of
-the module's parameters and buffers (never offloaded)."""
+"""What a scope call's arguments and module say: the device it runs on."""
 
 from __future__ import annotations
 
@@ -7,22 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_device", "param_storages"]
-
-
-def param_storages(module: torch.nn.Module | None) -> set[int]:
-    """Storages of the module's parameters and buffers: never offloaded, views included."""
-    storages: set[int] = set()
-    if module is None:
-        return storages
-    # Note [pack is hot] (actoff.runtime.hooks): the modules' own dictionaries, read at every scope
-    # call, not `parameters()`'s generators (under half the time; the same tensors).
-    for sub in module.modules():
-        for tensors in (sub._parameters, sub._buffers):
-            for tensor in tensors.values():
-                if tensor is not None:
-                    storages.add(tensor.untyped_storage().data_ptr())
-    return storages
+__all__ = ["find_device"]
 
 
 def find_device(args: tuple, kwargs: dict, module: torch.nn.Module | None) -> torch.device:

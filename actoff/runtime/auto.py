@@ -8,7 +8,7 @@ its inputs and what attention saves go to the host, and every token-local activa
 recomputed in backward. That is safe for a budget (one block's activations come back at a
 time) and it sorts the bytes into the planner's classes, because the run knows which tensors
 are the block's inputs, which attention saved and which the probe could split by token. It costs
-those steps a token-local re-forward of every block (about what the block's forward costs
+those steps a token-local re-run of every block (about what the block's forward costs
 outside attention) and the copies of the inputs and attention's saves. The ``checkpoint``
 placement would hold less, but under it the forward saves nothing but the block's inputs: the
 classes, and so the token-wise placements' costs, could not be measured. A block not yet probed
@@ -17,7 +17,7 @@ backward]; the probe shrinks its slice when short of memory: Note [a probe short
 in that step a block's copies out finish before the next block runs
 (`ScopeRun.stored_whole_to_measure`), so it holds one block's saves at a time, not two;
 bytes by class come from the first step that splits, times from the second step on (the first
-is cold: the probe's re-forward, allocators and kernels warming up). Measuring steps fetch
+is cold: the probe's re-run, allocators and kernels warming up). Measuring steps fetch
 nothing ahead in backward (prefetch depth 0): a block stored whole holds the most, and the
 measuring steps must fit wherever the plan will.
 
@@ -48,88 +48,57 @@ budget is then for what the blocks save.
 from __future__ import annotations
 
 import collections
-import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from actoff.budget import (
-    CALIBRATED_HEADROOM,
-    PLAN_HEADROOM,
-    BlockCost,
-    Outside,
-    Placement,
-    Plan,
-    floor_plan,
-    off_by,
-    outside_from,
-    plan,
-)
-from actoff.config import format_bytes
-from actoff.policy import AutoDecision, budget_share, host_split
-from actoff.tiers.tokenwise.probes import ByOwner
+from actoff.budget import Placement
+from actoff.owners import ByOwner
 
-from .distributed import local_world_size
-from .measured import BlockKey, Measured, figures, measured_s, observe
+from .measured import AutoRun, BlockKey, Measured, figures, input_bytes, observe
+from .placements.base import Call
+from .placements.checkpoint import CheckpointPlacement
+from .placements.tokenwise import TokenwisePlacement
+from .placements.whole import KeptPlacement
+from .planning import AutoPlans, Ended, StepPlan
 
 if TYPE_CHECKING:
+    from .placements.base import Placement as RunPlacement
     from .runtime import Runtime
     from .step import ScopeRun, Step
 
-__all__ = ["MEASURE_STEPS", "AutoPlanner", "StepPlan"]
+__all__ = ["MEASURE_STEPS", "AutoObserver", "StepPlan"]  # StepPlan: actoff.runtime.planning
 
 #: Steps a block runs at the measuring placement under new conditions: one cold, one warm.
 MEASURE_STEPS = 2
 #: The measuring placement (Note [measuring at recompute]).
 MEASURING = Placement("tokenwise", 0.0)
-KEEP = Placement("keep")
+#: What a measuring block that cannot be split runs: stored whole.
+STORED = Placement("tokenwise", 1.0)
 
 
 @dataclass
-class StepPlan:
-    """A plan for one step's blocks (in forward order), what it predicted and what was measured."""
+class AutoStep:
+    """The auto policy's part of one step: its runs per block key so far, and the device peaks of
+    the forward and the head (Note [the budget model] in actoff.budget)."""
 
-    keys: tuple  # per run: `BlockKey.ident`
-    names: tuple[str, ...]
-    entries: tuple[Measured, ...]  # per run: its block's
-    plan: Plan
-    costs: tuple[BlockCost, ...]
-    budget_bytes: int
-    link_bytes_per_s: float
-    outside: Outside
-    reason: str
-    calibrated: bool  # made from the peaks of a step of its own placements (Note [calibrated plans])
-    measured_peak_bytes: int | None = None
-    measured_s: float | None = None
-
-    @property
-    def predicted_s(self) -> float:
-        """The step's blocks' forward times plus what the placements add."""
-        return sum(cost.forward_s for cost in self.costs) + self.plan.seconds
+    seen: collections.Counter = field(default_factory=collections.Counter)
+    peaks: list[int] = field(default_factory=lambda: [0, 0])
 
 
-class AutoPlanner:
-    """The auto policy's state in a runtime: measurements per block and conditions, plans per
-    step of blocks, and the device's memory watch (Note [measuring at recompute])."""
+class AutoObserver(AutoPlans):
+    """The auto policy in a runtime, an observer of its steps: it gives each run of a planned
+    policy its placement (`placement_for`), measures the runs, and plans, checks and replans at
+    the end of each step (`AutoPlans`). Its own state: measurements per block and conditions, the
+    device's memory watch, and beside each run and step it observes, its part of them (Note
+    [measuring at recompute])."""
 
     def __init__(self) -> None:
+        super().__init__()
+        self._runs: weakref.WeakKeyDictionary[ScopeRun, AutoRun] = weakref.WeakKeyDictionary()
+        self._steps: weakref.WeakKeyDictionary[Step, AutoStep] = weakref.WeakKeyDictionary()
         self.blocks: ByOwner[dict[tuple, Measured]] = ByOwner()
-        # Per step of blocks, under its first block's owner (dropped with it): the plan
-        self.plans: ByOwner[dict[tuple, StepPlan]] = ByOwner()
-        self.current: StepPlan | None = None  # the plan of the last step that had one
-        self.measured: StepPlan | None = None  # the last plan a step ran and measured
-        self.replans = 0
-        self.budget_bytes: int | None = None  # of the last step planned
-        self.replan_allowed = True  # off under torch.distributed once ranks agreed
-        self.reasons: collections.deque[str] = collections.deque(maxlen=16)  # why each plan, the last
         self._watches: dict[Any, Any] = {}  # backend -> memory watch (None: not counted)
-        self._warned: set[str] = set()
-
-    # ------------------------------------------------------------------ forward
-    def budget(self, run: ScopeRun) -> int | None:
-        """``ACTOFF_GPU_BUDGET``, else the device's own (None: no budget)."""
-        if run.config.gpu_budget is not None:
-            return run.config.gpu_budget
-        return run.backend.default_budget()
 
     def watch(self, run: ScopeRun) -> Any:
         """The memory watch of the run's device (created at its first run), or None."""
@@ -145,22 +114,57 @@ class AutoPlanner:
         if watch is not None:
             watch.sample()
 
+    def forward_starts(self, run: ScopeRun, call: Call) -> None:
+        """A run's forward starts: its input bytes taken while it measures, its forward and its
+        token mixers' calls timed."""
+        state = self._runs.get(run)
+        if state is None:
+            return
+        if state.placement is None:
+            state.input_bytes = input_bytes(run, call.flattened(run.device).values)
+        state.forward_watch = run.backend.stopwatch().start()
+        run.placement.time_mixers()
+
+    def forward_ends(self, run: ScopeRun) -> None:
+        state = self._runs.get(run)
+        if state is not None and state.forward_watch is not None:
+            state.forward_watch.stop()
+
+    def sealing(self, run: ScopeRun) -> None:
+        """A run's placement decided what to place: its bytes by class are taken, and while it
+        measures stored whole its copies out finish before the next block runs, not alongside
+        it, so that step holds one block's saves at a time, as the checkpoint placement does
+        (Note [measuring at recompute])."""
+        state = self._runs.get(run)
+        if state is None:
+            return
+        state.classes = run.placement.saved_by_class(state.input_bytes)
+        if state.placement is None:
+            run.placement.finish_copies_first = not run.placement.splits
+
     def sealed(self, run: ScopeRun) -> None:
         """A run's forward ended: the forward's peak so far is kept, and a new window opens (the
         one after the last block's is the head's)."""
-        watch = self.watch(run)
+        watch = self.watch(run) if run in self._runs else None
         if watch is not None:
             watch.sample()
-            run.step.auto_peaks[0] = max(run.step.auto_peaks[0], watch.peak)
+            peaks = self._steps[run.step].peaks
+            peaks[0] = max(peaks[0], watch.peak)
             watch.reset()
 
     def backward_starts(self, run: ScopeRun) -> None:
         """Backward reached its first run: the head's window closes, backward's opens."""
-        watch = self.watch(run)
+        step = self._steps.get(run.step)
+        watch = self.watch(run) if step is not None and step.seen else None
         if watch is not None:
             watch.sample()
-            run.step.auto_peaks[1] = watch.peak
+            step.peaks[1] = watch.peak
             watch.reset()
+
+    def prefetched(self, run: ScopeRun) -> None:
+        """A run's backward fetched the runs before it: their buffers are taken now."""
+        if run in self._runs:
+            self.sample(run)
 
     def _moments(self, run: ScopeRun, step: Step) -> tuple[int, int, int] | None:
         """The step's peaks at the moments of Note [the budget model] (the last forward's window
@@ -169,239 +173,64 @@ class AutoPlanner:
         if watch is None:
             return None
         watch.sample()
-        forward, head = step.auto_peaks
+        forward, head = self._steps[step].peaks
         moments = (forward, head if head else watch.peak, watch.peak)
         watch.reset()
         return moments if watch.counted() else None
 
-    def place(self, run: ScopeRun, key: BlockKey) -> None:
-        """Set a new run's placement (``run.placement``; None: measuring), its token fractions
-        and ``run.auto_key`` (left None without a budget: the run is kept, nothing planned). The
-        step's first auto run sets its prefetch depth."""
+    def placement_for(self, run: ScopeRun, call: Call) -> RunPlacement:
+        """A new run's placement: its plan's, measuring (token-wise, nothing stored: Note
+        [measuring at recompute]) while its block has none, or kept where no budget applies. The
+        step's first planned run sets its prefetch depth."""
         self.sample(run)
         if self.budget(run) is None:
-            run.placement, run.kept = KEEP, True  # no budget: nothing to fit
-            return
-        run.auto_key = key
+            return KeptPlacement(run)  # no budget: nothing to fit
+        key = BlockKey(call.owner, call.flattened(run.device).conditions)
         by_conditions = self.blocks.setdefault(key.owner, dict)
         entry = by_conditions.get(key.conditions)
         if entry is None:
             entry = by_conditions[key.conditions] = Measured(run.name)
-        step = run.step
-        if not step.auto_seen:  # measuring: nothing fetched ahead (Note [measuring at recompute])
-            step.depth = entry.depth if entry.placements else 0
-        occurrence = step.auto_seen[key.ident]
-        step.auto_seen[key.ident] += 1
+        step = self._steps.setdefault(run.step, AutoStep())
+        if not step.seen:  # measuring: nothing fetched ahead (Note [measuring at recompute])
+            run.step.depth = entry.depth if entry.placements else 0
+        occurrence = step.seen[key.ident]
+        step.seen[key.ident] += 1
+        placement, fractions = None, None
         if occurrence < len(entry.placements):
-            run.placement = entry.placements[occurrence]
-            run.auto_fractions = entry.fractions[occurrence]
-            run.kept = run.placement.kind == "keep"  # Note [kept as is]
-            run.checkpointed = run.placement.kind == "checkpoint"
+            placement, fractions = entry.placements[occurrence], entry.fractions[occurrence]
+        self._runs[run] = AutoRun(weakref.ref(run), key, placement, fractions)
+        if placement is None or placement.kind == "tokenwise":
+            return TokenwisePlacement(run, planned=fractions)
+        return KeptPlacement(run) if placement.kind == "keep" else CheckpointPlacement(run)
 
     # ------------------------------------------------------------------ end of a step
     def end_step(self, runtime: Runtime, step: Step) -> None:
         """After the step's backward: take its measurements, then plan, compare or replan."""
-        runs = [run for run in step.runs if run.auto_key is not None]
-        if not runs or step.aborted:
+        states = [self._runs[run] for run in step.runs if run in self._runs]
+        if not states or step.aborted:
             return
-        moments = self._moments(runs[0], step)
-        peak = None if moments is None else max(moments)
-        entries = [self.blocks.get(run.auto_key.owner)[run.auto_key.conditions] for run in runs]
+        ended = self._measured_step(states, step)
+        if ended is None:
+            figures(states, None)
+            return  # still measuring
+        step.harvest(block=True)  # the copies' and stalls' times of this step
+        self.plan_step(runtime, ended)
+
+    def _measured_step(self, states: list[AutoRun], step: Step) -> Ended | None:
+        """The step's measurements taken into its blocks'; None while a block still measures."""
+        moments = self._moments(states[0].run, step)
+        entries = [self.blocks.get(state.key.owner)[state.key.conditions] for state in states]
         counted: set[int] = set()
-        for run, entry in zip(runs, entries, strict=True):
+        for state, entry in zip(states, entries, strict=True):
             if id(entry) not in counted:  # once a step, however often the block ran
                 counted.add(id(entry))
                 entry.steps += 1
-            observe(entry, run)
+            observe(entry, state)
         if not all(entry.ready for entry in entries):
-            figures(runs, None)
-            return  # still measuring
-        step.harvest(block=True)  # the copies' and stalls' times of this step
-        keys = tuple(run.auto_key.ident for run in runs)
-        ran = tuple(
-            run.placement
-            if run.placement is not None
-            else MEASURING
-            if entry.tokenwise
-            else Placement("tokenwise", 1.0)
-            for run, entry in zip(runs, entries, strict=True)
-        )
-        current = self.plans.setdefault(runs[0].auto_key.owner, dict).get(keys)
-        if current is not None and ran == current.plan.placements:
-            seconds = sum(measured_s(run) for run in runs)
-            current.measured_peak_bytes, current.measured_s = peak, seconds
-            self.current = self.measured = current
-            figures(runs, current)
-            off_peak = peak is not None and (
-                off_by(peak, current.plan.peak_bytes) or peak > current.budget_bytes
-            )
-            off_time = off_by(seconds, current.predicted_s)
-            if self.replan_allowed and not current.calibrated:
-                # planned again from the peaks of its own placements (Note [calibrated plans])
-                self._plan(runtime, runs, entries, keys, ran, step.depth, moments,
-                           "calibrated on its own step", calibrated=True)  # fmt: skip
-            elif self.replan_allowed and (off_peak or off_time):
-                self.replans += 1
-                what = (
-                    [f"peak {format_bytes(peak)} vs {format_bytes(current.plan.peak_bytes)} predicted"]
-                    if off_peak
-                    else []
-                )
-                what += (
-                    [f"time {seconds * 1e3:.1f} ms vs {current.predicted_s * 1e3:.1f} ms predicted"]
-                    if off_time
-                    else []
-                )
-                self._plan(
-                    runtime,
-                    runs,
-                    entries,
-                    keys,
-                    ran,
-                    step.depth,
-                    moments,
-                    "replanned: " + ", ".join(what),
-                    calibrated=True,
-                )
-            return
-        if current is not None:  # another plan placed these blocks since: this one again
-            self._apply(runs, entries, current)
-            return
-        self._plan(runtime, runs, entries, keys, ran, step.depth, moments, "planned after measuring")
-        figures(runs, None)
-
-    def _plan(self, runtime: Runtime, runs: list[ScopeRun], entries: list[Measured], keys: tuple,
-              ran: tuple[Placement, ...], depth: int, moments: tuple | None, reason: str, *,
-              calibrated: bool = False) -> None:  # fmt: skip
-        costs = tuple(entry.cost() for entry in entries)
-        link = _link(runtime, runs[0])
-        budget = self.budget(runs[0])
-        outside = Outside() if moments is None else outside_from(moments, costs, ran, depth=depth)
-        headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
-        chosen = plan(costs, link, budget * (1 - headroom), outside_bytes=outside)
-        if chosen is None:
-            chosen = floor_plan(costs, link, outside_bytes=outside)
-            reason += "; nothing fits the budget: the least memory"
-            if "floor" not in self._warned:
-                self._warned.add("floor")
-                warnings.warn(
-                    f"actoff: auto: no placement fits the device budget of {format_bytes(budget)} "
-                    f"(predicted least {format_bytes(chosen.peak_bytes)}, of which "
-                    f"{format_bytes(outside.peak)} outside the blocks): every block runs at its least "
-                    "memory (checkpoint); the step may run out of memory",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        step_plan = StepPlan(keys, tuple(run.name for run in runs), tuple(entries), chosen, costs, budget,
-                             link, outside, reason, calibrated)  # fmt: skip
-        self.reasons.append(reason)
-        self.plans.setdefault(runs[0].auto_key.owner, dict)[keys] = self.current = step_plan
-        self.budget_bytes = budget
-        self._apply(runs, entries, step_plan)
-
-    def _apply(self, runs: list[ScopeRun], entries: list[Measured], step_plan: StepPlan) -> None:
-        """Give each block its placement (per occurrence in the step), token fractions and
-        reported decision; the next steps run them."""
-        config = runs[0].config
-        per_layer = budget_share(config.host_budget, local_world_size())
-        if per_layer is not None:
-            per_layer = per_layer / max(len(runs) - 2, 1)
-        occurrences: collections.Counter = collections.Counter()
-        for run, entry, placement, cost in zip(runs, entries, step_plan.plan.placements, step_plan.costs,
-                                               strict=True):  # fmt: skip
-            index = occurrences[id(entry)]
-            occurrences[id(entry)] += 1
-            cpu, nvme, why = 0.0, 0.0, "planned"
-            if placement.kind == "tokenwise":
-                cpu, nvme, why = host_split(
-                    placement.stored,
-                    fixed_bytes=cost.input_bytes + cost.attention_bytes,
-                    other_bytes=cost.local_bytes,
-                    host_budget_per_layer=per_layer,
-                    nvme_available=run.config.nvme_dir is not None,
-                )
-            decision = AutoDecision(
-                placement=str(placement), cpu_fraction=cpu, nvme_fraction=nvme,
-                prefetch_depth=step_plan.plan.depth, bandwidth_gbps=step_plan.link_bytes_per_s / 1e9,
-                t_layer_ms=cost.forward_s * 1e3, attention_ms=cost.attention_s * 1e3,
-                input_bytes=cost.input_bytes, attention_bytes=cost.attention_bytes, other_bytes=cost.local_bytes,
-                host_budget_per_layer=per_layer, reason=f"{step_plan.reason}; {why}",
-            )  # fmt: skip
-            for listing, value in ((entry.placements, placement), (entry.fractions, (cpu, nvme)),
-                                   (entry.decisions, decision)):  # fmt: skip
-                del listing[index:]
-                listing.append(value)
-            entry.depth = step_plan.plan.depth
-
-    # ------------------------------------------------------------------ reports and ranks
-    def decisions(self) -> dict[str, AutoDecision]:
-        """Per block name, its decision in the current plan (the block's first call's)."""
-        found: dict[str, AutoDecision] = {}
-        if self.current is not None:
-            for name, entry in zip(self.current.names, self.current.entries, strict=True):
-                if entry.decisions and name not in found:
-                    found[name] = entry.decisions[0]
-        return found
-
-    def export(self) -> dict | None:
-        """The current plan in a form another rank applies by position (module identities and
-        devices differ between processes)."""
-        if self.current is None:
             return None
-        return {"placements": self.current.plan.placements, "depth": self.current.plan.depth,
-                "decisions": [entry.decisions[0] for entry in self.current.entries]}  # fmt: skip
-
-    def adopt(self, shared: dict | None) -> None:
-        """Rank 0's plan (`export`) instead of this rank's, where the steps have as many blocks;
-        from now on plans change only for steps of new blocks or conditions."""
-        self.replan_allowed = False
-        current = self.current
-        if shared is None or current is None or len(shared["placements"]) != len(current.keys):
-            return
-        for entry, placement, decision in zip(current.entries, shared["placements"], shared["decisions"],
-                                              strict=True):  # fmt: skip
-            entry.placements[:] = [placement]
-            entry.decisions[:] = [decision]
-            entry.fractions[:] = [(decision.cpu_fraction, decision.nvme_fraction)]
-            entry.depth = shared["depth"]
-        current.plan = Plan(tuple(shared["placements"]), shared["depth"], current.plan.peak_bytes,
-                            current.plan.seconds)  # fmt: skip
-
-    def summary(self) -> dict[str, Any]:
-        """The `actoff.runtime.stats.Stats` fields of the current plan."""
-        current = self.current
-        if current is None:
-            return {}
-        return {
-            "plan": current.plan.describe(),
-            "plan_reason": current.reason,
-            "budget_bytes": current.budget_bytes,
-            "outside_bytes": int(current.outside.peak),
-            "predicted_peak_bytes": int(current.plan.peak_bytes),
-            "predicted_step_ms": current.predicted_s * 1e3,
-            "replans": self.replans,
-            **self._measured(),
-        }
-
-    def _measured(self) -> dict[str, Any]:
-        """The last measured plan's prediction and measurement (the plan in force may be newer)."""
-        measured = self.measured
-        if measured is None:
-            return {}
-        return {
-            "measured_plan": measured.plan.describe(),
-            "measured_predicted_peak_bytes": int(measured.plan.peak_bytes),
-            "measured_peak_bytes": measured.measured_peak_bytes,
-            "measured_predicted_step_ms": measured.predicted_s * 1e3,
-            "measured_step_ms": None if measured.measured_s is None else measured.measured_s * 1e3,
-        }
-
-
-def _link(runtime: Runtime, run: ScopeRun) -> float:
-    """The host link in bytes per second: ``ACTOFF_HOST_BANDWIDTH``, else measured once per
-    device (ranks on one host copy at the same time: each gets its share)."""
-    if run.config.host_bandwidth is not None:
-        return float(run.config.host_bandwidth)
-    if run.device not in runtime.bandwidths:
-        runtime.bandwidths[run.device] = run.backend.host_bandwidth() / local_world_size()
-    return runtime.bandwidths[run.device]
+        ran = tuple(
+            state.placement if state.placement is not None else MEASURING if entry.tokenwise else STORED
+            for state, entry in zip(states, entries, strict=True)
+        )
+        keys = tuple(state.key.ident for state in states)
+        return Ended(states, entries, keys, ran, step.depth, moments)

@@ -89,7 +89,7 @@ def agree_with_rank0(plans: dict, plan_now: Callable[[], None]) -> None:
 def agree_on_auto(auto: Any) -> None:
     """Call at the end of the backward that ends the auto policy's measuring steps, on every
     rank exactly once, whatever its policy (Note [one agreement]): every rank takes rank 0's
-    auto plan (``auto``: an `actoff.runtime.auto.AutoPlanner`)."""
+    auto plan (``auto``: an `actoff.runtime.auto.AutoObserver`)."""
     if distributed_rank() is None:
         return
     auto.adopt(broadcast_from_rank0(auto.export()))

@@ -18,7 +18,7 @@ nothing and held nothing, and actoff stored the whole block instead, with nothin
   ``offload_(model, block_cls=CheckpointWrapper)``. Under the token-wise policies nothing else
   is saved: the block is placed whole, its inputs only, with one warning, as storing rows
   or attention outputs would cost more than checkpoint's recompute
-  (actoff.tiers.tokenwise.run: ``saved_elsewhere``).
+  (actoff.tiers.tokenwise.split: ``saved_elsewhere``).
 """
 
 from __future__ import annotations

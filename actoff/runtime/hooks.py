@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from actoff.params import param_like
 from actoff.tiers.base import KEEP
-from actoff.tiers.record import Record, TensorGeometry, modified_error, param_like
+from actoff.tiers.record import Record, TensorGeometry, modified_error
 
 if TYPE_CHECKING:
     from .step import ScopeRun
@@ -62,7 +63,8 @@ class AliasHandle:
 class PackHook:
     """The pack side of a scope run (`actoff.runtime.step.ScopeRun` is one): skips what is not
     an activation, deduplicates, and makes records. Uses the run's ``records``, ``dedup``,
-    ``spans``, ``stats``, ``tokenwise`` and settings."""
+    ``spans``, ``stats``, settings and placement (Note [placements]: ``keeps_as_is``,
+    ``shares_views``, ``notes_saves``)."""
 
     # Note [pack is hot]: runs for every saved tensor; keep it to a few attribute reads.
     # Note [lazy bits]: a view with PyTorch's lazy conjugate or negation bit (``k.mH``) is never
@@ -73,8 +75,8 @@ class PackHook:
     def pack(self, tensor: torch.Tensor) -> Any:
         if self.runtime.thread.disabled:
             return tensor
-        tokenwise = self.tokenwise
-        events = tokenwise.events if tokenwise is not None and not tokenwise.in_mixer else None
+        placement = self.placement
+        notes = placement.notes_saves
         nbytes = tensor.numel() * tensor.element_size()
         if (
             type(tensor) is not torch.Tensor
@@ -89,8 +91,8 @@ class PackHook:
                 self.stats.skipped_param_bytes += nbytes
                 return tensor
             self.stats.skipped_other_bytes += nbytes
-            if events is not None:
-                events.append(-1)
+            if notes:
+                placement.note_save(-1)
             return tensor
         storage = tensor.untyped_storage().data_ptr()
         if param_like(tensor, storage, self.param_storages):
@@ -98,12 +100,12 @@ class PackHook:
             return tensor
         if nbytes < self.config.min_bytes:
             self.stats.skipped_small_bytes += nbytes
-            if events is not None:
-                events.append(-1)
+            if notes:
+                placement.note_save(-1)
             return tensor
         handle = self.handle_for(tensor, storage, nbytes)
-        if events is not None:
-            events.append(handle.record.index)
+        if notes:
+            placement.note_save(handle.record.index)
         return handle
 
     def handle_for(self, tensor: torch.Tensor, storage: int, nbytes: int) -> Any:
@@ -119,10 +121,11 @@ class PackHook:
         if found is not None and found[1]() is root:
             self.stats.dedup_hits += 1
             return found[0]
-        tokenwise = self.tokenwise
-        inside = self._inside(tensor, storage, root) if tokenwise is None else None
+        placement = self.placement
+        shares_views = placement.shares_views
+        inside = self._inside(tensor, storage, root) if shares_views else None
         ref = weakref.ref(root)
-        if self.kept:  # (never token-wise) counted as records would be: a view inside a span is a hit
+        if placement.keeps_as_is:  # counted as records would be: a view inside a span is a hit
             packed = self._keep(tensor, nbytes, storage, ref, inside is not None)
             self.dedup[key] = (packed, ref)
             return packed
@@ -132,14 +135,14 @@ class PackHook:
             self.dedup[key] = (alias, ref)
             return alias
         record = Record(tensor, self, len(self.records), KEEP)
-        if tokenwise is not None:
-            tokenwise.classify(record, tensor)
+        if placement.notes_saves:
+            placement.classify(record, tensor)
         self.records.append(record)
         self.step.live += 1
         self.live += 1
         handle = Handle(record)
         self.dedup[key] = (handle, ref)
-        if tokenwise is None and not record.geometry.compact:  # Note [views of one storage]
+        if shares_views and not record.geometry.compact:  # Note [views of one storage]
             self._note_span(tensor, storage, ref, handle, record.geometry.span)
         return handle
 

@@ -1,12 +1,13 @@
 """Runtime: the step lifecycle. It drives scope runs through placement, backward and release.
 
 Data flow of one step (the README's "How it works" has the map of modules):
-1. Forward inside a scope: `call` opens a `ScopeRun` (actoff.runtime.step) whose pack hook turns each
-   saved tensor into a `Handle` to a `Record`. A token-wise run also captures what a
-   re-forward needs (actoff.tiers.tokenwise.run). Nothing is copied yet.
-2. Scope exit: the run is sealed and queued; once it is more than ``keep_last`` runs old its
-   records are placed (actoff.policy says where) and their tier starts the copies out
-   (actoff.tiers.base); `_progress` finishes them, MEMO's double buffering.
+1. Forward inside a scope: `call` opens a `ScopeRun` (actoff.runtime.step) with the placement the
+   policy table names (Note [placements], actoff.runtime.placements.base; under ``auto``, the
+   one its plan gives the run: actoff.runtime.auto). Its pack hook turns each saved tensor into a
+   `Handle` to a `Record`. Nothing is copied yet.
+2. Scope exit: the run is sealed (its placement decides) and queued; once it is more than
+   ``keep_last`` runs old it is placed and its records' tiers start the copies out
+   (actoff.tiers.base); `Step.progress` finishes them, MEMO's double buffering.
 3. Backward: the first unpack in a run fetches all of that run's records and prefetches those
    of the ``prefetch_depth`` runs before it; unpack waits on exactly the record it serves.
 4. End of backward (autograd final callback): device copies kept for ``retain_graph`` are
@@ -28,7 +29,6 @@ child starts with no runtime (`_fresh_in_child`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import warnings
@@ -44,23 +44,21 @@ from actoff.device.sim.device import settings_for
 from actoff.memory.arenas import Arenas
 from actoff.memory.host_arena import HostArena
 from actoff.memory.replay_steps import ReplayDrivers
+from actoff.owners import ByOwner
+from actoff.params import param_storages
 from actoff.planner import Layout
-from actoff.policy import TOKENWISE_POLICIES, budget_share, runs_to_place, whole_tier
+from actoff.policy import budget_share, runs_to_place, spec
 from actoff.tiers.nvme.store import StoreRegistry
 from actoff.tiers.record import Record, State, serve
-from actoff.tiers.registry import TIERS, tier_named
-from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
-from actoff.tiers.tokenwise.probes import ByOwner, ModuleProbes
-from actoff.tiers.tokenwise.run import TokenwiseRun
+from actoff.tiers.tokenwise.probes import ModuleProbes
 
-from .arguments import find_device, param_storages
-from .auto import MEASURE_STEPS, AutoPlanner
-from .checkpoint import run_checkpointed
+from .arguments import find_device
+from .auto import MEASURE_STEPS, AutoObserver
 from .distributed import agree_on_auto, agree_with_rank0, local_world_size
-from .enclosing import enclosing, warn_checkpointed, warn_enclosed
+from .enclosing import enclosing, warn_enclosed
 from .hooks import unpack
 from .lock import RuntimeLock
-from .measured import BlockKey, block_key, classes, start_timing
+from .placements import Call, Placement, placement_class
 from .stats import BlockStats, Stats, collect, snapshot
 from .step import ScopeRun, Step
 
@@ -93,7 +91,7 @@ class Runtime:
         self.last_stats: dict[str, BlockStats] = {}
         # What probes learned, per module by identity (Note [probes per module and conditions])
         self.probe_results: ByOwner[ModuleProbes] = ByOwner()
-        self.auto = AutoPlanner()  # the auto policy's measurements and plans
+        self.auto = AutoObserver()  # the auto policy: measurements, plans, each run's placement
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
@@ -114,28 +112,14 @@ class Runtime:
         """Run ``fn(*args, **kwargs)`` as an offload scope (or pass through, see `passes_through`)."""
         if self.passes_through(module):
             return fn(*args, **kwargs)
-        device = find_device(args, kwargs, module)
-        owner = module if module is not None else fn
-        key = block_key(owner, module, args, kwargs, device) if config.policy == "auto" else None
-        run = self.enter_scope(name, config, module, device, auto_key=key)
+        call = Call(fn, args, kwargs, module)
+        run = self.enter_scope(name, config, module, find_device(args, kwargs, module), call)
         try:
-            tokenwise = run.tokenwise
-            if tokenwise is not None and not tokenwise.capture(fn, args, kwargs, module, run.auto_key):
-                run.tokenwise = tokenwise = None  # nothing to slice, or not under these conditions
-            if run.auto_key is not None:
-                start_timing(run)  # for the auto policy (actoff.runtime.auto)
+            run.placement.capture(call)
+            self.auto.forward_starts(run, call)
             with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
-                if run.checkpointed:
-                    output = run_checkpointed(run, fn, args, kwargs, module)
-                elif tokenwise is None:
-                    output = fn(*args, **kwargs)
-                else:
-                    probing = tokenwise.probed is None
-                    watch = CollectiveWatch(tokenwise) if probing else contextlib.nullcontext()
-                    with CaptureMode(tokenwise), watch:
-                        output = fn(*args, **kwargs)
-            if run.forward_watch is not None:
-                run.forward_watch.stop()
+                output = run.placement.forward(call)
+            self.auto.forward_ends(run)
         except BaseException:
             self.exit_scope(run, failed=True)
             raise
@@ -173,41 +157,52 @@ class Runtime:
         config: Config,
         module: torch.nn.Module | None,
         device: torch.device,
-        tokenwise: bool = True,
-        auto_key: BlockKey | None = None,
+        call: Call | None = None,
     ) -> ScopeRun:
         """Open a run as the thread's current one (`exit_scope` closes it); the caller checked
         `passes_through` and installs the hooks (`call`; actoff.scope.compile: Note [compile]).
-        Under ``auto`` (``auto_key``) its plan places the run (actoff.runtime.auto)."""
+        Without a ``call`` (a compiled body, which no placement can run again) a placement that
+        would re-run the block gives way to the policy's whole-tier one."""
         with self.lock:
-            step = self.step
-            module_id = id(module) if module is not None else None
-            # A new step starts after a backward began, after an aborted forward, or when a
-            # module scope comes round again (a forward without backward in between).
-            if step is None or step.backward_started or step.aborted or module_id in step.modules:
-                if step is not None:  # finish its copies: their sources can go now
-                    step.last_placed = None
-                    step.progress()
-                    step.harvest(block=True)  # long done: a whole step ran since
-                self._publish(step)
-                self.replay.begin(device, config.allocator, self.warn_once)
-                self.arenas.begin_step()
-                step = self.step = Step(self.steps_started)
-                self.steps_started += 1
-            if module_id is not None:
-                step.modules.add(module_id)
+            step = self._step_for(module, device, config)
             backend = backend_for(
                 device, settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
             )
             run = ScopeRun(self, step, name, config, backend, param_storages(module))
-            if auto_key is not None:
-                self.auto.place(run, auto_key)  # kept, checkpointed or token-wise
-                tokenwise = not (run.kept or run.checkpointed)
-            if tokenwise and config.policy in TOKENWISE_POLICIES:
-                run.tokenwise = TokenwiseRun(run)
+            run.placement = self._placement(run, call)
             step.runs.append(run)
         self.thread.stack.append(run)
         return run
+
+    def _step_for(self, module: torch.nn.Module | None, device: torch.device, config: Config) -> Step:
+        """The step a scope call joins, begun anew after a backward began, after an aborted
+        forward, or when a module scope comes round again (a forward without backward between)."""
+        step = self.step
+        module_id = id(module) if module is not None else None
+        if step is None or step.backward_started or step.aborted or module_id in step.modules:
+            if step is not None:  # finish its copies: their sources can go now
+                step.last_placed = None
+                step.progress()
+                step.harvest(block=True)  # long done: a whole step ran since
+            self._publish(step)
+            self.replay.begin(device, config.allocator, self.warn_once)
+            self.arenas.begin_step()
+            step = self.step = Step(self.steps_started)
+            self.steps_started += 1
+        if module_id is not None:
+            step.modules.add(module_id)
+        return step
+
+    def _placement(self, run: ScopeRun, call: Call | None) -> Placement:
+        """The run's placement: the policy table's (Note [the policy table]), or under a planned
+        policy the plan's (actoff.runtime.auto)."""
+        entry = spec(run.config.policy)
+        if entry.planned and call is not None:
+            return self.auto.placement_for(run, call)
+        kind = None if entry.planned else placement_class(entry.placement)
+        if kind is None or (call is None and kind.needs_call):
+            kind = placement_class("whole")
+        return kind(run)
 
     def _abort(self, run: ScopeRun) -> None:
         # An exception inside the scope: nothing is copied; the records stay resident and
@@ -215,50 +210,30 @@ class Runtime:
         with self.lock:
             run.dedup.clear()
             run.spans.clear()
-            if run.tokenwise is not None:
-                run.tokenwise.owned.clear()
+            run.placement.aborted()
             run.step.aborted = True
             run.step.pending.clear()  # never placed now: their graph is being torn down
 
     def _seal(self, run: ScopeRun) -> None:
-        unneeded: list = []
         with self.lock:
             run.dedup.clear()  # Note [pack is hot]: the handles now live in autograd only
             run.spans.clear()
-            tokenwise = run.tokenwise
-            if tokenwise is not None:
-                tokenwise.prepare(self)
-                if tokenwise.saved_elsewhere is not None:
-                    warn_checkpointed(self.warn_once, run.config, run.name, tokenwise.saved_elsewhere)
-            if run.auto_key is not None:
-                run.classes = classes(run)
-            if tokenwise is not None and not tokenwise.split_records and not tokenwise.probe_pending:
-                # Nothing will be re-run: inputs and mixer outputs only actoff holds go now.
-                unneeded, tokenwise.owned = tokenwise.owned, []
+            unneeded = run.placement.seal()
+            self.auto.sealing(run)
         del unneeded  # outside the lock: released at once, never placed (no copy out)
         with self.lock:
             step = run.step
-            if not run.kept:
+            if not run.placement.keeps_as_is:
                 step.pending.append(run)
                 for _ in range(runs_to_place(len(step.pending), run.config.keep_last)):
                     self._place(step.pending.popleft())
             step.progress()
-            if run.auto_key is not None:  # placed: what it let go of is not the head's
-                self.auto.sealed(run)
+            self.auto.sealed(run)  # placed: what it let go of is not the head's
 
     def _place(self, run: ScopeRun) -> None:
         for record in run.records:
             record.check_version()  # the copies out are about to read them
-        tokenwise = run.tokenwise
-        splits = tokenwise is not None and bool(tokenwise.split_records)
-        if splits:
-            tokenwise.place_split(TIERS)
-        tier = tier_named(whole_tier(run.config))
-        for record in run.records:
-            if record.state is State.RESIDENT:
-                tier.place(record)
-        if tokenwise is not None and not splits and not tokenwise.probe_pending:
-            tokenwise.owned.clear()  # nothing will be recomputed: inputs and mixer outputs go
+        run.placement.place()
         run.step.in_flight.append(run)
         run.step.last_placed = run
 
@@ -297,8 +272,7 @@ class Runtime:
                     # Kept for retain_graph: drop the device copy; the stored copy stays.
                     record.tier.evict(record)
                 run.fetch_issued = run.window_issued = False
-                if run.tokenwise is not None:
-                    run.tokenwise.recomputed_rows = None
+                run.placement.backward_ended()
             self.steps_completed += 1
             if self.steps_completed == 1:  # Note [one agreement]
                 agree_with_rank0(self.plans, lambda: self._publish(step))
@@ -320,14 +294,11 @@ class Runtime:
         step = record.run.step
         step.live -= 1
         record.run.released()
-        if record.run.tokenwise is not None:
-            record.run.tokenwise.released_record(record)
+        record.run.placement.released(record)
         if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
-            # Nothing of the step can be rebuilt now: let go of the forwards token-wise runs
-            # would re-run, which hold their modules (a deleted model is freed at once).
+            # Nothing of the step can run again now: what re-runs would need goes.
             for done in step.runs:
-                if done.tokenwise is not None:
-                    done.tokenwise.fn = done.tokenwise.module = None
+                done.placement.let_go()
             self.arenas.records_back(record.run.device, current=self.step is step)
 
     # ------------------------------------------------------------------ resources and figures
@@ -371,7 +342,7 @@ class Runtime:
             # the copies that still touch returned ones (HostArena's finalizer).
             self.arenas = Arenas()
             self.probe_results, self._warned = ByOwner(), set()
-            self.auto, self.plans = AutoPlanner(), {}
+            self.auto, self.plans = AutoObserver(), {}
             self.stores.close()
             self.replay.close()
 

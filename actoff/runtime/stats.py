@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from actoff.config import format_bytes
+from actoff.figures import BlockStats
+from actoff.policy import BUCKETS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -14,48 +16,10 @@ if TYPE_CHECKING:
     from actoff.memory.device_arena import DeviceArena
     from actoff.tiers.nvme.store import StoreRegistry
 
-    from .auto import AutoPlanner
+    from .auto import AutoObserver
     from .step import Step
 
 __all__ = ["BlockStats", "Stats", "collect", "copy_stats", "snapshot"]
-
-TIERS = ("keep", "cpu", "nvme", "recompute")
-
-
-@dataclass
-class BlockStats:
-    """What one block saved for backward in the last step, and where it went."""
-
-    name: str
-    calls: int = 0  # forward calls of the block in the step
-    tensors: int = 0  # distinct saved tensors actoff took charge of (after dedup)
-    bytes_saved: int = 0  # their bytes
-    bytes_per_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    dedup_hits: int = 0  # saves served by an existing record (same storage, offset, view)
-    skipped_param_bytes: int = 0  # parameters, buffers and their views: never offloaded
-    skipped_small_bytes: int = 0  # tensors under min_bytes
-    skipped_other_bytes: int = 0  # other devices, subclasses, sparse, empty tensors
-    over_budget_bytes: int = 0  # would have been offloaded, but the host budget was full
-    write_fallback_bytes: int = 0  # NVMe writes that failed and fell back to another tier
-    copy_ms: float = 0.0  # time of the copies out (device to host, host to file)
-    fetch_ms: float = 0.0  # time of the copies back
-    wait_ms: float = 0.0  # time backward waited for copies back (0: prefetch hid them)
-    recompute_ms: float = 0.0  # time of token-wise re-forwards in backward
-    probes: int = 0  # re-forwards that planned a new module or new conditions (batch, length, ...)
-    forwarded: int = 0  # unpacks served by a still-live tensor instead of a fetch
-    # The auto policy (actoff.runtime.auto): the block's placement in the step ("measuring
-    # (recompute)" before its plan; "" under other policies), the forward's measured time,
-    # and its time as predicted by the plan that ran ("" before one) and as measured: the
-    # forward plus what the placement added in backward (recompute, waits for copies).
-    placement: str = ""
-    forward_ms: float = 0.0
-    predicted_ms: float = 0.0
-    measured_ms: float = 0.0
-
-    @property
-    def bytes_offloaded(self) -> int:
-        """Bytes that left the device (cpu + nvme)."""
-        return self.bytes_per_tier["cpu"] + self.bytes_per_tier["nvme"]
 
 
 @dataclass
@@ -121,63 +85,37 @@ class Stats:
         return sum(b.bytes_offloaded for b in self.blocks.values())
 
     def __str__(self) -> str:
+        return "\n".join([*self._table(), *self._footer()])
+
+    def _table(self) -> list[str]:
+        """One row per block and a total, with the auto policy's columns where it planned."""
+        planned = any(block.placement for block in self.blocks.values())
         header = (
             "block",
             "calls",
             "tensors",
             "saved",
-            "keep",
-            "cpu",
-            "nvme",
-            "recompute",
+            *BUCKETS,
             "copy ms",
             "fetch ms",
             "wait ms",
             "recompute ms",
         )
-        planned = any(block.placement for block in self.blocks.values())
-        if planned:  # the auto policy's columns
+        if planned:
             header += ("placement", "pred ms", "meas ms")
         rows = [header]
+        rows += [(*_cells(block), *(_plan_cells(block) if planned else ())) for block in self.blocks.values()]
+        totals = BlockStats("total", calls=sum(b.calls for b in self.blocks.values()))
         for block in self.blocks.values():
-            rows.append(
-                (
-                    block.name,
-                    str(block.calls),
-                    str(block.tensors),
-                    format_bytes(block.bytes_saved),
-                    *(format_bytes(block.bytes_per_tier[t]) for t in TIERS),
-                    f"{block.copy_ms:.2f}",
-                    f"{block.fetch_ms:.2f}",
-                    f"{block.wait_ms:.2f}",
-                    f"{block.recompute_ms:.2f}",
-                    *(_plan_cells(block) if planned else ()),
-                )
-            )
-        totals = BlockStats("total")
-        for block in self.blocks.values():
-            totals.calls += block.calls
             totals.tensors += block.tensors
             totals.bytes_saved += block.bytes_saved
             for attr in ("copy_ms", "fetch_ms", "wait_ms", "recompute_ms"):
                 setattr(totals, attr, getattr(totals, attr) + getattr(block, attr))
-            for tier in TIERS:
+            for tier in BUCKETS:
                 totals.bytes_per_tier[tier] += block.bytes_per_tier[tier]
-        rows.append(
-            (
-                "total",
-                str(totals.calls),
-                str(totals.tensors),
-                format_bytes(totals.bytes_saved),
-                *(format_bytes(totals.bytes_per_tier[t]) for t in TIERS),
-                f"{totals.copy_ms:.2f}",
-                f"{totals.fetch_ms:.2f}",
-                f"{totals.wait_ms:.2f}",
-                f"{totals.recompute_ms:.2f}",
-                *(("", f"{self.predicted_step_ms:.2f}" if self.plan != "none" else "",
-                   f"{sum(b.measured_ms for b in self.blocks.values()):.2f}") if planned else ()),
-            )
-        )  # fmt: skip
+        predicted = f"{self.predicted_step_ms:.2f}" if self.plan != "none" else ""
+        measured = f"{sum(b.measured_ms for b in self.blocks.values()):.2f}"
+        rows.append((*_cells(totals), *(("", predicted, measured) if planned else ())))
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = [
             "  ".join(
@@ -188,11 +126,15 @@ class Stats:
         ]
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
-        lines.append(
+        return lines
+
+    def _footer(self) -> list[str]:
+        """The step's arenas, the NVMe file, and the auto policy's plan, measurement and decisions."""
+        lines = [
             f"steps: {self.steps}   host arena: {format_bytes(self.host_capacity)} in "
             f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}, "
             f"plan {self.host_plan}   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
-        )
+        ]
         if self.device_plan != "none":
             gap = self.device_plan_bytes / self.device_lower_bound - 1 if self.device_lower_bound else 0.0
             lines.append(
@@ -227,7 +169,21 @@ class Stats:
                 f"{format_bytes(decision.input_bytes)}, attention {format_bytes(decision.attention_bytes)}, "
                 f"other {format_bytes(decision.other_bytes)})"
             )
-        return "\n".join(lines)
+        return lines
+
+
+def _cells(block: BlockStats) -> tuple[str, ...]:
+    return (
+        block.name,
+        str(block.calls),
+        str(block.tensors),
+        format_bytes(block.bytes_saved),
+        *(format_bytes(block.bytes_per_tier[t]) for t in BUCKETS),
+        f"{block.copy_ms:.2f}",
+        f"{block.fetch_ms:.2f}",
+        f"{block.wait_ms:.2f}",
+        f"{block.recompute_ms:.2f}",
+    )
 
 
 def _plan_cells(block: BlockStats) -> tuple[str, str, str]:
@@ -274,7 +230,7 @@ def copy_stats(block: BlockStats) -> BlockStats:
 
 
 def snapshot(
-    blocks: dict[str, BlockStats], steps: int, arenas: Arenas, stores: StoreRegistry, auto: AutoPlanner
+    blocks: dict[str, BlockStats], steps: int, arenas: Arenas, stores: StoreRegistry, auto: AutoObserver
 ) -> Stats:
     """A `Stats` of the runtime's figures: blocks copied, host arenas and NVMe stores summed."""
     return Stats(

@@ -2,34 +2,35 @@
 
 A `Step` is the scope runs of one forward pass, in order, until its backward ends. A
 `ScopeRun` is one call of an offload scope: its pack hook turns each saved tensor into a
-`Handle` to a `Record` (actoff.runtime.hooks; or passes it through), and it gives the tiers what they need from
-the run: the arena, the NVMe store, the statistics. Placement, fetching and release are the
-runtime's and the tiers' (actoff.runtime.runtime, actoff.tiers.base).
+`Handle` to a `Record` (actoff.runtime.hooks; or passes it through), its placement decides what
+they become (Note [placements], actoff.runtime.placements.base), and it is what the tiers see of
+the run (`actoff.tiers.run_view.RunView`: the arena, the NVMe store, the statistics). Fetching in
+backward is here; placement and release are the runtime's and the tiers' (actoff.runtime.runtime,
+actoff.tiers.base).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from actoff.config import Config
 from actoff.device.base import DeviceBackend, Ticket
+from actoff.figures import BlockStats
 from actoff.tiers.record import Record, State
 
 from .hooks import Handle, PackHook
-from .stats import BlockStats
 
 if TYPE_CHECKING:
-    from actoff.budget import Placement
-    from actoff.device.base import Stopwatch
     from actoff.memory.host_arena import HostArena
     from actoff.tiers.nvme.store import NvmeStore
-    from actoff.tiers.tokenwise.run import TokenwiseRun
 
-    from .measured import BlockKey
+    from .placements.base import Placement
     from .runtime import Runtime
 
 __all__ = ["ScopeRun", "Step"]
@@ -53,8 +54,6 @@ class Step:
         # Runs prefetched ahead of the one backward is in, for the whole step: the auto policy's
         # plan (actoff.runtime.auto); None: each run's own ``prefetch_depth``.
         self.depth: int | None = None
-        self.auto_seen: collections.Counter = collections.Counter()  # auto runs per block key so far
-        self.auto_peaks = [0, 0]  # device peaks of the forward and the head (actoff.runtime.auto)
 
     def harvest(self, *, block: bool) -> None:
         """Add the times of copies that were in flight when accounted (`ScopeRun.account`):
@@ -77,7 +76,7 @@ class Step:
         """
         still: list[ScopeRun] = []
         for run in self.in_flight:
-            force = run is not self.last_placed or run.stored_whole_to_measure
+            force = run is not self.last_placed or run.placement.finish_copies_first
             busy = False
             for record in run.all_records():
                 if record.state is State.OFFLOADING:
@@ -115,23 +114,12 @@ class ScopeRun(PackHook):
         # and its tensor's root, weakly (Note [views of one storage], actoff.runtime.hooks).
         self.spans: dict[tuple, tuple[Handle | None, int, int, weakref.ref]] = {}
         self.stats = BlockStats(name, calls=1)
-        self.kept = config.policy == "keep"  # Note [kept as is]
         self.live = 0  # records not yet released
         self.fetch_issued = False
         self.window_issued = False  # the runs before it prefetched (at its first unpack)
         self.fetching: list[Record] = []  # records the prefetch left FETCHING, for `poll`
-        # Token-wise state while the run may be split by token; None for runs placed whole.
-        self.tokenwise: TokenwiseRun | None = None
-        # The whole block runs again in backward, only its inputs stored (actoff.runtime.checkpoint)
-        self.checkpointed = config.policy == "checkpoint"
-        # The auto policy (actoff.runtime.auto): the block's key (None: not planned), its
-        # placement (None: measuring), token fractions, bytes by class, the forward's time.
-        self.auto_key: BlockKey | None = None
-        self.placement: Placement | None = None
-        self.auto_fractions: tuple[float, float] | None = None
-        self.classes: tuple[int, int, int, bool] | None = None
-        self.input_bytes = 0  # its tensor inputs' bytes, while it measures
-        self.forward_watch: Stopwatch | None = None
+        # What its saved tensors become (Note [placements]): set by the runtime as it opens the run.
+        self.placement: Placement = None  # type: ignore[assignment]
 
     def reached(self) -> None:
         """Backward unpacks this run (the runtime's lock held): at its first unpack queue the
@@ -140,8 +128,7 @@ class ScopeRun(PackHook):
         step = self.step
         if not step.backward_started:
             step.backward_started = True
-            if step.auto_seen:
-                self.runtime.auto.backward_starts(self)
+            self.runtime.auto.backward_starts(self)
         arena = self.runtime.arenas.on_device.get(self.device)
         if arena is not None:
             arena.unpacked()  # the tenants that die from now to the next unpack are a wave
@@ -162,14 +149,11 @@ class ScopeRun(PackHook):
             for run in reversed(window):  # the next one backward reaches first
                 if not run.fetch_issued:
                     run.prefetch()
-            if self.auto_key is not None:
-                self.runtime.auto.sample(self)  # the prefetches' buffers are taken now
+            self.runtime.auto.prefetched(self)  # the prefetches' buffers are taken now
+            self.placement.reached()
         else:
             for run in reversed(window):
                 run.poll()
-        tokenwise = self.tokenwise
-        if tokenwise is not None and tokenwise.probe_pending:
-            tokenwise.probe_now()  # Note [probe in the first backward] (actoff.tiers.tokenwise.run)
 
     def released(self) -> None:
         """One of the run's records was released (the runtime's lock held): at the last, the
@@ -178,20 +162,9 @@ class ScopeRun(PackHook):
         if self.live == 0 and self.step is self.runtime.step:  # not an older step's run
             self.runtime.arenas.run_done(self.device, self.index)
 
-    @property
-    def stored_whole_to_measure(self) -> bool:
-        """An auto run measuring its block stored whole (to be probed in backward, or one that
-        cannot be split: Note [measuring at recompute]): its copies out finish before the next
-        block runs, not alongside it, so that step holds one block's saves at a time, as the
-        checkpoint placement does."""
-        measuring = self.auto_key is not None and self.placement is None
-        return measuring and (self.tokenwise is None or not self.tokenwise.split_records)
-
     def all_records(self) -> tuple[Record, ...]:
-        """The run's records and, for a token-wise run, the records of its packed rows."""
-        if self.tokenwise is None:
-            return tuple(self.records)
-        return (*self.records, *self.tokenwise.children)
+        """The run's records and any a tier made for it (a token-wise run's packed rows)."""
+        return self.placement.records()
 
     def prefetch(self) -> None:
         """Start bringing back every offloaded record not still alive elsewhere (once a step).
@@ -228,6 +201,11 @@ class ScopeRun(PackHook):
                 record.tier.poll(record)
 
     # ------------------------------------------------------------------ for the tiers
+    # Note [tiers see a view of their run] (actoff.tiers.run_view): what follows is the `RunView`.
+    @property
+    def step_number(self) -> int:
+        return self.step.number
+
     def arena(self) -> HostArena:
         """The host arena of this run's device."""
         return self.runtime.arena(self)
@@ -263,3 +241,30 @@ class ScopeRun(PackHook):
     def account_io(self, what: str, future: Any) -> None:
         """Add an NVMe request's time (the engine's, queueing excluded) to the run's figures."""
         setattr(self.stats, what, getattr(self.stats, what) + future.elapsed() * 1e3)
+
+    def quarantine(self, *held: object) -> None:
+        self.runtime.quarantine.append(held)
+
+    def warn_once(self, key: str, message: str) -> None:
+        self.runtime.warn_once(key, message)
+
+    def hold(self, tensor: torch.Tensor, nbytes: int) -> tuple[Record, object]:
+        storage = tensor.untyped_storage().data_ptr()
+        handle = self.handle_for(tensor, storage, nbytes)
+        return handle.record, handle
+
+    def adopt(self, record: Record) -> None:
+        self.step.live += 1
+        self.live += 1
+
+    def release(self, record: Record) -> None:
+        self.runtime.release(record)
+
+    @contextlib.contextmanager
+    def nested(self) -> Iterator[None]:
+        stack = self.runtime.thread.stack
+        stack.append(self)
+        try:
+            yield
+        finally:
+            stack.pop()

@@ -32,8 +32,8 @@ Outside tracing `eager_scope` is disabled as a whole: a frame Dynamo gave up on 
 limit) still has its callees intercepted. Dynamo's ``recompile_limit`` (8 by default) counts
 the block classes and shape variants, not the blocks.
 
-A token-wise re-forward runs a block eagerly under a torch-function mode that serves the
-token mixer's output from the store, matching the i-th save of the re-forward with the i-th save
+A token-wise re-run runs a block eagerly under a torch-function mode that serves the
+token mixer's output from the store, matching the i-th save of the re-run with the i-th save
 of the forward; the saves of a compiled body are the partitioner's, not the eager ones. Such
 runs are placed whole with one warning (`_enter`).
 
@@ -51,7 +51,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from actoff.config import Config
-from actoff.policy import TOKENWISE_POLICIES, whole_tier
+from actoff.policy import spec as policy_spec
+from actoff.policy import whole_tier
 from actoff.runtime.arguments import find_device
 from actoff.runtime.hooks import unpack
 from actoff.runtime.runtime import get_runtime
@@ -150,17 +151,17 @@ def _enter(
     if runtime.passes_through(module):
         return None
     name, config = spec.block_name(module, default_name), spec.resolve()
-    if config.policy in TOKENWISE_POLICIES:
+    if policy_spec(config.policy).splits_by_token:  # Note [the policy table]
         tier = whole_tier(config)
         runtime.warn_once(
             f"compile:{config.policy}:{tier}",
             f"actoff: policy {config.policy!r} does not recompute blocks that run inside "
-            f"torch.compile (first: {name!r}): a token-wise re-forward runs the block eagerly "
+            f"torch.compile (first: {name!r}): a token-wise re-run runs the block eagerly "
             "and matches its saves one by one with the forward's, while a compiled block body "
             f"saves what the compiler chose. Their activations are placed whole ({tier}) "
             "instead; gradients stay exact. Run those blocks uncompiled to recompute them.",
         )
-    run = runtime.enter_scope(name, config, module, find_device(args, kwargs, module), tokenwise=False)
+    run = runtime.enter_scope(name, config, module, find_device(args, kwargs, module))  # no call: whole
     hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
     hooks.__enter__()
     return run, hooks

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 import torch
 
 from actoff.config import Config, get_config, keywords_of
-from actoff.policy import READ_BY, ignored_settings
+from actoff.owners import ByOwner
+from actoff.policy import OPTIONAL_SETTINGS, ignored_settings, read_by
 from actoff.runtime.runtime import get_runtime
-from actoff.tiers.tokenwise.probes import ByOwner
 
 __all__ = ["no_offload", "offload", "offload_"]
 
@@ -81,7 +81,7 @@ def _warn_ignored(caller: str, config: Config, overrides: dict[str, object]) -> 
     if ignored:
         given = ", ".join(f"{name}={overrides[name]!r}" for name in ignored)
         readers = "; ".join(
-            f"{name} is read by policy {' or '.join(map(repr, READ_BY[name]))}" for name in ignored
+            f"{name} is read by policy {' or '.join(map(repr, read_by(name)))}" for name in ignored
         )
         warnings.warn(
             f"actoff: {caller}({given}) has no effect under policy={config.policy!r} ({readers})",
@@ -98,11 +98,13 @@ def _warn_unread(base: Config, overrides: dict[str, object]) -> None:
     that the policy in force does not read, said once each (keywords are said at decoration)."""
     policy = overrides.get("policy", base.policy)
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
-    changed = [name for name in READ_BY if name not in overrides and getattr(base, name) != defaults[name]]
+    changed = [
+        name for name in OPTIONAL_SETTINGS if name not in overrides and getattr(base, name) != defaults[name]
+    ]
     for name in ignored_settings(policy, changed):
         if (policy, name) not in _UNREAD_SAID:
             _UNREAD_SAID.add((policy, name))
-            readers = " or ".join(map(repr, READ_BY[name]))
+            readers = " or ".join(map(repr, read_by(name)))
             warnings.warn(
                 f"actoff: ACTOFF_{name.upper()} (Config.{name})={getattr(base, name)!r} has no effect under "
                 f"policy {policy!r}: it is read by policy {readers}",

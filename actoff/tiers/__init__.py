@@ -8,5 +8,7 @@ the end of its block's forward, fetches it for backward and releases it:
 - `nvme/`: the process's spill file, through the C++ POSIX engine or kvikio.
 - `tokenwise/`: a block's activations split by token range between cpu, nvme and
   recompute; the dropped rows are rebuilt in backward by re-running the block on them.
-- `registry`: policy names to tier objects.
+- `registry`: the whole-tensor tiers by name (the policy table's tier names).
+- `run_view`: what a tier sees of the run that saved a record (Note [tiers see a view of their run]).
+- `record`: a record, its state machine and how its bytes are copied and rebuilt.
 """

@@ -2,7 +2,7 @@
 
 One small interface (`Tier`) with an object per tier: `KEEP` (stay on the device) here, `CPU`
 (a host arena slot, pinned on CUDA) in actoff.tiers.cpu, `NVME` in actoff.tiers.nvme.tier, and a
-token-wise run's split records in actoff.tiers.tokenwise.run; actoff.tiers.registry names them. The runtime calls the record's tier and never asks which
+token-wise run's split records in actoff.tiers.tokenwise.tier; actoff.tiers.registry names them. The runtime calls the record's tier and never asks which
 tier it is. Tier objects hold no state: everything lives on the record and its run.
 
 Each record moves through its state machine (actoff.tiers.record): ``place`` starts the copy out

@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 
     from actoff.device.base import Ticket
     from actoff.memory.host_arena import Slot
-    from actoff.runtime.step import ScopeRun
-    from actoff.tiers.base import Tier
-    from actoff.tiers.nvme.store import Extent, NvmeStore
-    from actoff.tiers.tokenwise.tokens import Canon, TokenRanges
 
-__all__ = ["Record", "RecordStateError", "State", "TensorGeometry", "modified_error", "param_like", "serve"]
+    from .base import Tier
+    from .nvme.store import Extent, NvmeStore
+    from .run_view import RunView
+    from .tokenwise.split import Split
+    from .tokenwise.tokens import Canon
+
+__all__ = ["Record", "RecordStateError", "State", "TensorGeometry", "modified_error", "serve"]
 
 
 class State(enum.Enum):
@@ -142,9 +144,11 @@ class Record:
         "write_future",
     )
 
-    def __init__(self, tensor: torch.Tensor, run: ScopeRun, index: int, tier: Tier | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, run: RunView, index: int, tier: Tier | None = None) -> None:
         self.geometry = TensorGeometry(tensor)
-        self.run = run  # the scope run that saved it
+        self.run = (
+            run  # the scope run that saved it, as its tiers see it (Note [tiers see a view of their run])
+        )
         self.index = index  # position among the run's records (pack order)
         self.state = State.RESIDENT
         # Where its bytes live: the tier owns every move of the record.
@@ -172,13 +176,13 @@ class Record:
         self.write_future: object | None = None  # NVMe write (or read, while FETCHING)
         self.copy_source: torch.Tensor | None = None  # held while a copy reads it
         self.checksum: int | None = None  # crc32 of the offloaded bytes (ACTOFF_VERIFY)
-        # Token-wise placement (actoff.tiers.tokenwise.run): the token-dimension view of the span,
-        # whether the record must stay whole (block input, mixer saves), and its ranges once split.
+        # Token-wise placement (actoff.tiers.tokenwise): the token-dimension view of the span,
+        # whether the record must stay whole (block input, mixer saves), and its split once split.
         self.canon: Canon | None = None
         # (shape, stride) of a merged view's base, for token dims
         self.base_info: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.whole = False
-        self.split: TokenRanges | None = None
+        self.split: Split | None = None
 
     def to(self, state: State) -> None:
         """Move to ``state``; raise `RecordStateError` if the machine forbids it."""
@@ -213,14 +217,6 @@ class Record:
     def live_source(self) -> torch.Tensor | None:
         """The original tensor when it is still alive elsewhere (forwarding, no copy needed)."""
         return self.source()
-
-
-def param_like(tensor: torch.Tensor, storage: int, param_storages: set[int]) -> bool:
-    """Parameters, buffers and their views (by storage), and leaves that require grad."""
-    if storage in param_storages or (tensor.is_leaf and tensor.requires_grad):
-        return True
-    base = tensor._base
-    return base is not None and base.is_leaf and base.requires_grad
 
 
 def serve(record: Record) -> torch.Tensor:

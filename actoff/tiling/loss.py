@@ -34,15 +34,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, bounds: list[tuple[int, int]], ignore_index: int) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        ignore_index: int,
+    ) -> torch.Tensor:
         # hidden (N, H), weight (V, H), bias (V,) or None, labels (N,)
         autocast = AutocastState.capture(hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start, stop in bounds:
             logits = F.linear(hidden[start:stop], weight, bias)  # (n, V): one chunk's logits
-            total += F.cross_entropy(logits.float(), labels[start:stop], ignore_index=ignore_index,
-                                     reduction="sum")  # fmt: skip
+            total += F.cross_entropy(
+                logits.float(), labels[start:stop], ignore_index=ignore_index, reduction="sum"
+            )
         ctx.autocast, ctx.bounds, ctx.ignore_index = autocast, bounds, ignore_index
         ctx.has_bias = bias is not None
         ctx.save_for_backward(hidden, weight, labels, *([bias] if bias is not None else []))
@@ -64,10 +72,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             rows = hidden[start:stop].detach().requires_grad_(wants_hidden)  # (n, H)
             with torch.enable_grad(), ctx.autocast.restore():
                 logits = F.linear(rows, weight_leaf, bias_leaf)  # (n, V)
-                loss = F.cross_entropy(logits.float(), labels[start:stop], ignore_index=ctx.ignore_index,
-                                       reduction="sum")  # fmt: skip
-            inputs = [t for t, wanted in ((rows, wants_hidden), (weight_leaf, wants_weight),
-                                          (bias_leaf, wants_bias)) if wanted]  # fmt: skip
+                loss = F.cross_entropy(
+                    logits.float(), labels[start:stop], ignore_index=ctx.ignore_index, reduction="sum"
+                )
+            inputs = [
+                t
+                for t, wanted in ((rows, wants_hidden), (weight_leaf, wants_weight), (bias_leaf, wants_bias))
+                if wanted
+            ]
             grads = list(torch.autograd.grad(loss, inputs, grad_total))
             if wants_hidden:
                 grad_hidden[start:stop] = grads.pop(0)  # type: ignore[index]
@@ -144,8 +156,14 @@ def chunked_cross_entropy(
 class _LossSpec:
     """A wrapped causal LM's settings and the forward it wraps."""
 
-    def __init__(self, chunks: int | None, max_tokens: int | None, ignore_index: int,
-                 inner: Any, labels_position: int | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        chunks: int | None,
+        max_tokens: int | None,
+        ignore_index: int,
+        inner: Any,
+        labels_position: int | None,
+    ) -> None:
         self.chunks = chunks
         self.max_tokens = max_tokens
         self.ignore_index = ignore_index
@@ -198,10 +216,16 @@ def _chunked_loss_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> A
         )
     hidden = captured[0]
     loss = chunked_cross_entropy(
-        hidden, head.weight, labels if shift_labels is None else shift_labels,
-        chunks=spec.chunks, max_tokens=spec.max_tokens, ignore_index=spec.ignore_index,
-        shift=shift_labels is None, bias=head.bias, num_items_in_batch=kwargs.get("num_items_in_batch"),
-    )  # fmt: skip
+        hidden,
+        head.weight,
+        labels if shift_labels is None else shift_labels,
+        chunks=spec.chunks,
+        max_tokens=spec.max_tokens,
+        ignore_index=spec.ignore_index,
+        shift=shift_labels is None,
+        bias=head.bias,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+    )
     fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
     result = type(output)(loss=loss, logits=None, **fields)
     return result.to_tuple() if want_tuple else result

@@ -15,11 +15,11 @@ over chunks. Rows of the input gradient do not mix across tokens, so they equal 
 module's up to the matrix kernels' choice for the row count; parameter gradients are sums
 over chunks and differ by float reassociation.
 
-Note [token-local probe]: tiling is only right for a module whose output row t depends on
+Note [token-local check]: tiling is only right for a module whose output row t depends on
 input row t alone. The first call checks it on a small window: rows [h, w) computed with and
 without rows [0, h) before them must agree (a causal mixer, a mean over tokens or positions
 built from ``arange`` inside the module all fail). A module that draws random numbers (dropout)
-is probed in eval mode, since two calls never draw the same mask.
+is checked in eval mode, since two calls never draw the same mask.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .chunking import AutocastState, RngState, check_chunking, chunk_bounds
 __all__ = ["tile_"]
 
 _SPEC_ATTR = "_actoff_tile"
-_PROBE_TOKENS = 16  # rows of the token-local probe: small next to any chunk, enough to see mixing
+_CHECK_TOKENS = 16  # rows of the token-local check: small next to any chunk, enough to see mixing
 # Largest relative difference between rows computed with and without the rows before them
 # that still counts as token-local: matrix kernels chosen by row count reassociate sums.
 _PROBE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -49,14 +49,20 @@ _PROBE_TOLERANCE_HALF = 5e-2  # bfloat16 and float16: a few units in the last pl
 class _TileSpec:
     """One tiled module's settings: its name, how to chunk, and the forward it wraps."""
 
-    def __init__(self, name: str, chunks: int | None, max_tokens: int | None, token_dim: int,
-                 inner: Callable[..., Any] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        chunks: int | None,
+        max_tokens: int | None,
+        token_dim: int,
+        inner: Callable[..., Any] | None,
+    ) -> None:
         self.name = name
         self.chunks = chunks
         self.max_tokens = max_tokens
         self.token_dim = token_dim
         self.inner = inner  # a previous instance forward (e.g. an offload scope), else the class's
-        self.probed = False  # Note [token-local probe] passed
+        self.checked = False  # Note [token-local check] passed
 
     def forward_of(self, module: torch.nn.Module) -> Callable[..., Any]:
         return self.inner if self.inner is not None else types.MethodType(type(module).forward, module)
@@ -68,8 +74,14 @@ class _TileSpec:
 class _TiledCall:
     """What one call of a tiled module needs in forward and again in backward."""
 
-    def __init__(self, module: torch.nn.Module, spec: _TileSpec, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], length: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        spec: _TileSpec,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        length: int,
+    ) -> None:
         self.module = module
         self.spec = spec
         self.forward = spec.forward_of(module)
@@ -182,8 +194,8 @@ def _run_tiled(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     if length == 0:
         return spec.forward_of(module)(*args, **kwargs)
     call = _TiledCall(module, spec, args, kwargs, length)
-    if not spec.probed:
-        spec.probed = _probe_token_local(call, x)
+    if not spec.checked:
+        spec.checked = _check_token_local(call, x)
     grad_inputs = [*call.params, *(call.leaves[i] for i in call.grad_slots)]
     if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs):
         with torch.no_grad():  # nothing to differentiate: chunked forward only
@@ -206,12 +218,12 @@ def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
             sub.training = training
 
 
-def _probe_token_local(call: _TiledCall, x: torch.Tensor) -> bool:
-    """Note [token-local probe]. True once checked; False if the input is too short to check."""
+def _check_token_local(call: _TiledCall, x: torch.Tensor) -> bool:
+    """Note [token-local check]. True once checked; False if the input is too short to check."""
     dim, length = call.dim, x.shape[call.dim]
     if length < 2:
         return False
-    window = min(length, _PROBE_TOKENS)
+    window = min(length, _CHECK_TOKENS)
     half = window // 2
     what = call.spec.describe(call.module)
     rng = RngState.capture(x.device)
@@ -222,7 +234,7 @@ def _probe_token_local(call: _TiledCall, x: torch.Tensor) -> bool:
         return whole, tail
 
     try:
-        with torch.no_grad(), rng.restore():  # the probe leaves the caller's RNG stream untouched
+        with torch.no_grad(), rng.restore():  # the check leaves the caller's RNG stream untouched
             whole, tail = rows_with_and_without_prefix()
             if not rng.same_as(RngState.capture(x.device)):
                 with _eval_mode(call.module):  # dropout: two calls never draw the same mask
@@ -235,8 +247,10 @@ def _probe_token_local(call: _TiledCall, x: torch.Tensor) -> bool:
         ) from error
     for result in (whole, tail):
         if not isinstance(result, torch.Tensor):
-            raise TypeError(f"actoff.tile_: {what} returned {type(result).__name__}; a tiled module must "
-                            "return one tensor")  # fmt: skip
+            raise TypeError(
+                f"actoff.tile_: {what} returned {type(result).__name__}; a tiled module must "
+                "return one tensor"
+            )
     if tail.dim() <= dim or whole.shape[dim] != window or tail.shape[dim] != window - half:
         raise ValueError(
             f"actoff.tile_: {what} is not token-local: for {window} input rows along dim {dim} it returned "

@@ -102,27 +102,53 @@ def verdicts(records: list[dict], budgets: list[int]) -> list[dict]:
         auto = at.get("auto", {})
         where = f"budget {actoff.format_bytes(budget)}"
         if auto.get("status") != "ok":
-            lines.append({"budget_bytes": budget, "met": False, "target": None,
-                          "text": f"{where}: auto {auto.get('status', 'not run')} (target: fits: NOT met)"})  # fmt: skip
+            lines.append(
+                {
+                    "budget_bytes": budget,
+                    "met": False,
+                    "target": None,
+                    "text": f"{where}: auto {auto.get('status', 'not run')} (target: fits: NOT met)",
+                }
+            )
             continue
         if fits:
             best = min(fits, key=lambda r: r["step_ms"])
             ratio = auto["step_ms"] / best["step_ms"]
-            lines.append({"budget_bytes": budget, "vs": best["policy"], "ratio": ratio, "target": 1.0,
-                          "met": ratio <= 1.0,
-                          "text": f"{where}: auto {auto['step_ms']:.1f} ms vs the fastest that fits, {best['policy']} "
-                                  f"{best['step_ms']:.1f} ms: {ratio:.2f}x (target <= 1x: {'met' if ratio <= 1.0 else 'NOT met'})"})  # fmt: skip
+            lines.append(
+                {
+                    "budget_bytes": budget,
+                    "vs": best["policy"],
+                    "ratio": ratio,
+                    "target": 1.0,
+                    "met": ratio <= 1.0,
+                    "text": f"{where}: auto {auto['step_ms']:.1f} ms vs the fastest that fits, {best['policy']} "
+                    f"{best['step_ms']:.1f} ms: {ratio:.2f}x (target <= 1x: {'met' if ratio <= 1.0 else 'NOT met'})",
+                }
+            )
         else:
-            lines.append({"budget_bytes": budget, "met": True, "target": None,
-                          "text": f"{where}: auto {auto['step_ms']:.1f} ms; none of the others fits"})  # fmt: skip
+            lines.append(
+                {
+                    "budget_bytes": budget,
+                    "met": True,
+                    "target": None,
+                    "text": f"{where}: auto {auto['step_ms']:.1f} ms; none of the others fits",
+                }
+            )
         none = at.get("none", {})
         if at.get("keep", {}).get("status") == "ok" and none.get("status") == "ok":
             ratio = auto["step_ms"] / none["step_ms"]
             met = ratio <= KEEP_FITS_TARGET
-            lines.append({"budget_bytes": budget, "vs": "none", "ratio": ratio, "target": KEEP_FITS_TARGET,
-                          "met": met,
-                          "text": f"{where}: keep fits: auto {auto['step_ms']:.1f} ms vs none {none['step_ms']:.1f} ms: "
-                                  f"{ratio:.2f}x (target <= {KEEP_FITS_TARGET:g}x: {'met' if met else 'NOT met'})"})  # fmt: skip
+            lines.append(
+                {
+                    "budget_bytes": budget,
+                    "vs": "none",
+                    "ratio": ratio,
+                    "target": KEEP_FITS_TARGET,
+                    "met": met,
+                    "text": f"{where}: keep fits: auto {auto['step_ms']:.1f} ms vs none {none['step_ms']:.1f} ms: "
+                    f"{ratio:.2f}x (target <= {KEEP_FITS_TARGET:g}x: {'met' if met else 'NOT met'})",
+                }
+            )
     return lines
 
 
@@ -143,8 +169,10 @@ def print_sweep(records: list[dict], budgets: list[int], policies: list[str]) ->
                 row["auto plan"] = record.get("auto_plan") or "-"
         rows.append(row)
     print(format_table(rows, [("budget", "budget"), *((p, p) for p in policies), ("auto plan", "auto plan")]))
-    print("\nstep ms under each device budget (the simulated device's capacity on a CPU; ACTOFF_GPU_BUDGET "
-          "and a cap on CUDA); oom: the policy does not fit. auto plan: the placements auto chose.\n")  # fmt: skip
+    print(
+        "\nstep ms under each device budget (the simulated device's capacity on a CPU; ACTOFF_GPU_BUDGET "
+        "and a cap on CUDA); oom: the policy does not fit. auto plan: the placements auto chose.\n"
+    )
     lines = verdicts(records, budgets)
     for line in lines:
         print(f"   {line['text']}")

@@ -11,8 +11,9 @@ import os
 from _common import format_table
 
 #: The GPU run the tunnel is calibrated on (7B-shaped, 4 layers, bf16, batch 1).
-MEASURED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
-                        "h100-2026-11-23", "long.jsonl")  # fmt: skip
+MEASURED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "h100-2026-11-23", "long.jsonl"
+)
 #: Targets of that run, and the policies compared (its names for PyTorch's baselines mapped).
 TARGETS = ("h100:7b@8k", "h100:7b@32k")
 POLICIES = ("none", "keep", "torch_checkpoint", "torch_save_on_cpu", "cpu")
@@ -67,19 +68,47 @@ def calibration_rows(
                 continue
             (step_gpu, peak_gpu), (step_cpu, peak_cpu) = gpu[policy], cpu.get(policy, (None, None))
             error = step_cpu / step_gpu - 1 if step_cpu and step_gpu else None
-            rows.append({"target": target, "policy": policy, "measured": step_gpu, "tunnel": step_cpu,
-                         "error": error, "within": None if error is None else abs(error) <= ERROR_LIMIT,
-                         "peak_measured": peak_gpu, "peak_tunnel": peak_cpu})  # fmt: skip
+            rows.append(
+                {
+                    "target": target,
+                    "policy": policy,
+                    "measured": step_gpu,
+                    "tunnel": step_cpu,
+                    "error": error,
+                    "within": None if error is None else abs(error) <= ERROR_LIMIT,
+                    "peak_measured": peak_gpu,
+                    "peak_tunnel": peak_cpu,
+                }
+            )
     return rows
 
 
 def print_calibration(rows: list[dict]) -> None:
-    shown = [{**row, "error_pct": None if row["error"] is None else f"{row['error'] * 100:+.0f}%",
-              "within": {True: "yes", False: "NO", None: "-"}[row["within"]]} for row in rows]  # fmt: skip
-    print(format_table(shown, [("target", "target"), ("policy", "policy"), ("measured", "GPU x none"),
-                               ("tunnel", "tunnel x none"), ("error_pct", "error"), ("within", "within 25%"),
-                               ("peak_measured", "GPU act peak / none"),
-                               ("peak_tunnel", "tunnel act peak / none")]))  # fmt: skip
-    print(f"\nGPU figures: {os.path.relpath(MEASURED)}; the tunnel's from the simulated device's link scaled "
-          "to the target (Note [scaling the tunnel]), the CPU model at the length with the target's share of "
-          "attention.")  # fmt: skip
+    shown = [
+        {
+            **row,
+            "error_pct": None if row["error"] is None else f"{row['error'] * 100:+.0f}%",
+            "within": {True: "yes", False: "NO", None: "-"}[row["within"]],
+        }
+        for row in rows
+    ]
+    print(
+        format_table(
+            shown,
+            [
+                ("target", "target"),
+                ("policy", "policy"),
+                ("measured", "GPU x none"),
+                ("tunnel", "tunnel x none"),
+                ("error_pct", "error"),
+                ("within", "within 25%"),
+                ("peak_measured", "GPU act peak / none"),
+                ("peak_tunnel", "tunnel act peak / none"),
+            ],
+        )
+    )
+    print(
+        f"\nGPU figures: {os.path.relpath(MEASURED)}; the tunnel's from the simulated device's link scaled "
+        "to the target (Note [scaling the tunnel]), the CPU model at the length with the target's share of "
+        "attention."
+    )

@@ -38,8 +38,14 @@ def host_store(launch: dict):
 
     import torch.distributed as dist
 
-    return dist.TCPStore(launch["address"], launch["port"], launch["world"], is_master=True,
-                         timeout=timedelta(minutes=10), wait_for_workers=False)  # fmt: skip
+    return dist.TCPStore(
+        launch["address"],
+        launch["port"],
+        launch["world"],
+        is_master=True,
+        timeout=timedelta(minutes=10),
+        wait_for_workers=False,
+    )
 
 
 def rendezvous(launch: dict, name: str):
@@ -48,8 +54,9 @@ def rendezvous(launch: dict, name: str):
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(launch["address"], launch["port"], launch["world"], is_master=False,
-                          timeout=timedelta(minutes=10))  # fmt: skip
+    store = dist.TCPStore(
+        launch["address"], launch["port"], launch["world"], is_master=False, timeout=timedelta(minutes=10)
+    )
     return dist.PrefixStore(f"actoff-bench/{name}/", store)
 
 
@@ -63,8 +70,12 @@ def join_process_group(ddp: dict, cuda: bool) -> None:
     )
     if cuda:
         torch.cuda.set_device(ddp["local_rank"])
-    dist.init_process_group("nccl" if cuda else "gloo", store=rendezvous(ddp, ddp["job"]),
-                            rank=ddp["rank"], world_size=ddp["world"])  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=rendezvous(ddp, ddp["job"]),
+        rank=ddp["rank"],
+        world_size=ddp["world"],
+    )
 
 
 def gather_to_rank0(records: list[dict], launch: dict) -> list[dict] | None:

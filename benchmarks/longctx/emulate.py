@@ -8,7 +8,7 @@ working set: one block's forward or backward, the loss, the copies in flight, ac
 device arena for the block being differentiated. The working set does not grow with the
 number of blocks, since an offloading policy moves a bounded window. The static part grows,
 and so does the held part, by policy: for torch_checkpoint each block's input (B x S x H,
-kept for its re-forward), for actoff's policies what stays on the device (the keep tier:
+kept for its re-run), for actoff's policies what stays on the device (the keep tier:
 tensors under ACTOFF_MIN_BYTES, blocks kept last, and tensors left there once the host
 budget is full), for keep all a block saves; torch_save_on_cpu and torch_checkpoint_cpu hold
 nothing per block on the device. So N real blocks and a ballast of (L - N) x (static + held
@@ -66,8 +66,9 @@ def block_static_bytes(block) -> int:
     return kept + trainable_bytes(block)
 
 
-def held_per_block(policy: str, seq: int, batch: int, hidden: int, dtype_bytes: int,
-                   keep_bytes_per_block: float | None) -> int:  # fmt: skip
+def held_per_block(
+    policy: str, seq: int, batch: int, hidden: int, dtype_bytes: int, keep_bytes_per_block: float | None
+) -> int:
     """Bytes ``policy`` holds on the device per block from its forward to its backward
     (Note [emulated layers]); ``keep_bytes_per_block``: actoff's keep-tier bytes per block,
     measured in the warm-up step.
@@ -126,8 +127,12 @@ class Ballast:
         )
         self.total_bytes = self.static_bytes + self.missing * per_block
         self._held = torch.empty(self.missing * per_block, dtype=torch.uint8, device=self.device)
-        return {"emulated_layers": self.target_layers, "ballast_static_bytes": self.static_bytes,
-                "ballast_held_bytes": self.missing * per_block, "held_per_block_bytes": per_block}  # fmt: skip
+        return {
+            "emulated_layers": self.target_layers,
+            "ballast_static_bytes": self.static_bytes,
+            "ballast_held_bytes": self.missing * per_block,
+            "held_per_block_bytes": per_block,
+        }
 
     def release_held(self) -> None:
         self._held = None

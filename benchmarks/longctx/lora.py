@@ -77,8 +77,13 @@ def lora_(model: nn.Module, rank: int, alpha: float | None = None, *, use_peft: 
     if use_peft:
         import peft
 
-        present = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                          if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS})  # fmt: skip
+        present = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in model.named_modules()
+                if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS
+            }
+        )
         config = peft.LoraConfig(
             r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=present, bias="none"
         )
@@ -87,8 +92,12 @@ def lora_(model: nn.Module, rank: int, alpha: float | None = None, *, use_peft: 
             parameter.requires_grad_("lora_" in name)
         made = f"peft {peft.__version__}"
     else:
-        targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-                   if isinstance(child, nn.Linear) and name in LORA_TARGETS]  # fmt: skip
+        targets = [
+            (parent, name, child)
+            for parent in model.modules()
+            for name, child in parent.named_children()
+            if isinstance(child, nn.Linear) and name in LORA_TARGETS
+        ]
         for parent, name, child in targets:
             setattr(parent, name, LoRALinear(child, rank, alpha))
         made = "actoff LoRALinear"

@@ -95,8 +95,9 @@ class MaxSeq(NamedTuple):
     finished: bool
 
 
-def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s, on_record=None, *,
-                 precision: float = 0.0) -> MaxSeq:  # fmt: skip
+def find_max_seq(
+    policy: str, base: dict, start: int, limit: int, timeout_s, on_record=None, *, precision: float = 0.0
+) -> MaxSeq:
     """Doubling then bisection to the longest length that trains.
 
     ``timeout_s`` is seconds per probe, or a function giving them (the time left); each probe's
@@ -133,8 +134,9 @@ def find_max_seq(policy: str, base: dict, start: int, limit: int, timeout_s, on_
     return MaxSeq(good, bad, probes, True)
 
 
-def find_max(policies: list[str], base: dict, start: int, limit: int, time_left, header: dict, args,
-             out: JsonLines) -> int:  # fmt: skip
+def find_max(
+    policies: list[str], base: dict, start: int, limit: int, time_left, header: dict, args, out: JsonLines
+) -> int:
     """``--find-max-seq``: search every policy, print the table, the ratio lines and where the
     memory goes at the limit; then the plot and the records as asked."""
     cuda = torch.cuda.is_available()
@@ -157,8 +159,9 @@ def find_max(policies: list[str], base: dict, start: int, limit: int, time_left,
     return 0
 
 
-def search(policies: list[str], base: dict, start: int, limit: int, time_left, out: JsonLines, *,
-           precision: float) -> tuple[list[dict], list[dict]]:  # fmt: skip
+def search(
+    policies: list[str], base: dict, start: int, limit: int, time_left, out: JsonLines, *, precision: float
+) -> tuple[list[dict], list[dict]]:
     """`find_max_seq` for each policy in turn: a row per policy, with its ratios and the record
     of its probe at the longest length, and every probe's record."""
     found: list[dict] = []  # every probe's record: the breakdown at the limit reads them
@@ -177,13 +180,26 @@ def search(policies: list[str], base: dict, start: int, limit: int, time_left, o
             return min(time_left(), deadline - time.monotonic())
 
         result = find_max_seq(policy, base, start, limit, share_left, on_record, precision=precision)
-        rows.append({"policy": policy, "max_seq": result.longest, "fails_at": result.failed,
-                     "probes": result.probes, "search": _search_state(result, limit)})  # fmt: skip
+        rows.append(
+            {
+                "policy": policy,
+                "max_seq": result.longest,
+                "fails_at": result.failed,
+                "probes": result.probes,
+                "search": _search_state(result, limit),
+            }
+        )
         out.write({"result": rows[-1]})
     add_max_seq_ratios(rows)
     for row in rows:
-        record = next((r for r in found if r["policy"] == row["policy"] and r["seq"] == row["max_seq"]
-                       and r.get("status") == "ok"), None)  # fmt: skip
+        record = next(
+            (
+                r
+                for r in found
+                if r["policy"] == row["policy"] and r["seq"] == row["max_seq"] and r.get("status") == "ok"
+            ),
+            None,
+        )
         peak = record.get("peak_allocated_bytes") if record else None
         row["peak_mib"] = f"{peak / 2**20:.1f}" if peak else None
         row["record"] = record
@@ -194,14 +210,28 @@ def print_max_seq(rows: list[dict], where: str) -> list[dict]:
     """The table of longest lengths, its notes, the ratio lines and, for the best actoff
     configuration (and the best with the default planner), where its memory goes; the ratio lines."""
     print()
-    print(format_table(rows, [("policy", "policy"), ("max_seq", "longest seq"), ("fails_at", "fails at"),
-                              ("x_keep", "x keep"), ("x_torch_checkpoint", "x torch_checkpoint"), ("peak_mib", "peak MiB"),
-                              ("probes", "probes"), ("search", "search")]))  # fmt: skip
-    print(f"\nlongest seq: the longest length that trained (forward, loss, backward, two steps) on {where}; "
-          "fails at: the shortest that ran out of memory; x keep / x torch_checkpoint: longest seq over theirs "
-          "(>=: a lower bound, <=: an upper bound, ?: both sides bounds); peak MiB: the device peak at the "
-          "longest length. actoff configurations: keep, cpu, nvme, tokenwise, recompute, auto (+tile: "
-          "actoff.tile_ on the MLPs, +loss: actoff.chunked_cross_entropy).\n")  # fmt: skip
+    print(
+        format_table(
+            rows,
+            [
+                ("policy", "policy"),
+                ("max_seq", "longest seq"),
+                ("fails_at", "fails at"),
+                ("x_keep", "x keep"),
+                ("x_torch_checkpoint", "x torch_checkpoint"),
+                ("peak_mib", "peak MiB"),
+                ("probes", "probes"),
+                ("search", "search"),
+            ],
+        )
+    )
+    print(
+        f"\nlongest seq: the longest length that trained (forward, loss, backward, two steps) on {where}; "
+        "fails at: the shortest that ran out of memory; x keep / x torch_checkpoint: longest seq over theirs "
+        "(>=: a lower bound, <=: an upper bound, ?: both sides bounds); peak MiB: the device peak at the "
+        "longest length. actoff configurations: keep, cpu, nvme, tokenwise, recompute, auto (+tile: "
+        "actoff.tile_ on the MLPs, +loss: actoff.chunked_cross_entropy).\n"
+    )
     summary = max_seq_summary(rows)
     for line in summary:
         print(f"   {line['text']}")
@@ -267,8 +297,13 @@ def _verdict(value: float, kind: str, target: float) -> str:
 
 def best_actoff(rows: list[dict], *, default_planner: bool = False) -> dict | None:
     """The actoff row with the longest length (``default_planner``: leaving out ``+noplan``)."""
-    candidates = [r for r in rows if is_actoff_policy(r["policy"]) and r["max_seq"]
-                  and not (default_planner and "noplan" in split_variants(r["policy"])[1])]  # fmt: skip
+    candidates = [
+        r
+        for r in rows
+        if is_actoff_policy(r["policy"])
+        and r["max_seq"]
+        and not (default_planner and "noplan" in split_variants(r["policy"])[1])
+    ]
     return max(candidates, key=lambda r: r["max_seq"]) if candidates else None
 
 
@@ -293,17 +328,31 @@ def max_seq_summary(rows: list[dict]) -> list[dict]:
     if default is not None and default is not best:
         contenders.append(("best with actoff's default planner", default))
     lines = [line for what, top in contenders for line in _target_lines(what, top, rows)]
-    others = [r for r in rows if not is_actoff_policy(r["policy"]) and r["max_seq"]
-              and r["policy"] not in ("keep", "torch_checkpoint")]  # fmt: skip
+    others = [
+        r
+        for r in rows
+        if not is_actoff_policy(r["policy"])
+        and r["max_seq"]
+        and r["policy"] not in ("keep", "torch_checkpoint")
+    ]
     if others and lines:
         rival = max(others, key=lambda r: r["max_seq"])
         ratio = max_seq_ratio(best, rival)
         if ratio is not None:
-            lines.append({"policy": best["policy"], "vs": rival["policy"], "ratio": ratio[0], "bound": ratio[1],
-                          "target": None, "met": None, "verdict": "for scale",
-                          "text": f"for scale, the longest without actoff's placement: {rival['policy']} "
-                                  f"{rival['max_seq']}; {best['policy']} reaches {ratio[1]}{ratio[0]:.2f}x "
-                                  "of it"})  # fmt: skip
+            lines.append(
+                {
+                    "policy": best["policy"],
+                    "vs": rival["policy"],
+                    "ratio": ratio[0],
+                    "bound": ratio[1],
+                    "target": None,
+                    "met": None,
+                    "verdict": "for scale",
+                    "text": f"for scale, the longest without actoff's placement: {rival['policy']} "
+                    f"{rival['max_seq']}; {best['policy']} reaches {ratio[1]}{ratio[0]:.2f}x "
+                    "of it",
+                }
+            )
     return lines
 
 
@@ -318,10 +367,19 @@ def _target_lines(what: str, top: dict, rows: list[dict]) -> list[dict]:
             continue
         value, kind = ratio
         verdict = _verdict(value, kind, target)
-        lines.append({"policy": top["policy"], "vs": name, "ratio": value, "bound": kind, "target": target,
-                      "met": verdict == "met", "verdict": verdict,
-                      "text": f"{what}: {top['policy']}, longest {top['max_seq']} vs {name} "
-                              f"{bottom['max_seq']}: {kind}{value:.2f}x (target >= {target:g}x: {verdict})"})  # fmt: skip
+        lines.append(
+            {
+                "policy": top["policy"],
+                "vs": name,
+                "ratio": value,
+                "bound": kind,
+                "target": target,
+                "met": verdict == "met",
+                "verdict": verdict,
+                "text": f"{what}: {top['policy']}, longest {top['max_seq']} vs {name} "
+                f"{bottom['max_seq']}: {kind}{value:.2f}x (target >= {target:g}x: {verdict})",
+            }
+        )
     return lines
 
 
@@ -369,6 +427,8 @@ def where_memory_goes(record: dict) -> list[str]:
     ]
     peak = max(phase_peak for _, _, phase_peak in record["phases"])
     for phase, live, phase_peak in record["phases"]:
-        lines.append(f"   {phase:<22}  live at its end {'+' + mib(live - static):>10}  peak {'+' + mib(phase_peak - static):>11}"
-                     + ("  <- the step's peak" if phase_peak == peak else ""))  # fmt: skip
+        lines.append(
+            f"   {phase:<22}  live at its end {'+' + mib(live - static):>10}  peak {'+' + mib(phase_peak - static):>11}"
+            + ("  <- the step's peak" if phase_peak == peak else "")
+        )
     return lines

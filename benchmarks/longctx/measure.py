@@ -188,8 +188,14 @@ def measure(
     if cuda:
         record.update(_cuda_fields(spec, seq, config, step_s, static_bytes, peaks))
     else:
-        record.update(peak_allocated_bytes=None, peak_reserved_bytes=None, fragmentation_bytes=None,
-                      activation_peak_bytes=None, mfu=None, memory_source=None)  # fmt: skip
+        record.update(
+            peak_allocated_bytes=None,
+            peak_reserved_bytes=None,
+            fragmentation_bytes=None,
+            activation_peak_bytes=None,
+            mfu=None,
+            memory_source=None,
+        )
         if spec.get("ddp") is None:
             record.update(memory_fields)
     return record
@@ -208,12 +214,20 @@ def _tunnel(spec: dict, seq: int, capped=None):
     rate = tunnel.get("bandwidth", {}).get(str(seq))
     if rate is None:
         return contextlib.nullcontext()
-    return simulated_device(seed=0, max_delay_s=0.0, max_lag_s=0.0, bandwidth=rate, track_memory=False,
-                            pageable_rate=tunnel["pageable_rate"], memory=capped)  # fmt: skip
+    return simulated_device(
+        seed=0,
+        max_delay_s=0.0,
+        max_lag_s=0.0,
+        bandwidth=rate,
+        track_memory=False,
+        pageable_rate=tunnel["pageable_rate"],
+        memory=capped,
+    )
 
 
-def _run_steps(spec: dict, step: Step, model, cuda: bool, capped, ballast, seq: int,
-               extra: dict) -> tuple[int | None, list[float], tuple[int, int, int] | None]:  # fmt: skip
+def _run_steps(
+    spec: dict, step: Step, model, cuda: bool, capped, ballast, seq: int, extra: dict
+) -> tuple[int | None, list[float], tuple[int, int, int] | None]:
     """The warm-up steps, the timed ones, then on CUDA or a capped device one more, untimed,
     sampled for the timeline (Note [no synchronization in timed steps]): the device bytes live
     before the timed steps, their times, and on CUDA their memory figures (`cuda_memory`).
@@ -316,8 +330,9 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
     }
 
 
-def _cuda_fields(spec: dict, seq: int, config, step_s: float, static_bytes: int,
-                 peaks: tuple[int, int, int]) -> dict:  # fmt: skip
+def _cuda_fields(
+    spec: dict, seq: int, config, step_s: float, static_bytes: int, peaks: tuple[int, int, int]
+) -> dict:
     """CUDA's memory figures of the timed steps (``peaks``: `cuda_memory` after them), the
     replay allocator's plan against its lower bound where it planned, and the model FLOP
     utilisation (bf16 only)."""
@@ -344,8 +359,11 @@ def replay_plan_fields() -> dict:
     replay = actoff.replay_allocator_stats()
     if not replay.installed or not replay.plan_lower_bound_bytes:
         return {}
-    return {"replay_arena_bytes": replay.arena_bytes, "replay_plan_lower_bound_bytes": replay.plan_lower_bound_bytes,
-            "replay_arena_vs_bound": replay.arena_bytes / replay.plan_lower_bound_bytes}  # fmt: skip
+    return {
+        "replay_arena_bytes": replay.arena_bytes,
+        "replay_plan_lower_bound_bytes": replay.plan_lower_bound_bytes,
+        "replay_arena_vs_bound": replay.arena_bytes / replay.plan_lower_bound_bytes,
+    }
 
 
 def memory_source(policy: str) -> str:

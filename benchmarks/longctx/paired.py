@@ -48,8 +48,9 @@ def paired_worker(spec: dict):
             wall, cpu = time.perf_counter(), time.process_time()
             with context():
                 logits = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                         tokens[:, 1:].reshape(-1))  # fmt: skip
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+                )
             loss.backward()
             return time.perf_counter() - wall, time.process_time() - cpu
 
@@ -63,9 +64,14 @@ def paired_worker(spec: dict):
                 wall, cpu = step(name)
                 walls[name].append(wall)
                 cpus[name].append(cpu)
-        yield {"policy": "interleaved", "seq": seq, "status": "ok", "rounds": PAIR_ROUNDS,
-               "step_ms": {name: min(walls[name]) * 1e3 for name in names},
-               "step_cpu_ms": {name: min(cpus[name]) * 1e3 for name in names}}  # fmt: skip
+        yield {
+            "policy": "interleaved",
+            "seq": seq,
+            "status": "ok",
+            "rounds": PAIR_ROUNDS,
+            "step_ms": {name: min(walls[name]) * 1e3 for name in names},
+            "step_cpu_ms": {name: min(cpus[name]) * 1e3 for name in names},
+        }
 
 
 def _paired_models(spec: dict, config) -> dict:
@@ -141,9 +147,13 @@ def print_ratios(summary: list[dict], interleaved: list[dict]) -> None:
         print()
     for record in interleaved:
         if record.get("status") == "ok":
-            times = ", ".join(f"{name} {record['step_cpu_ms'][name]:.0f} ms ({record['step_ms'][name]:.0f} wall)"
-                              for name in record["step_cpu_ms"])  # fmt: skip
+            times = ", ".join(
+                f"{name} {record['step_cpu_ms'][name]:.0f} ms ({record['step_ms'][name]:.0f} wall)"
+                for name in record["step_cpu_ms"]
+            )
             print(f"   seq {record['seq']}: interleaved, least step CPU time of {record['rounds']}: {times}")
     for line in summary:
-        print(f"   seq {line['seq']}: {line['what']}: {line['ratio']:.3f}x "
-              f"(target <= {line['target']:.3f}x: {'met' if line['met'] else 'NOT met'})")  # fmt: skip
+        print(
+            f"   seq {line['seq']}: {line['what']}: {line['ratio']:.3f}x "
+            f"(target <= {line['target']:.3f}x: {'met' if line['met'] else 'NOT met'})"
+        )

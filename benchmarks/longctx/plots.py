@@ -54,20 +54,38 @@ def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, fl
 def _plot_plane(axis, rows: list[dict], seq: int, memory_label: str) -> None:
     """Step time over none's (y) against the device peak (x), each policy a labelled point,
     actoff's filled and PyTorch's hollow, the front a line."""
-    points = [(gib(r["peak_allocated_bytes"]) * 1024, r["step_vs_none"], r["policy"]) for r in rows
-              if r.get("peak_allocated_bytes") and r.get("step_vs_none")]  # fmt: skip
+    points = [
+        (gib(r["peak_allocated_bytes"]) * 1024, r["step_vs_none"], r["policy"])
+        for r in rows
+        if r.get("peak_allocated_bytes") and r.get("step_vs_none")
+    ]
     for x, y, policy in points:
         actoff_policy = is_actoff_policy(policy)
-        axis.scatter([x], [y], s=40, marker="o" if actoff_policy else "s",
-                     facecolors="C0" if actoff_policy else "none", edgecolors="C0" if actoff_policy else "C3")  # fmt: skip
+        axis.scatter(
+            [x],
+            [y],
+            s=40,
+            marker="o" if actoff_policy else "s",
+            facecolors="C0" if actoff_policy else "none",
+            edgecolors="C0" if actoff_policy else "C3",
+        )
         axis.annotate(policy, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     front = pareto_front(points)
     if front:
-        axis.step([x for x, _, _ in front], [y for _, y, _ in front], where="post", color="0.5", lw=1,
-                  label="front: less memory costs more time")  # fmt: skip
+        axis.step(
+            [x for x, _, _ in front],
+            [y for _, y, _ in front],
+            where="post",
+            color="0.5",
+            lw=1,
+            label="front: less memory costs more time",
+        )
         axis.legend(fontsize=7)
-    axis.set(title=f"time against memory, seq {seq}", xlabel=f"peak {memory_label} (MiB)",
-             ylabel="step time / none's")  # fmt: skip
+    axis.set(
+        title=f"time against memory, seq {seq}",
+        xlabel=f"peak {memory_label} (MiB)",
+        ylabel="step time / none's",
+    )
     axis.grid(alpha=0.3)
 
 
@@ -104,8 +122,13 @@ def plot_max_seq(rows: list[dict], path: str, where: str) -> None:
         rest.append(max(0.0, peak / 2**20 - weights[-1] - arena[-1]))
     axes[1].barh(names, weights, color="tab:olive", label="weights + gradients")
     axes[1].barh(names, arena, left=weights, color="tab:orange", label="actoff's device arena")
-    axes[1].barh(names, rest, left=[w + a for w, a in zip(weights, arena, strict=True)], color="tab:cyan",
-                 label="activations and working memory")  # fmt: skip
+    axes[1].barh(
+        names,
+        rest,
+        left=[w + a for w, a in zip(weights, arena, strict=True)],
+        color="tab:cyan",
+        label="activations and working memory",
+    )
     axes[1].set(title="device peak at each one's longest length", xlabel="MiB")
     axes[1].set_yticklabels([])
     axes[1].legend(fontsize=8, loc="lower right")
@@ -132,7 +155,9 @@ def _plot_longest(axis, rows: list[dict], where: str) -> None:
     for name, style in (("keep", ":"), ("torch_checkpoint", "--")):
         if by_policy.get(name, {}).get("max_seq"):
             axis.axvline(by_policy[name]["max_seq"], color="black", linestyle=style, linewidth=1, label=name)
-    axis.set(title=f"longest sequence that trains on {where}", xlabel="tokens (hatched: a lower bound; "
-             "blue: actoff policies)")  # fmt: skip
+    axis.set(
+        title=f"longest sequence that trains on {where}",
+        xlabel="tokens (hatched: a lower bound; blue: actoff policies)",
+    )
     axis.set_xlim(0, max((r["max_seq"] or 0) for r in rows) * 1.45 or 1)
     axis.legend(fontsize=8, loc="lower right")

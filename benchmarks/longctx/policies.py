@@ -18,9 +18,19 @@ ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "checkpoint"
 # the chunked loss. Of the token-wise family, recompute (block inputs and attention outputs in
 # host memory, the rest rebuilt in backward) needs the least device memory: its device arena
 # holds one block's rebuilt activations where cpu's holds two blocks' fetched ones.
-MAXSEQ_CPU_POLICIES = tuple(f"{name}{variant}" for variant in ("", "+tile+loss")
-                            for name in ("keep", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "cpu",
-                                         "recompute", "auto"))  # fmt: skip
+MAXSEQ_CPU_POLICIES = tuple(
+    f"{name}{variant}"
+    for variant in ("", "+tile+loss")
+    for name in (
+        "keep",
+        "torch_checkpoint",
+        "torch_save_on_cpu",
+        "torch_checkpoint_cpu",
+        "cpu",
+        "recompute",
+        "auto",
+    )
+)
 # ... and recompute+tile+loss with ACTOFF_PLANNER=off, to weigh what the device arena costs.
 MAXSEQ_CPU_POLICIES += ("recompute+tile+loss+noplan",)
 DEFAULT_POLICIES = ("none", "keep", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "cpu", "nvme", "tokenwise:0.5:0",
@@ -114,8 +124,12 @@ def model_config(spec: dict):
             f"--shrink {shrink}: hidden size {config.hidden_size} / {shrink} leaves no even head size for "
             f"{config.num_heads} heads; give a divisor of {config.hidden_size // (2 * config.num_heads)}"
         )
-    return dataclasses.replace(config, hidden_size=hidden, intermediate_size=config.intermediate_size // shrink,
-                               vocab_size=max(config.vocab_size // shrink, 2))  # fmt: skip
+    return dataclasses.replace(
+        config,
+        hidden_size=hidden,
+        intermediate_size=config.intermediate_size // shrink,
+        vocab_size=max(config.vocab_size // shrink, 2),
+    )
 
 
 def build_model(config, device, dtype):

@@ -79,5 +79,9 @@ def summarize_snapshot(snapshot: dict) -> dict:
             group[0] += size
             group[1] += 1
     top = sorted(groups.items(), key=lambda item: -item[1][0])[:TOP]
-    return {"reserved_bytes": reserved, "live_bytes": live, "live_blocks": count,
-            "top": [{"origin": origin, "bytes": size, "blocks": blocks} for origin, (size, blocks) in top]}  # fmt: skip
+    return {
+        "reserved_bytes": reserved,
+        "live_bytes": live,
+        "live_blocks": count,
+        "top": [{"origin": origin, "bytes": size, "blocks": blocks} for origin, (size, blocks) in top],
+    }

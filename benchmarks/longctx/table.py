@@ -29,8 +29,9 @@ def gib(value: float | None) -> float | None:
     return None if value is None else value / 2**30
 
 
-def run_policies(policies: list[str], base: dict, lengths: list[int], launch: dict | None, time_left, out,
-                 lead: bool) -> tuple[list[dict], list[dict]]:  # fmt: skip
+def run_policies(
+    policies: list[str], base: dict, lengths: list[int], launch: dict | None, time_left, out, lead: bool
+) -> tuple[list[dict], list[dict]]:
     """Each policy in its own worker over ``lengths``, then on a CPU the interleaved timing of
     `PAIRS`: the records and the interleaved ones. A policy that could not finish within the
     time left is not started (its records say so)."""
@@ -117,8 +118,10 @@ def report(records: list[dict], interleaved: list[dict], policies: list[str], la
     print(format_table(records, columns))
     for record in records:
         if record.get("verify_cost") is not None:
-            print(f"   ACTOFF_VERIFY cost for {record['policy'].removesuffix('+verify')} at seq {record['seq']}: "
-                  f"{record['verify_cost'] * 100:+.1f}% step time")  # fmt: skip
+            print(
+                f"   ACTOFF_VERIFY cost for {record['policy'].removesuffix('+verify')} at seq {record['seq']}: "
+                f"{record['verify_cost'] * 100:+.1f}% step time"
+            )
     for record in records:
         if record.get("status") != "ok":
             print(f"   {record['policy']} seq {record['seq']}: {record['status']}: {record.get('error', '')}")
@@ -129,8 +132,10 @@ def report(records: list[dict], interleaved: list[dict], policies: list[str], la
         if any(r.get("memory_source") == "simulated device" for r in records)
         else "the GPU"
     )
-    print("\nnone: no actoff; keep: actoff's hooks, nothing moved. keep/cpu/nvme/recomp GiB: activation bytes "
-          "actoff placed per tier; hidden: share of copy time not added to the step compared with none; wait ms: "
-          "backward waiting for copies back; recomp share: token-wise re-forward time / step time; peak and act "
-          f"peak GiB: device memory, measured on {where}; step times on the device itself.")  # fmt: skip
+    print(
+        "\nnone: no actoff; keep: actoff's hooks, nothing moved. keep/cpu/nvme/recomp GiB: activation bytes "
+        "actoff placed per tier; hidden: share of copy time not added to the step compared with none; wait ms: "
+        "backward waiting for copies back; recomp share: token-wise re-run time / step time; peak and act "
+        f"peak GiB: device memory, measured on {where}; step times on the device itself."
+    )
     return summary

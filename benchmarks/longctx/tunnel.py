@@ -205,8 +205,11 @@ def measure_cpu_block(
     def after(module, args, output):
         times.append(time.perf_counter() - started.pop(id(module)))
 
-    hooks = [h for layer in net.layers for h in (layer.register_forward_pre_hook(before),
-                                                  layer.register_forward_hook(after))]  # fmt: skip
+    hooks = [
+        h
+        for layer in net.layers
+        for h in (layer.register_forward_pre_hook(before), layer.register_forward_hook(after))
+    ]
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     medians = []
     threads = torch.get_num_threads()

@@ -162,8 +162,11 @@ def run_one(spec: dict, timeout_s: float, on_record=None) -> list[dict]:
 def _worker_env(spec: dict) -> dict | None:
     """The worker's environment: the parent's, with what the allocator variants and a capped
     simulated device set (None: the parent's as it is)."""
-    extra = {key: value for variant in split_variants(spec["policy"])[1]
-             for key, value in ALLOCATOR_VARIANTS.get(variant, {}).items()}  # fmt: skip
+    extra = {
+        key: value
+        for variant in split_variants(spec["policy"])[1]
+        for key, value in ALLOCATOR_VARIANTS.get(variant, {}).items()
+    }
     if spec.get("sim_memory"):  # Note [a capped device on a CPU]
         extra.update(ACTOFF_SIM_DEVICE="1", ACTOFF_SIM_DEVICE_MEMORY=f"{spec['sim_memory']}B")
     elif spec.get("budget_bytes") and spec["policy"].startswith("auto"):  # Note [a budget sweep]: on CUDA

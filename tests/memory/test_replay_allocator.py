@@ -18,7 +18,7 @@ ENTRY_POINTS = [
     "actoff_replay_malloc", "actoff_replay_free", "actoff_replay_abi_version", "actoff_replay_stat_names",
     "actoff_replay_begin_record", "actoff_replay_begin_step", "actoff_replay_end_step", "actoff_replay_copy_log",
     "actoff_replay_set_plan", "actoff_replay_clear_plan", "actoff_replay_stats", "actoff_replay_reset_peak",
-    "actoff_replay_error", "actoff_replay_probe",
+    "actoff_replay_error", "actoff_replay_check_driver",
 ]  # fmt: skip
 
 

@@ -93,8 +93,10 @@ def test_replay_of_a_recorded_model_trace():
     model.loss(tokens).backward()
     trace = arena.take_trace()
     assert trace
-    timeline = sorted([(start, "alloc", i, size) for i, (size, start, _, _) in enumerate(trace)]
-                      + [(end, "free", i, None) for i, (_, _, end, _) in enumerate(trace)])  # fmt: skip
+    timeline = sorted(
+        [(start, "alloc", i, size) for i, (size, start, _, _) in enumerate(trace)]
+        + [(end, "free", i, None) for i, (_, _, end, _) in enumerate(trace)]
+    )
     events = [(kind, i, size) for _, kind, i, size in timeline]
     allocator, _, _ = record_and_plan(events)
     allocator.begin_step()

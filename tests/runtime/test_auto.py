@@ -4,7 +4,7 @@ A capacity forces each placement: keep where the blocks fit, token-wise in betwe
 at the floor when the link is slow. Every step's loss and gradients are compared with a run
 without actoff from the same weights: bit for bit where nothing is recomputed token-wise (keep,
 blocks stored whole, checkpoint: the same kernels on the same shapes), within ``RECOMPUTE_TOL``
-where rows are (a re-forward on fewer rows may sum in another order: tests/_helpers.py).
+where rows are (a re-run on fewer rows may sum in another order: tests/_helpers.py).
 
 Forward and attention times are injected (1 ms and 0.3 ms a block): measured on a loaded
 machine they vary, and with them what the link hides, so the plan would. Memory is the
@@ -19,8 +19,8 @@ from _helpers import RECOMPUTE_TOL, make_model
 from torch.utils._mode_utils import no_dispatch
 
 import actoff
-import actoff.runtime.auto
 import actoff.runtime.measured
+import actoff.runtime.planning
 from actoff.budget import PLAN_HEADROOM, Outside
 from actoff.reference import Block
 from actoff.runtime.runtime import get_runtime
@@ -137,14 +137,14 @@ def test_a_peak_off_its_prediction_replans(keep_peak, monkeypatch):
     # outside the blocks: their predicted peak is low, the step that runs the calibrated one
     # measures more (over the budget: the device itself has room), and the next plan starts
     # from that measurement.
-    real = actoff.runtime.auto.outside_from
+    real = actoff.runtime.planning.outside_from
     calls = []
 
     def forgetful(*args, **kwargs):
         calls.append(real(*args, **kwargs))
         return Outside() if len(calls) <= 2 else calls[-1]
 
-    monkeypatch.setattr(actoff.runtime.auto, "outside_from", forgetful)
+    monkeypatch.setattr(actoff.runtime.planning, "outside_from", forgetful)
     _, stats = _auto(keep_peak * 2, "10GB", steps=5, gpu_budget=int(keep_peak * 0.55))
     assert stats.replans >= 1
     auto = get_runtime().auto

@@ -206,7 +206,7 @@ def _stateful_model():
 
 
 def test_the_run_again_in_backward_leaves_buffers_attributes_and_hooks_as_the_forward_did():
-    """(Note [re-forwards leave no trace]) the backward's run again of a checkpointed block updated
+    """(Note [re-runs leave no trace]) the backward's run again of a checkpointed block updated
     BatchNorm's statistics a second time (num_batches_tracked 6 after 3 steps), overwrote what
     forward logged, and fired forward hooks once more."""
     model = _stateful_model()

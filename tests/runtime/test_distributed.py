@@ -95,8 +95,12 @@ def test_ddp_two_ranks(policy, tmp_path, nvme_dir):
     script, out = tmp_path / "ddp.py", tmp_path / "out"
     out.mkdir()
     script.write_text(PRELUDE + SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    done = subprocess.run([sys.executable, str(script), str(free_port()), policy, nvme_dir, str(out)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), str(free_port()), policy, nvme_dir, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
     assert os.listdir(nvme_dir) == []  # every rank removed its file at exit
@@ -237,8 +241,13 @@ def test_plan_is_solved_on_rank0_and_broadcast(case, tmp_path):
     out.mkdir()
     script.write_text(PRELUDE + PLAN_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
     env = {**os.environ, "ACTOFF_SIM_DEVICE": "1"}  # the host arena: copies on a device with DMA
-    done = subprocess.run([sys.executable, str(script), str(free_port()), case, str(cache), str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), str(free_port()), case, str(cache), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
     ranks = _read_results(out)
@@ -342,11 +351,15 @@ def test_sequence_parallel_shard(registered, tmp_path):
     """Each rank holds a shard of the sequence and its attention gathers keys and values from
     all ranks. With that attention a registered token mixer, token-wise recompute works on the
     local shard (its length is the token dimension); without, the block is placed whole, since a
-    re-forward would call the gather again on one rank alone, and nothing hangs."""
+    re-run would call the gather again on one rank alone, and nothing hangs."""
     script = tmp_path / "sp.py"
     script.write_text(PRELUDE + SEQUENCE_PARALLEL_SCRIPT.format(tests=os.path.join(ROOT, "tests")))
-    done = subprocess.run([sys.executable, str(script), str(free_port()), "1" if registered else "0"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), str(free_port()), "1" if registered else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "rank 0 OK" in done.stdout and "rank 1 OK" in done.stdout
 

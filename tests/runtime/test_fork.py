@@ -62,8 +62,9 @@ def _run(body: str, nvme_dir: str, sim_device: str, timeout: float = 300.0) -> s
         tests=os.path.join(ROOT, "tests"), nvme_dir=nvme_dir, repeats=REPEATS, hang_s=HANG_S
     ) + textwrap.dedent(body)
     env = {**os.environ, "ACTOFF_SIM_DEVICE": sim_device}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            timeout=timeout)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -624,7 +624,7 @@ def test_graph_dropped_without_backward_releases_everything(policy, min_bytes, n
         assert all(r.state is State.RELEASED for r in records)
         assert all(alias() is None for alias in kept)
         # Inputs and mixer outputs kept directly (under min_bytes) hold no graph either.
-        states = [run.tokenwise for run in runs if run.tokenwise is not None]
+        states = [run.placement.split for run in runs if hasattr(run.placement, "split")]
         held = [v for state in states for v in (*state.inputs, *(m for m, *_ in state.mixer_outputs))]
         assert all(v.grad_fn is None for v in held if isinstance(v, torch.Tensor))
         assert get_runtime().step.live == 0

@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import assert_close_history, assert_same_history, make_model, train
+from _helpers import NO_CACHE, assert_close_history, assert_same_history, make_model, tiny_llama, train
 
 import actoff
 from actoff.reference import Block
@@ -348,18 +348,22 @@ def _hf_model(kind: str) -> tuple[torch.nn.Module, type]:
     if kind == "llama":
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-        config = transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
-        )  # fmt: skip
-        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-        return model, LlamaDecoderLayer
+        return tiny_llama(**NO_CACHE), LlamaDecoderLayer
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     config = transformers.GPT2Config(
-        vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
-    )  # fmt: skip
+        vocab_size=256,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
     return transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa"), GPT2Block
 
 

@@ -91,8 +91,12 @@ def test_offload_function():
 def test_offload_with_filter_fn_names_scopes_by_qualified_name():
     model = make_model()
     reference = copy.deepcopy(model)
-    actoff.offload_(model, filter_fn=lambda module, name: name.startswith("layers.") and name.count(".") == 1,
-                    policy="cpu", min_bytes=0)  # fmt: skip
+    actoff.offload_(
+        model,
+        filter_fn=lambda module, name: name.startswith("layers.") and name.count(".") == 1,
+        policy="cpu",
+        min_bytes=0,
+    )
     assert_same_history(train(reference, 2), train(model, 2))
     assert set(actoff.stats().blocks) == {"layers.0", "layers.1"}
 

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import assert_close_reassociated, make_model, reassociation_tolerance
+from _helpers import NO_CACHE, assert_close_reassociated, make_model, reassociation_tolerance, tiny_llama
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import actoff
@@ -238,8 +238,9 @@ def test_autocast_recomputes_the_logits_in_the_forward_dtype():
     # the hidden-gradient product, and the softmax scales a logit's rounding by up to |logit|
     # (~17 here; one-ulp flips of every logit at once move this gradient by 2.9 eps(bf16) of its
     # largest entry, measured): 4 roundings, 3% of the largest entry.
-    assert_close_reassociated(grad_h_b, grad_h_a, reduction_len=HIDDEN_GRAD_LEN, dtype=torch.bfloat16,
-                              roundings=4)  # fmt: skip
+    assert_close_reassociated(
+        grad_h_b, grad_h_a, reduction_len=HIDDEN_GRAD_LEN, dtype=torch.bfloat16, roundings=4
+    )
     # Four chunk products each rounded to bf16 (2**-9 relative) and summed in float32, vs one
     # product rounded once: within 2% of the largest entry.
     torch.testing.assert_close(grad_w_b, grad_w_a, rtol=2e-2, atol=2e-2 * grad_w_a.abs().max().item())
@@ -264,13 +265,7 @@ def test_bad_arguments_are_refused(kwargs, error, message):
 
 
 def _llama(tie_word_embeddings=False):
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
-        tie_word_embeddings=tie_word_embeddings,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    return tiny_llama(**NO_CACHE, tie_word_embeddings=tie_word_embeddings)
 
 
 def _hf_train(model, steps=3, **call_kwargs):

@@ -21,7 +21,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import ROOT, assert_close_reassociated, assert_history_as_placed, make_model, train
+from _helpers import (
+    NO_CACHE,
+    ROOT,
+    assert_close_reassociated,
+    assert_history_as_placed,
+    make_model,
+    tiny_llama,
+    train,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import actoff
@@ -49,8 +57,9 @@ def _forward_backward(module, x, grad_out, *args, **kwargs):
     return out.detach(), x.grad, grads
 
 
-def _assert_same(expected, actual, *, out_len=MLP_OUT_LEN, grad_x_len=MLP_GRAD_X_LEN,
-                 grad_params=REASSOCIATED):  # fmt: skip
+def _assert_same(
+    expected, actual, *, out_len=MLP_OUT_LEN, grad_x_len=MLP_GRAD_X_LEN, grad_params=REASSOCIATED
+):
     """Output and input gradient within reassociation over ``out_len`` and ``grad_x_len`` terms
     (Note [reassociation tolerance]); parameter gradients within ``grad_params``."""
     assert_close_reassociated(actual[0], expected[0], reduction_len=out_len)
@@ -401,15 +410,10 @@ def test_tile_without_a_chunking_says_how_to_give_one():
 
 
 def test_hugging_face_llama_mlp_trains_tiled_as_untiled():
-    transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = tiny_llama(**NO_CACHE)
     reference = copy.deepcopy(model)
     actoff.tile_(model, module_cls=LlamaMLP, chunks=3)
 
@@ -437,9 +441,16 @@ def test_a_mixture_of_experts_block_that_flattens_its_input_trains_tiled_at_batc
     over contiguous (before, the first call's probe refused the block, blaming its arguments)."""
     transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
     config = transformers.MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM._from_config(config, attn_implementation="sdpa")
     reference = copy.deepcopy(model)

@@ -1,7 +1,7 @@
 """The kvikio adapter: kvikio 26's ``CuFile`` behind actoff's I/O engine interface (actoff.tiers.nvme.engines).
 
 GPUDirect Storage where the system really has it, else kvikio's compat (POSIX) mode; `name`
-says which (``kvikio (GDS)`` or ``kvikio (compat)``), and `probe_kvikio` whether kvikio can do
+says which (``kvikio (GDS)`` or ``kvikio (compat)``), and `check_kvikio` whether kvikio can do
 I/O here at all (without a CUDA driver every request fails, host buffers included). With GDS
 active the engine also takes device buffers (Note [direct device I/O]). kvikio runs its requests
 on threads of its own, so the engine's seals (Note [sealed records] in actoff.tiers.nvme.seals)
@@ -30,7 +30,7 @@ from .seals import device_seal, fast_crc, host_seal, mismatch
 if TYPE_CHECKING:
     from actoff.device.base import Ticket
 
-__all__ = ["KvikioEngine", "kvikio_available", "kvikio_compat_mode", "probe_kvikio"]
+__all__ = ["KvikioEngine", "check_kvikio", "kvikio_available", "kvikio_compat_mode"]
 
 
 class _KvikioFuture:
@@ -208,8 +208,9 @@ class KvikioEngine(IoEngine):
             )
         return _KvikioFuture(future, view, (op, self.path, nbytes, offset), started_s, self.file)
 
-    def _sealed(self, inner, op: str, buffer: torch.Tensor, nbytes: int, offset: int,
-                seal: tuple[int, int] | None):  # fmt: skip
+    def _sealed(
+        self, inner, op: str, buffer: torch.Tensor, nbytes: int, offset: int, seal: tuple[int, int] | None
+    ):
         """``inner`` with its seal computed, or checked, on the seal pool once it is done
         (Note [sealed records]): kvikio's own threads cannot be asked to."""
         if seal is None or isinstance(inner, FailedFuture):
@@ -281,8 +282,15 @@ class KvikioEngine(IoEngine):
         seal = None if sequence is None else (sequence, checksum)
         return self._submit_device("pread", buffer, nbytes, offset, after, seal)
 
-    def _submit_device(self, op: str, buffer: torch.Tensor, nbytes: int, offset: int, after: Ticket,
-                       seal: tuple[int, int] | None):  # fmt: skip
+    def _submit_device(
+        self,
+        op: str,
+        buffer: torch.Tensor,
+        nbytes: int,
+        offset: int,
+        after: Ticket,
+        seal: tuple[int, int] | None,
+    ):
         if not self.gds:  # compat mode: kvikio would bounce through host memory, synchronously
             raise NotImplementedError(f"{self.name} takes host buffers only: stage through host memory")
         describe = describe_request(op, self.path, nbytes, offset)
@@ -364,20 +372,20 @@ def kvikio_available() -> bool:
         return False
 
 
-def probe_kvikio(directory: str, num_threads: int = 1) -> tuple[bool, str]:
+def check_kvikio(directory: str, num_threads: int = 1) -> tuple[bool, str]:
     """Whether kvikio really does I/O in ``directory``: a 4 KiB write and read-back, compared.
 
     Returns ``(True, engine name)`` or ``(False, why not)``.
 
     >>> import tempfile
-    >>> ok, why = probe_kvikio(tempfile.mkdtemp())
+    >>> ok, why = check_kvikio(tempfile.mkdtemp())
     >>> ok or why.startswith(("kvikio is not installed", "kvikio cannot do I/O"))
     True
     """
     if not kvikio_available():
         return False, "kvikio is not installed"
     engine = spill = None
-    try:  # Note [spill files die with the process]: the probe's file too
+    try:  # Note [spill files die with the process]: the check's file too
         spill = SpillFile.anonymous(directory, f".actoff-probe-{os.getpid()}-{threading.get_ident()}")
         engine = KvikioEngine(spill, num_threads)
         data = torch.arange(ALIGNMENT, dtype=torch.int32).to(torch.uint8)

@@ -20,7 +20,7 @@ from actoff.config import Config
 from . import engines
 from .engines import ALIGNMENT, CppEngine, FailedFuture, IoEngine, PythonEngine
 from .files import SpillFile, reclaim_dead
-from .kvikio import KvikioEngine, probe_kvikio
+from .kvikio import KvikioEngine, check_kvikio
 
 if TYPE_CHECKING:
     from actoff.device.base import Ticket
@@ -106,7 +106,7 @@ def open_engine(file: SpillFile | str, backend: str = "auto", num_threads: int =
     >>> engine.close()
     """
     directory = file.directory if isinstance(file, SpillFile) else os.path.dirname(file) or "."
-    if backend == "kvikio" or (backend == "auto" and probe_kvikio(directory)[0]):
+    if backend == "kvikio" or (backend == "auto" and check_kvikio(directory)[0]):
         return KvikioEngine(file, num_threads)
     if engines._C is not None:  # looked up here: tests switch the extension off
         return CppEngine(file, num_threads)
@@ -218,10 +218,12 @@ class NvmeStore:
         sequence, written, write_future = self._written.get(extent.offset, (None, None, None))
         if written != nbytes or not write_future.done():
             state = (
-                "was never written" if written is None
-                else f"was written with {written} bytes" if written != nbytes
+                "was never written"
+                if written is None
+                else f"was written with {written} bytes"
+                if written != nbytes
                 else "is still being written"
-            )  # fmt: skip
+            )
             raise RuntimeError(
                 f"actoff internal error: reading {nbytes} bytes of the NVMe extent at offset "
                 f"{extent.offset} of {self.path}, which {state}"

@@ -141,7 +141,7 @@ class NvmeTier(CpuTier):
             # Note [hung I/O]: an extent or buffer that a timed-out request may still touch is
             # never handed out again: it goes to the runtime's quarantine, with the source the
             # request reads from kept alive. A worker that hangs may still write or read later.
-            run.runtime.quarantine.append((record.extent, record.copy_source))
+            run.quarantine(record.extent, record.copy_source)
         else:
             record.store.free(record.extent)
         record.extent = None
@@ -163,7 +163,7 @@ class NvmeTier(CpuTier):
     def _warn_fallback(record: Record, error: Exception, fallback: str) -> None:
         run = record.run
         run.stats.write_fallback_bytes += record.geometry.nbytes
-        run.runtime.warn_once(
+        run.warn_once(
             f"nvme-write:{run.config.nvme_dir}",
             f"actoff: an NVMe write failed ({error}); affected activations stay in {fallback} "
             "and training continues with exact values. Free space or fix ACTOFF_NVME_DIR.",
@@ -241,11 +241,11 @@ class NvmeTier(CpuTier):
             if _timed_out(error):  # Note [hung I/O]: the read may still land in this buffer
                 # ... and still reads its extent: neither is handed out again (a free of the
                 # extent with the read running would raise when the record is released).
-                run.runtime.quarantine.append((record.host_slot, record.extent, record.copy_source))
+                run.quarantine(record.host_slot, record.extent, record.copy_source)
                 record.host_slot = record.extent = None
             raise RuntimeError(
                 f"actoff: reading a saved activation of block {run.name!r} (record "
-                f"{record.index}, step {run.step.number}) back from NVMe failed: {error}. The step "
+                f"{record.index}, step {run.step_number}) back from NVMe failed: {error}. The step "
                 "cannot continue with this activation; check the disk, and that nothing else "
                 "writes in ACTOFF_NVME_DIR."
             ) from error
@@ -278,9 +278,7 @@ class NvmeTier(CpuTier):
                 record.write_future.wait(record.run.config.io_timeout)
             except Exception as error:
                 if _timed_out(error):  # Note [hung I/O]
-                    record.run.runtime.quarantine.append(
-                        (record.host_slot, record.extent, record.copy_source)
-                    )
+                    record.run.quarantine(record.host_slot, record.extent, record.copy_source)
                     record.host_slot = record.extent = None
             record.write_future = None
         self._free_slot(record)

@@ -1,8 +1,8 @@
-"""Token mixers: their registry, the modes that see them in forward and serve them in a re-forward,
-and the slicing of a block's inputs for that re-forward.
+"""Token mixers: their registry, the modes that see them in forward and serve them in a re-run,
+and the slicing of a block's inputs for that re-run.
 
-The re-forward itself, and why it gives the same rows: Note [token-wise re-forward] in
-actoff.tiers.tokenwise.reforward.
+The re-run itself, and why it gives the same rows: Note [token-wise re-run] in
+actoff.tiers.tokenwise.slices.
 """
 
 from __future__ import annotations
@@ -16,25 +16,27 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .dropout import dropout_call, sliced_dropout
+from actoff.rerun.dropout import dropout_call, sliced_dropout
+from actoff.rerun.state import with_status
+
 from .tokens import changed_dim, unique_dim
 
 if TYPE_CHECKING:
-    from .run import TokenwiseRun
+    from .split import Split
 
 __all__ = [
-    "ReforwardMismatch",
+    "RerunMismatch",
     "mixer_token_dim",
     "register_token_mixer",
-]  # and helpers for actoff.tiers.tokenwise.reforward
+]  # and helpers for actoff.tiers.tokenwise.slices
 
 # Each mixer and the token dimension of its output (None: the unique dimension of length S).
 _MIXERS: dict[Callable[..., Any], int | None] = {F.scaled_dot_product_attention: -2}
 _lock = threading.Lock()
 
 
-class ReforwardMismatch(RuntimeError):
-    """The re-forward did not save what the forward saved (count, shape or a mixer)."""
+class RerunMismatch(RuntimeError):
+    """The re-run did not save what the forward saved (count, shape or a mixer)."""
 
 
 def register_token_mixer(fn: Callable[..., Any], *, token_dim: int | None = None) -> Callable[..., Any]:
@@ -86,18 +88,18 @@ def mixer_token_dim(fn: Callable[..., Any], output: Any, seq_len: int) -> int | 
 class CaptureMode(TorchFunctionMode):
     """Forward pass of a token-wise run: notes each mixer call and keeps its output whole.
 
-    ``run`` is the run's token-wise state: it counts ``in_mixer``, knows ``seq_len``, takes
+    ``split`` is the run's token-wise state: it counts ``in_mixer``, knows ``seq_len``, takes
     ``capture_mixer_output`` and, when its ``mixer_watches`` is a list, a stopwatch per call.
     """
 
-    def __init__(self, run: TokenwiseRun) -> None:
+    def __init__(self, split: Split) -> None:
         super().__init__()
-        self.run = run
+        self.split = split
         self.hook: Any = None
 
     def __enter__(self) -> CaptureMode:
-        if self.run.module is None:  # a function scope: note the modules it runs (`touched`)
-            touched = self.run.touched
+        if self.split.module is None:  # a function scope: note the modules it runs (`touched`)
+            touched = self.split.touched
             self.hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 lambda module, args: None if module in touched else touched.append(module)
             )
@@ -111,30 +113,30 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        run = self.run
+        split = self.split
         if func not in _MIXERS:
             dropout = dropout_call(func, args, kwargs)
-            if dropout is not None and not run.in_mixer:  # Note [dropout in a re-forward]
-                run.dropouts.append((tuple(dropout[0].shape), tuple(dropout[0].stride())))
+            if dropout is not None and not split.in_mixer:  # Note [dropout in a re-run]
+                split.dropouts.append((tuple(dropout[0].shape), tuple(dropout[0].stride())))
             return func(*args, **kwargs)
         if not torch.is_grad_enabled():  # a reentrant checkpoint's forward: nothing is saved
-            run.saved_elsewhere = "no grad"
+            split.saved_elsewhere = "no grad"
             return func(*args, **kwargs)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or getattr(top[0], "__self__", None) is not run.run:
+        if top is None or getattr(top[0], "__self__", None) is not split.run:
             # Another hooks context inside the scope (torch's checkpoint) takes what the block
             # saves: its output is nobody's to serve (Note [under checkpointing], actoff.runtime.enclosing).
-            run.saved_elsewhere = top[0] if top is not None else "no hooks"
+            split.saved_elsewhere = top[0] if top is not None else "no hooks"
             return func(*args, **kwargs)
-        run.in_mixer += 1
-        watch = None if run.mixer_watches is None else run.run.backend.stopwatch().start()
+        split.in_mixer += 1
+        watch = None if split.mixer_watches is None else split.run.backend.stopwatch().start()
         try:
             output = func(*args, **kwargs)
         finally:
-            run.in_mixer -= 1
+            split.in_mixer -= 1
         if watch is not None:  # the auto policy's attention time
-            run.mixer_watches.append(watch.stop())
-        run.capture_mixer_output(output, mixer_token_dim(func, output, run.seq_len))
+            split.mixer_watches.append(watch.stop())
+        split.capture_mixer_output(output, mixer_token_dim(func, output, split.seq_len))
         return output
 
 
@@ -145,33 +147,43 @@ _COLLECTIVE_NAMESPACES = frozenset(
 
 class CollectiveWatch(TorchDispatchMode):
     """Forward of a block about to be probed: notes the first collective it calls outside a
-    token mixer (``run.collective``), because a re-forward would call it again.
+    token mixer (``split.collective``), because a re-run would call it again.
 
-    A re-forward runs on one rank, on a slice, at a moment of that rank's choosing: a
+    A re-run runs on one rank, on a slice, at a moment of that rank's choosing: a
     collective in it would wait for ranks that never call it, or gather rows of another
     size. Such blocks are placed whole unless the function that communicates (a
-    sequence-parallel attention, say) is a registered token mixer, which the re-forward
+    sequence-parallel attention, say) is a registered token mixer, which the re-run
     serves from its stored output. Active on probe steps only: a dispatch mode costs a
     Python call per operator.
     """
 
-    def __init__(self, run: TokenwiseRun) -> None:
+    def __init__(self, split: Split) -> None:
         super().__init__()
-        self.run = run  # the token-wise state: its ``collective`` and ``in_mixer``
+        self.split = split  # the token-wise state: its ``collective`` and ``in_mixer``
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.run.collective is None and not self.run.in_mixer and func.namespace in _COLLECTIVE_NAMESPACES:
-            self.run.collective = str(func.overloadpacket)
+        if (
+            self.split.collective is None
+            and not self.split.in_mixer
+            and func.namespace in _COLLECTIVE_NAMESPACES
+        ):
+            self.split.collective = str(func.overloadpacket)
         return func(*args, **(kwargs or {}))
 
 
-class ReforwardMode(TorchFunctionMode):
-    """Re-forward of a token-wise run on rows ``[start, stop)`` of ``seq_len``: mixer calls
+class RerunMode(TorchFunctionMode):
+    """Re-run of a token-wise run on rows ``[start, stop)`` of ``seq_len``: mixer calls
     return the stored output rows, in order; dropout calls draw the forward's masks (at the
-    forward's input shapes and strides, ``dropouts``) and keep their rows (Note [dropout in a re-forward])."""
+    forward's input shapes and strides, ``dropouts``) and keep their rows (Note [dropout in a re-run])."""
 
-    def __init__(self, outputs: list[torch.Tensor], dropouts: list[tuple[tuple, tuple]], seq_len: int, start: int,
-                 stop: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        outputs: list[torch.Tensor],
+        dropouts: list[tuple[tuple, tuple]],
+        seq_len: int,
+        start: int,
+        stop: int,
+    ) -> None:
         super().__init__()
         self.outputs = outputs
         self.calls = 0
@@ -186,23 +198,23 @@ class ReforwardMode(TorchFunctionMode):
                 return func(*args, **kwargs)
             return self._dropout(func, args, kwargs, *dropout)
         if self.calls >= len(self.outputs):
-            raise ReforwardMismatch("the re-forward called the token mixer more often than the forward did")
+            raise RerunMismatch("the re-run called the token mixer more often than the forward did")
         output = self.outputs[self.calls]
         self.calls += 1
         return output
 
     def _dropout(self, func, args, kwargs, x: torch.Tensor, p: float) -> torch.Tensor:
         if self.dropout_calls >= len(self.dropouts):
-            raise ReforwardMismatch("the re-forward called dropout more often than the forward did")
+            raise RerunMismatch("the re-run called dropout more often than the forward did")
         full = self.dropouts[self.dropout_calls]
         full_shape = full[0]
         self.dropout_calls += 1
-        if tuple(x.shape) == full_shape:  # every token (a re-forward from the first): as it was
+        if tuple(x.shape) == full_shape:  # every token (a re-run from the first): as it was
             return func(*args, **kwargs)
         dim = changed_dim(full_shape, tuple(x.shape), self.seq_len, self.stop - self.start)
         if dim is None:
-            raise ReforwardMismatch(
-                f"a dropout's input has shape {list(x.shape)} in the re-forward, {list(full_shape)} in the forward"
+            raise RerunMismatch(
+                f"a dropout's input has shape {list(x.shape)} in the re-run, {list(full_shape)} in the forward"
             )
         return sliced_dropout(x, p, full, dim, self.start)
 
@@ -227,38 +239,16 @@ def rows_like(full: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tens
     return out
 
 
-def autograd_status(value: Any) -> str | None:
-    """How a block input took part in autograd: ``None`` (not at all), ``"leaf"`` (a leaf that
-    requires grad), ``"leaf_view"`` (a view of one) or ``"intermediate"``."""
-    if not isinstance(value, torch.Tensor) or not value.requires_grad:
-        return None
-    if value.is_leaf:
-        return "leaf"
-    base = value._base
-    return "leaf_view" if base is not None and base.is_leaf and base.requires_grad else "intermediate"
-
-
-def with_status(status: str | None, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` made to take part in autograd as the original tensor did (`autograd_status`),
-    so both passes save the same tensors: whether an operand requires grad decides what an
-    operation saves, and the pack filter skips leaves (an exact clone makes an intermediate)."""
-    if status is None or not rows.is_floating_point():
-        return rows
-    leaf = rows.requires_grad_(True)
-    if status == "leaf":
-        return leaf
-    return leaf.view_as(leaf) if status == "leaf_view" else leaf.clone()
-
-
-def slice_inputs(values: list[Any], statuses: list[str | None], seq_len: int, token_dim: int,
-                 start: int, stop: int) -> list[Any]:  # fmt: skip
+def slice_inputs(
+    values: list[Any], statuses: list[str | None], seq_len: int, token_dim: int, start: int, stop: int
+) -> list[Any]:
     """Slice every tensor input along its token dimension (the configured one for the first
     tensor, else the unique dimension of length ``seq_len``, else, when several have that
     length, the configured one if it is among them); others pass as they are. ``statuses``
     (from `autograd_status` at capture) say how each took part in autograd.
 
     Several dimensions of length ``seq_len``: rotary tables ``(B, S, head_dim)`` at a length
-    equal to the head dim. Passed whole, they broke the re-forward and the block was placed
+    equal to the head dim. Passed whole, they broke the re-run and the block was placed
     whole at that length; a wrong guess cannot train either: the probe checks the rows."""
     out = []
     first = True

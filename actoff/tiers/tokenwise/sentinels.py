@@ -3,7 +3,7 @@
 Note [sentinel rows]: every step, backward checks each split record's recomputed rows against
 copies of a few of them kept at forward time (the first two of the range, which lack the most
 tokens before them, and its last) before any row is used. The probe checks token locality once
-per module and conditions (Note [probes per module and conditions], actoff.tiers.tokenwise.probes),
+per module and conditions (Note [probes per module and conditions], actoff.tiers.split.probes),
 on that step's weights: it cannot see a path a weight switches off. A scan over tokens (a
 cumulative sum, a state-space layer, a convolution over tokens) behind a gate that starts at
 zero matches its probe exactly; once the gate has learned a value, recomputed rows miss what
@@ -13,9 +13,9 @@ a difference confined to rows between the kept ones (data-dependent routing) goe
 The cost is one wait for the device per block and step, and three rows per record. Rows are
 compared within float32 reassociation of each value plus the rows' mean magnitude (a large
 feature does not hide the others), or within a bf16 rounding when the block computes in half
-precision: autocast, weights or inputs (`actoff.tiers.tokenwise.reforward.rows_differ`,
-`actoff.tiers.tokenwise.reforward.low_precision`). On a difference the rows are recomputed from
-the first token (exact: that re-forward has every token the forward had; only rows
+precision: autocast, weights or inputs (`actoff.tiers.split.slices.rows_differ`,
+`actoff.tiers.split.slices.low_precision`). On a difference the rows are recomputed from
+the first token (exact: that re-run has every token the forward had; only rows
 ``[start, stop)`` of it are kept), the block is placed whole under these conditions from then
 on, and a warning says why, once per block. If the rows recomputed from the first token differ
 too, the block computes something else in backward (changed weights or state, nondeterministic
@@ -35,62 +35,61 @@ import torch
 
 from actoff.policy import whole_tier
 
-from . import reforward
+from . import slices
+from .mixers import RerunMismatch
 
 if TYPE_CHECKING:
-    from .run import TokenwiseRun
+    from .split import Split
 
 __all__ = ["checked_recompute", "keep"]
 
 
-def keep(tokenwise: TokenwiseRun, start: int, stop: int) -> None:
+def keep(split: Split, start: int, stop: int) -> None:
     """At forward: copies of the rows of ``[start, stop)`` that backward checks, for each of the
-    records ``tokenwise`` (an actoff.tiers.tokenwise.run.TokenwiseRun) splits, in ``tokenwise.checks``."""
-    run = tokenwise.run
+    records ``split`` splits, in ``split.checks``."""
+    run = split.run
     if start > 0:  # rows re-run without the tokens before them
         picked = tuple(sorted({0, min(1, stop - start - 1), stop - start - 1}))
-        for record in tokenwise.split_records:
+        for record in split.records:
             kept = record.canon.view(record.geometry.flat(record.device_tensor.detach()))
             copy = _rows(kept.narrow(record.canon.dim, start, stop - start), record.canon.dim, picked)
-            tokenwise.checks.append((record.index, picked, copy))
-    if run.config.verify and run.step.number % run.config.verify_interval == 0:
-        record = tokenwise.split_records[0]  # ACTOFF_VERIFY: one whole range, in host memory
+            split.checks.append((record.index, picked, copy))
+    if run.config.verify and run.step_number % run.config.verify_interval == 0:
+        record = split.records[0]  # ACTOFF_VERIFY: one whole range, in host memory
         kept = record.canon.view(record.geometry.flat(record.device_tensor.detach()))
         whole = kept.narrow(record.canon.dim, start, stop - start).to("cpu", copy=True)
-        tokenwise.checks.append((record.index, None, whole))
+        split.checks.append((record.index, None, whole))
 
 
-def checked_recompute(tokenwise: TokenwiseRun, start: int, stop: int) -> dict[int, torch.Tensor]:
+def checked_recompute(split: Split, start: int, stop: int) -> dict[int, torch.Tensor]:
     """At backward: the recomputed rows ``[start, stop)`` of every split record (by record index),
     checked against the copies `keep` made; recomputed from the first token on a difference."""
     mismatch = None
     try:
-        rows = reforward.recompute(tokenwise, start, stop)
-    except reforward.ReforwardMismatch as error:
+        rows = slices.recompute(split, start, stop)
+    except RerunMismatch as error:
         # Saved other tensors on the slice than the forward did (a probe of another length that
         # does not fit this one: Note [a probe serves other lengths]): from the first token, the
-        # re-forward is the forward itself.
+        # re-run is the forward itself.
         if start == 0:
             raise
         rows, mismatch = None, str(error)
-    if rows is not None and (not tokenwise.checks or not _differ(tokenwise, rows)):
-        tokenwise.checks.clear()
+    if rows is not None and (not split.checks or not _differ(split, rows)):
+        split.checks.clear()
         return rows
-    run = tokenwise.run
-    del rows  # before the re-forward from the first token, which keeps only rows [start, stop)
-    rows = reforward.recompute(tokenwise, 0, stop, keep_from=start)
-    if _differ(tokenwise, rows):
+    run = split.run
+    del rows  # before the re-run from the first token, which keeps only rows [start, stop)
+    rows = slices.recompute(split, 0, stop, keep_from=start)
+    if _differ(split, rows):
         raise RuntimeError(
             f"actoff: recomputed token rows [{start}, {stop}) of a saved activation of block "
             f"{run.name!r} differ from the copy kept at forward time, even recomputed from the first "
             "token: the block computed something else in backward (changed weights or state, "
             "nondeterministic ops). The step cannot continue with this activation."
         )
-    tokenwise.checks.clear()
+    split.checks.clear()
     if mismatch is not None:
-        reason = (
-            f"its re-forward on token rows [{start}, {stop}) did not save what the forward saved: {mismatch}"
-        )
+        reason = f"its re-run on token rows [{start}, {stop}) did not save what the forward saved: {mismatch}"
     else:
         reason = (
             f"its recomputed token rows [{start}, {stop}) differed from the forward's though its first "
@@ -98,11 +97,11 @@ def checked_recompute(tokenwise: TokenwiseRun, start: int, stop: int) -> dict[in
             "sum, a convolution over tokens) through weights that were zero then, or its kernels round "
             "otherwise on fewer rows"
         )
-    learned = tokenwise.learned
-    first = tokenwise.conditions not in learned.verdicts  # not already by a run of an earlier step
-    learned.results.pop(tokenwise.conditions, None)
-    learned.any_length.pop(tokenwise.any_length, None)  # other lengths are probed on their own
-    learned.verdicts[tokenwise.conditions] = reason
+    learned = split.learned
+    first = split.conditions not in learned.verdicts  # not already by a run of an earlier step
+    learned.results.pop(split.conditions, None)
+    learned.any_length.pop(split.any_length, None)  # other lengths are probed on their own
+    learned.verdicts[split.conditions] = reason
     learned.warned = True  # one warning per module: a probe of it that fails later says nothing
     if first:
         warnings.warn(
@@ -116,17 +115,17 @@ def checked_recompute(tokenwise: TokenwiseRun, start: int, stop: int) -> dict[in
     return rows
 
 
-def _differ(tokenwise: TokenwiseRun, rows: dict[int, torch.Tensor]) -> bool:
+def _differ(split: Split, rows: dict[int, torch.Tensor]) -> bool:
     """Whether any kept copy differs from the same rows of ``rows`` (one wait for the device)."""
-    dims = {record.index: record.canon.dim for record in tokenwise.split_records}
+    dims = {record.index: record.canon.dim for record in split.records}
     pairs = []
-    for index, picked, kept in tokenwise.checks:
+    for index, picked, kept in split.checks:
         recomputed = rows[index].detach()
         if picked is None:  # a whole range, kept in host memory
             pairs.append((kept, recomputed.cpu()))
         else:
             pairs.append((kept, _rows(recomputed, dims[index], picked)))
-    return reforward.rows_differ(pairs, half=reforward.low_precision(tokenwise))
+    return slices.rows_differ(pairs, half=split.half_precision)
 
 
 def _rows(tensor: torch.Tensor, dim: int, picked: tuple[int, ...]) -> torch.Tensor:

@@ -58,7 +58,7 @@ class Canon:
         return flat.as_strided(self.shape, self.stride, flat.storage_offset() + pad)
 
     def source(self, saved: torch.Tensor) -> torch.Tensor | None:
-        """The tensor to take rows from among a re-forward's save: the view or its base."""
+        """The tensor to take rows from among a re-run's save: the view or its base."""
         return saved._base if self.on_base else saved
 
 
@@ -93,7 +93,7 @@ def changed_dim(
     forward_shape: tuple[int, ...], reforward_shape: tuple[int, ...], seq_len: int, length: int
 ) -> int | None:
     """The token dimension, found by comparing a save of the forward pass (``seq_len`` tokens)
-    with the same save of a re-forward on ``length`` tokens: the one dimension that went from
+    with the same save of a re-run on ``length`` tokens: the one dimension that went from
     ``seq_len`` to ``length``. Dimensions that merely equal ``seq_len`` (a hidden size of 4096
     at 4096 tokens) do not change and are not mistaken for it.
 
@@ -119,7 +119,7 @@ def detect_canon(
     length: int,
 ) -> Canon | None:
     """The `Canon` of a record from its forward view (and base) and the shapes of its
-    re-forward save (and of that save's base, if it is a view).
+    re-run save (and of that save's base, if it is a view).
 
     >>> detect_canon(((4, 8), (8, 1)), ((2, 2, 8), (32, 8, 1)), (2, 8), (2, 1, 8), 2, 1)
     Canon(shape=(2, 2, 8), stride=(32, 8, 1), dim=1, on_base=True)

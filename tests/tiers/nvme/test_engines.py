@@ -27,8 +27,10 @@ def engine(request, tmp_path):
 
 def test_many_outstanding_requests_round_trip(engine):
     generator = torch.Generator().manual_seed(0)
-    blocks = [torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=generator)
-              for n in torch.randint(1, 300_000, (64,), generator=generator)]  # fmt: skip
+    blocks = [
+        torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=generator)
+        for n in torch.randint(1, 300_000, (64,), generator=generator)
+    ]
     offsets, at = [], 0
     for block in blocks:
         offsets.append(at)

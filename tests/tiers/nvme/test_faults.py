@@ -232,8 +232,9 @@ def test_a_run_killed_with_sigkill_leaves_nothing(nvme_dir):
 def test_files_of_dead_processes_are_reclaimed_at_start(nvme_dir):
     # A process killed between creating its file and unlinking it (the instant where a file
     # system without O_TMPFILE has a name) leaves a file; the next process removes it.
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     leftovers = [f"actoff-rank0-pid{dead}-0123abcd.bin", f".actoff-probe-{dead}-140000"]
     alive = [f"actoff-rank0-pid{os.getppid()}-0123abcd.bin", "notes.txt"]  # a live process's; not ours
     for name in leftovers + alive:
@@ -270,7 +271,7 @@ def test_spill_files_are_private_and_never_follow_a_symlink(nvme_dir, tmp_path, 
 def test_the_kvikio_probe_never_follows_a_symlink(nvme_dir, tmp_path, monkeypatch, tmpfile):
     import _fake_kvikio
 
-    from actoff.tiers.nvme.kvikio import probe_kvikio
+    from actoff.tiers.nvme.kvikio import check_kvikio
 
     _fake_kvikio.install(monkeypatch)
     if not tmpfile:
@@ -281,7 +282,7 @@ def test_the_kvikio_probe_never_follows_a_symlink(nvme_dir, tmp_path, monkeypatc
     target.write_bytes(b"keep me")
     planted = os.path.join(nvme_dir, f".actoff-probe-{os.getpid()}-{threading.get_ident()}")
     os.symlink(target, planted)
-    ok, why = probe_kvikio(nvme_dir)
+    ok, why = check_kvikio(nvme_dir)
     assert target.read_bytes() == b"keep me"
     assert ok if tmpfile else "File exists" in why
     assert os.listdir(nvme_dir) == [os.path.basename(planted)]

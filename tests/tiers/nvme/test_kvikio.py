@@ -19,7 +19,7 @@ from _helpers import ROOT, TESTS, assert_history_as_placed, assert_same_history,
 
 import actoff
 from actoff.testing import simulated_device
-from actoff.tiers.nvme.kvikio import KvikioEngine, probe_kvikio
+from actoff.tiers.nvme.kvikio import KvikioEngine, check_kvikio
 from actoff.tiers.nvme.store import open_engine
 
 
@@ -33,7 +33,7 @@ def kvikio(monkeypatch):
 
 def test_probe_works_and_auto_picks_kvikio(kvikio, tmp_path):
     assert actoff.kvikio_available()
-    assert probe_kvikio(str(tmp_path)) == (True, "kvikio (compat)")
+    assert check_kvikio(str(tmp_path)) == (True, "kvikio (compat)")
     assert os.listdir(tmp_path) == []  # the probe file is gone
     engine = open_engine(str(tmp_path / "auto.bin"), "auto")
     assert isinstance(engine, KvikioEngine) and engine.name == "kvikio (compat)" and not engine.gds
@@ -45,7 +45,7 @@ def test_probe_says_why_kvikio_cannot_do_io(kvikio, tmp_path, monkeypatch):
         raise RuntimeError("libcuda.so.1: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(kvikio.CuFile, "pwrite", no_driver)
-    ok, why = probe_kvikio(str(tmp_path))
+    ok, why = check_kvikio(str(tmp_path))
     assert not ok and "libcuda.so.1" in why
     engine = open_engine(str(tmp_path / "auto.bin"), "auto")
     assert engine.name.startswith("posix")
@@ -56,9 +56,14 @@ def test_round_trip_is_bit_exact_with_many_outstanding_requests(kvikio, tmp_path
     engine = open_engine(str(tmp_path / "k.bin"), "kvikio", num_threads=4)
     assert kvikio.defaults.get("num_threads") == 4  # raised from kvikio's default of 1
     generator = torch.Generator().manual_seed(0)
-    blocks = [torch.randn(int(n), generator=generator).to(dtype)
-              for n, dtype in zip(torch.randint(1, 200_000, (24,), generator=generator),
-                                  [torch.float32, torch.bfloat16, torch.float16] * 8, strict=True)]  # fmt: skip
+    blocks = [
+        torch.randn(int(n), generator=generator).to(dtype)
+        for n, dtype in zip(
+            torch.randint(1, 200_000, (24,), generator=generator),
+            [torch.float32, torch.bfloat16, torch.float16] * 8,
+            strict=True,
+        )
+    ]
     offsets, at = [], 0
     for block in blocks:
         offsets.append(at)
@@ -150,8 +155,10 @@ def test_real_write_error_names_op_path_offset_and_size(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
-    assert re.search(r"OSERROR \[Errno 5\] pwrite of 200000 bytes at offset 8192 of \S*x.bin failed: .*File too large",
-                     done.stdout), done.stdout + done.stderr  # fmt: skip
+    assert re.search(
+        r"OSERROR \[Errno 5\] pwrite of 200000 bytes at offset 8192 of \S*x.bin failed: .*File too large",
+        done.stdout,
+    ), done.stdout + done.stderr
 
 
 def test_nvme_tier_on_kvikio_is_bit_exact(kvikio, nvme_dir, monkeypatch):
@@ -218,8 +225,9 @@ def test_engines_without_gds_refuse_device_requests(kvikio, tmp_path):
 
 @pytest.mark.parametrize("mode", ["gds", "compat"])
 @pytest.mark.parametrize("policy", ["nvme", "tokenwise"])
-def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(kvikio, nvme_dir, monkeypatch, mode,
-                                                                         policy):  # fmt: skip
+def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(
+    kvikio, nvme_dir, monkeypatch, mode, policy
+):
     """On the simulated device (a device with DMA, on the CPU): with GDS active the engine is
     handed the device tensors, off the training thread, and a slow read is waited for; in
     compat mode every request goes through host staging slots. Both bit-exact under ``nvme``;
@@ -241,8 +249,9 @@ def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(kvikio,
         # tokenwise: a step more, as its first is the probe's, stored whole (Note [probe in the
         # first backward]).
         steps = 3 if policy == "tokenwise" else 2
-        expected, actual = baseline_and_offloaded(steps, policy=policy, nvme_dir=nvme_dir, min_bytes=0,
-                                                  io_backend="kvikio", **fractions)  # fmt: skip
+        expected, actual = baseline_and_offloaded(
+            steps, policy=policy, nvme_dir=nvme_dir, min_bytes=0, io_backend="kvikio", **fractions
+        )
     assert_history_as_placed(expected, actual, recomputed=policy == "tokenwise")
     stats = actoff.stats()
     assert stats.io_backend == ("kvikio (GDS)" if mode == "gds" else "kvikio (compat)")
@@ -297,13 +306,15 @@ def test_real_kvikio_compat_path_with_a_stub_driver(tmp_path):
     (tmp_path / "stub.c").write_text(_STUB_SOURCE)
     libdir = tmp_path / "lib"
     libdir.mkdir()
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(libdir / "libcuda.so.1"), str(tmp_path / "stub.c")],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", str(libdir / "libcuda.so.1"), str(tmp_path / "stub.c")],
+        check=True,
+    )
     script = textwrap.dedent(f"""
         import torch
-        from actoff.tiers.nvme.kvikio import probe_kvikio
+        from actoff.tiers.nvme.kvikio import check_kvikio
         from actoff.tiers.nvme.store import open_engine
-        ok, name = probe_kvikio({str(tmp_path)!r})
+        ok, name = check_kvikio({str(tmp_path)!r})
         assert ok, name
         engine = open_engine({str(tmp_path / "k.bin")!r}, "kvikio")
         data = torch.randn(1 << 20)
@@ -317,6 +328,7 @@ def test_real_kvikio_compat_path_with_a_stub_driver(tmp_path):
     # KVIKIO_COMPAT_MODE=ON, never OFF: without GDS opening a file would spin in libcufile.
     env = {**os.environ, "LD_LIBRARY_PATH": f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
            "KVIKIO_COMPAT_MODE": "ON", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
     assert done.returncode == 0 and "OK kvikio (compat)" in done.stdout, done.stdout + done.stderr[-3000:]

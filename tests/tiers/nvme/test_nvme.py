@@ -299,9 +299,9 @@ def test_nvme_on_cuda_is_exact(nvme_dir, io_backend):
     """On CUDA: staged through pinned memory (POSIX engine, kvikio in compat mode), or with
     GPUDirect Storage active, kvikio reading and writing the device tensors themselves."""
     if io_backend == "kvikio":
-        from actoff.tiers.nvme.kvikio import probe_kvikio
+        from actoff.tiers.nvme.kvikio import check_kvikio
 
-        ok, why = probe_kvikio(nvme_dir)
+        ok, why = check_kvikio(nvme_dir)
         if not ok:
             pytest.skip(why)
     model = make_model().cuda()

@@ -2,7 +2,7 @@
 low-rank adapters (LoRA), autocast, several models with the same layer names in one process,
 a smaller last batch.
 
-Tolerances: on CPU the re-forward runs the same kernels on fewer rows, so float32 results
+Tolerances: on CPU the re-run runs the same kernels on fewer rows, so float32 results
 are expected within ``RECOMPUTE_TOL`` (float32 reassociation, as in tiers/tokenwise/test_tokenwise.py).
 Under bf16 autocast the block output is rounded to bf16 (8 bits of mantissa) in both runs;
 the recomputed rows are rounded the same way, but a GEMM on fewer rows may sum in another
@@ -26,14 +26,14 @@ import actoff.runtime.runtime
 from actoff.reference import Block
 from actoff.runtime.step import ScopeRun, Step
 from actoff.tiers.record import Record
-from actoff.tiers.tokenwise.run import TokenwiseRun
+from actoff.tiers.tokenwise.split import Split
 
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-3}
 
 
 def _live_actoff_objects() -> int:
     gc.collect()
-    kinds = (Step, ScopeRun, Record, TokenwiseRun)
+    kinds = (Step, ScopeRun, Record, Split)
     # type(), not isinstance: isinstance reads __class__, which warns on some torch objects.
     return sum(type(o) in kinds for o in gc.get_objects())
 
@@ -55,7 +55,7 @@ def _rss_bytes() -> int:
 )
 def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
     # Every step probes (a new sequence length): the probe must keep nothing of the
-    # re-forward's graph (Note [probe keeps no graph]), or each step leaks its whole state.
+    # re-run's graph (Note [probe keeps no graph]), or each step leaks its whole state.
     # Under auto (with a budget: a plain CPU device has none) every length is new, so every
     # step measures at the recompute placement. The forward time is injected (1 ms): a plan
     # made from a time measured on a loaded machine could differ from run to run.
@@ -164,7 +164,7 @@ def _hf_layer_cls(model) -> type:
 def _hf_train(model, steps: int = 3, *, batch: int = 2, seq: int = 48, seed: int = 1, autocast: bool = False):
     """SGD steps on random tokens, the forward under bf16 autocast if asked; per step the loss
     and the gradient of every parameter that has one. Dropout draws from the global generator,
-    seeded here: actoff's re-forwards restore what they draw, so both runs see the same masks."""
+    seeded here: actoff's re-runs restore what they draw, so both runs see the same masks."""
     return _hf_in_turns([model], steps, batch=batch, seq=seq, seed=seed, autocast=autocast)[0]
 
 
@@ -212,13 +212,16 @@ def test_phi3_fused_projections_are_recomputed_token_wise():
 
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
 def test_mixtral_router_logits_and_aux_loss_count_each_layer_once(policy):
-    """(Note [re-forwards without forward hooks]) Hugging Face records the router logits with
-    forward hooks; the probe's re-forward recorded its rows as one more layer per block (the
+    """(Note [re-runs without forward hooks]) Hugging Face records the router logits with
+    forward hooks; the probe's re-run recorded its rows as one more layer per block (the
     auxiliary loss came out wrong and backward crashed in an unpack hook)."""
     model = _hf(
-        "mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        "mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
         router_aux_loss_coef=0.1,
-    )  # fmt: skip
+    )
     overrides = {"cpu_fraction": 0.25} if policy == "tokenwise" else {}
     expected, actual = _hf_offloaded(model, policy=policy, **overrides)
     assert_close_history(expected, actual)
@@ -266,15 +269,24 @@ def test_a_state_space_model_is_placed_whole_with_one_warning_per_layer():
     each with a warning, and training is bit for bit."""
     transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
     config = transformers.MambaConfig(
-        vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        state_size=8,
+        num_hidden_layers=2,
+        expand=2,
+        conv_kernel=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = transformers.MambaForCausalLM._from_config(config)
     reference = copy.deepcopy(model)
     expected = _hf_train(reference, 2)
-    actoff.offload_(model, block_cls=type(model.backbone.layers[0]), min_bytes=0, policy="tokenwise",
-                    cpu_fraction=0.25)  # fmt: skip
+    actoff.offload_(
+        model, block_cls=type(model.backbone.layers[0]), min_bytes=0, policy="tokenwise", cpu_fraction=0.25
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         actual = _hf_train(model, 2)
@@ -286,7 +298,7 @@ def test_a_state_space_model_is_placed_whole_with_one_warning_per_layer():
 
 def test_a_length_equal_to_the_head_dim_is_still_recomputed():
     """Hugging Face passes rotary tables (B, S, head_dim); at S == head_dim two dimensions have
-    the sequence's length. They were passed whole, the probe's re-forward raised, and the block
+    the sequence's length. They were passed whole, the probe's re-run raised, and the block
     was placed whole at that length (with a warning; gradients exact)."""
     model = _hf("qwen3", head_dim=16)
     reference = copy.deepcopy(model)
@@ -331,10 +343,10 @@ def _lora_llama(targets: tuple[str, ...]):
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
 def test_lora_on_a_frozen_llama_is_recomputed_token_wise(policy, targets, autocast):
     # In the forward, attention's output requires grad (the adapters do) and is not a leaf;
-    # the rows the re-forward serves must be the same, or what autograd saves after
+    # the rows the re-run serves must be the same, or what autograd saves after
     # attention differs (adapters on q and v, PEFT's default for Llama: the frozen o_proj
     # and MLP of layer 0 then save nothing) and the block falls back. Under autocast the
-    # re-forward must also run in bf16, or it saves other tensors (no weight casts).
+    # re-run must also run in bf16, or it saves other tensors (no weight casts).
     model = _lora_llama(targets)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -348,7 +360,7 @@ def test_lora_on_a_frozen_llama_is_recomputed_token_wise(policy, targets, autoca
 def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
     def train_autocast(model):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return train(model, 3)  # backward inside the region too: the re-forward must not depend on it
+            return train(model, 3)  # backward inside the region too: the re-run must not depend on it
 
     model = make_model()
     reference = copy.deepcopy(model)
@@ -365,9 +377,9 @@ def test_reference_model_under_bf16_autocast_is_recomputed_token_wise():
 # same, the modules are not. A plan probed on one must never be applied to another.
 def _gpt2(dropout: float, attention: float = 0.0):
     """GPT-2 with its embedding and residual dropout at ``dropout`` and its attention dropout at
-    ``attention``. The residual dropouts are inside the blocks: a re-forward draws their masks
-    again at full length (Note [dropout in a re-forward]). Attention dropout is inside the token
-    mixer, served from the store in a re-forward, which so draws fewer random numbers: the
+    ``attention``. The residual dropouts are inside the blocks: a re-run draws their masks
+    again at full length (Note [dropout in a re-run]). Attention dropout is inside the token
+    mixer, served from the store in a re-run, which so draws fewer random numbers: the
     residual masks after it cannot be drawn again, and the blocks are placed whole."""
     return _hf("gpt2", embd_pdrop=dropout, attn_pdrop=attention, resid_pdrop=dropout)
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from actoff.tiers.tokenwise.probes import ByOwner, ProbeResult, conditions, transferred
-from actoff.tiers.tokenwise.reforward import autocast_state
+from actoff.owners import ByOwner
+from actoff.rerun.conditions import conditions
+from actoff.rerun.state import autocast_state
+from actoff.tiers.tokenwise.probes import ProbeResult, transferred
 from actoff.tiers.tokenwise.tokens import Canon
 
 CPU = torch.device("cpu")

@@ -89,25 +89,22 @@ def test_three_rows_per_split_record_are_kept_and_go_with_backward():
     actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
     train(model, 1)  # the probe's step
     loss = model.loss(torch.randint(0, 256, (2, 33)))
-    runs = [
-        run for run in get_runtime().step.runs if run.tokenwise is not None and run.tokenwise.split_records
-    ]
+    runs = [split for split in _splits() if split.records]
     assert runs
-    for run in runs:
-        tokenwise = run.tokenwise
-        assert len(tokenwise.checks) == len(tokenwise.split_records)
-        for (index, picked, kept), record in zip(tokenwise.checks, tokenwise.split_records, strict=True):
+    for tokenwise in runs:
+        assert len(tokenwise.checks) == len(tokenwise.records)
+        for (index, picked, kept), record in zip(tokenwise.checks, tokenwise.records, strict=True):
             start, stop = tokenwise.ranges.recompute
             assert index == record.index and picked == (0, 1, stop - start - 1)
             assert kept.shape[record.canon.dim] == 3
     loss.backward()
-    assert all(run.tokenwise.checks == [] for run in runs)
+    assert all(split.checks == [] for split in runs)
 
 
 def test_two_forwards_before_one_backward_warn_once_per_block_and_keep_only_the_rows_needed(monkeypatch):
     """Found in review: runs of a block still waiting for backward when the first is caught each
-    warned again; the re-forward from the first token kept every record at full length."""
-    from actoff.tiers.tokenwise import reforward
+    warned again; the re-run from the first token kept every record at full length."""
+    from actoff.tiers.tokenwise import slices as reforward
 
     recovered = []
     real_recompute = reforward.recompute
@@ -138,6 +135,12 @@ def test_two_forwards_before_one_backward_warn_once_per_block_and_keep_only_the_
     )
 
 
+def _splits():
+    """The token-wise state of the current step's runs that split (or may split) by token."""
+    runs = get_runtime().step.runs
+    return [run.placement.split for run in runs if getattr(run.placement, "active", False)]
+
+
 def _two():
     return [torch.Generator().manual_seed(seed) for seed in (5, 6)]
 
@@ -146,8 +149,6 @@ def _two():
 def test_a_block_in_half_precision_is_compared_within_a_half_precision_rounding(half):
     """A float32 save computed from bf16 values (a norm's statistics) may be one bf16 rounding off
     when a kernel picks another order for fewer rows (on a GPU): not a token mixed."""
-    from actoff.tiers.tokenwise import reforward
-
     model = make_model()
     if half == "weights":
         model = model.to(torch.bfloat16)
@@ -155,24 +156,22 @@ def test_a_block_in_half_precision_is_compared_within_a_half_precision_rounding(
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half == "autocast"):
         model.loss(torch.randint(0, 256, (2, 33))).backward()  # the probe's step
         loss = model.loss(torch.randint(0, 256, (2, 33)))
-    runs = [
-        run for run in get_runtime().step.runs if run.tokenwise is not None and run.tokenwise.split_records
-    ]
-    assert runs and all(reforward.low_precision(run.tokenwise) for run in runs)
+    runs = [split for split in _splits() if split.records]
+    assert runs and all(split.half_precision for split in runs)
     loss.backward()
     actoff.reset()
     plain = make_model()  # float32, no autocast
     actoff.offload_(plain, block_cls=Block, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
     plain.loss(torch.randint(0, 256, (2, 33)))
-    runs = [run for run in get_runtime().step.runs if run.tokenwise is not None]
-    assert runs and not any(reforward.low_precision(run.tokenwise) for run in runs)
+    runs = _splits()
+    assert runs and not any(split.half_precision for split in runs)
 
 
 class LengthBranchBlock(Block):
     """Control flow on the length: a multiple of 8 takes one path, other lengths save one more
-    tensor. At 32 tokens the forward and the probe's re-forward on 24 take the same path; at 40 the
+    tensor. At 32 tokens the forward and the probe's re-run on 24 take the same path; at 40 the
     forward saves as at 32 (its probe serves it: Note [a probe serves other lengths]) while the
-    re-forward on 30 tokens takes the other path."""
+    re-run on 30 tokens takes the other path."""
 
     def forward(self, x, cos, sin):
         if x.shape[1] % 8:
@@ -181,8 +180,8 @@ class LengthBranchBlock(Block):
 
 
 def test_a_probe_of_another_length_that_does_not_fit_is_recomputed_from_the_first_token():
-    """The re-forward on the slice saves more tensors than the forward did: the rows come from a
-    re-forward from the first token (the forward itself, exact), one warning, and the block is
+    """The re-run on the slice saves more tensors than the forward did: the rows come from a
+    re-run from the first token (the forward itself, exact), one warning, and the block is
     placed whole at that length from then on (it raised ReforwardMismatch in backward)."""
     model = _model(LengthBranchBlock)
     reference = copy.deepcopy(model)

@@ -1,6 +1,6 @@
 """Token-wise recompute: fractions and layouts, fallbacks that warn, partial FLOPs, mixers.
 
-Tolerance: the recomputed rows come from a re-forward on fewer rows, and a backend may pick
+Tolerance: the recomputed rows come from a re-run on fewer rows, and a backend may pick
 another kernel, with another summation order, for fewer rows (GPU GEMM tiling; BLAS on some
 CPUs: MKL on an AMD EPYC did so for the chunked loss): ``RECOMPUTE_TOL`` (tests/_helpers.py),
 float32 reassociation. Blocks placed whole (a fallback) run the same kernels on the same
@@ -74,8 +74,15 @@ def test_tokenwise_gradients(cpu_fraction, nvme_fraction, layout, nvme_dir):
         torch.manual_seed(0)
         factory = lambda: SBHModel(ModelConfig.preset("tiny"))  # noqa: E731
         block_cls, token_dim = SBHBlock, 0
-    expected, actual = _run(factory, block_cls, policy="tokenwise", cpu_fraction=cpu_fraction,
-                            nvme_fraction=nvme_fraction, nvme_dir=nvme_dir, token_dim=token_dim)  # fmt: skip
+    expected, actual = _run(
+        factory,
+        block_cls,
+        policy="tokenwise",
+        cpu_fraction=cpu_fraction,
+        nvme_fraction=nvme_fraction,
+        nvme_dir=nvme_dir,
+        token_dim=token_dim,
+    )
     assert_close_history(expected, actual)  # recomputed on fewer rows: not bit for bit on every CPU
     tiers = next(iter(actoff.stats().blocks.values())).bytes_per_tier
     seq = 32
@@ -134,8 +141,8 @@ class DropoutBlock(Block):
 
 
 class AttentionDropoutBlock(MatmulAttentionBlock):
-    """Dropout inside attention (served in a re-forward, which so draws fewer random numbers),
-    then a dropout module, whose mask the re-forward then cannot draw again."""
+    """Dropout inside attention (served in a re-run, which so draws fewer random numbers),
+    then a dropout module, whose mask the re-run then cannot draw again."""
 
     def __init__(self, hidden=64, heads=4):
         super().__init__(hidden, heads)
@@ -206,7 +213,7 @@ def test_blocks_that_cannot_be_recomputed_fall_back_with_one_warning(block_facto
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
 def test_dropout_is_recomputed_with_the_forwards_masks(policy, device):
-    """(Note [dropout in a re-forward]) A dropout drew other masks on a token slice, so every block
+    """(Note [dropout in a re-run]) A dropout drew other masks on a token slice, so every block
     with dropout (LoRA's ``lora_dropout``, GPT-2's residual dropout) was placed whole. On CUDA the
     fused kernel's branch runs (it saved nothing, and every such block fell back to whole)."""
     torch.manual_seed(0)
@@ -226,7 +233,7 @@ def test_dropout_is_recomputed_with_the_forwards_masks(policy, device):
 
 @pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
 def test_forward_hooks_inside_a_block_see_the_forward_only(policy):
-    """(Note [re-forwards without forward hooks]) neither the probe (in the first backward) nor the
+    """(Note [re-runs without forward hooks]) neither the probe (in the first backward) nor the
     recompute (of some rows, in backward) fires the forward hooks of the block's submodules."""
     model = make_model()
     seen = []
@@ -271,7 +278,7 @@ def test_registered_mixer_is_served_from_the_stored_output():
         warnings.simplefilter("error")
         actual = train(model, 2)
     assert_close_history(expected, actual)
-    assert set(calls) == {32}  # only full-length forward calls: never called in the re-forward
+    assert set(calls) == {32}  # only full-length forward calls: never called in the re-run
 
 
 def test_register_token_mixer_rejects_non_functions():
@@ -319,7 +326,7 @@ def test_recompute_is_partial_and_skips_attention(recompute_fraction):
     actoff.offload_(
         model, block_cls=Block, policy="tokenwise", cpu_fraction=1.0 - recompute_fraction, min_bytes=0
     )
-    model.loss(tokens).backward()  # first step: verification adds a re-forward; measure the next
+    model.loss(tokens).backward()  # first step: verification adds a re-run; measure the next
     with FlopCounterMode(display=False) as counter, CountAttention() as attention:
         model.loss(tokens).backward()
 
@@ -383,8 +390,16 @@ def test_auto_spills_to_nvme_when_the_host_budget_binds(nvme_dir):
     # host budget holds a share of it, and NVMe takes the rest.
     model = make_model(num_layers=4)
     budget = int(2.5 * _block_bytes(model))  # two blocks back at once: one fetched ahead
-    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="1TB",
-                    host_budget="200KiB", nvme_dir=nvme_dir, gpu_budget=budget)  # fmt: skip
+    actoff.offload_(
+        model,
+        block_cls=Block,
+        policy="auto",
+        min_bytes=0,
+        host_bandwidth="1TB",
+        host_budget="200KiB",
+        nvme_dir=nvme_dir,
+        gpu_budget=budget,
+    )
     train(model, 3)
     decision = actoff.stats().auto["layers.0"]
     assert decision.placement == "tokenwise:1"
@@ -449,8 +464,15 @@ def test_rows_served_from_the_device_are_never_written_to_nvme(monkeypatch, nvme
     monkeypatch.setattr(NvmeStore, "write", counted_write)
     expected = train(make_model(), 3)
     model = make_model()
-    actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.25, nvme_fraction=0.25, min_bytes=0,
-                    nvme_dir=nvme_dir)  # fmt: skip
+    actoff.offload_(
+        model,
+        block_cls=Block,
+        policy="tokenwise",
+        cpu_fraction=0.25,
+        nvme_fraction=0.25,
+        min_bytes=0,
+        nvme_dir=nvme_dir,
+    )
     with simulated_device(seed=3) as device:
         real_loss = model.loss
 
@@ -478,8 +500,9 @@ def test_peak_memory_falls_with_the_stored_fraction():
         actoff.reset()
         torch.manual_seed(0)
         model = Transformer(ModelConfig.preset("small", num_layers=8)).cuda()
-        actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=cpu_fraction, min_bytes=0,
-                        keep_last=0)  # fmt: skip
+        actoff.offload_(
+            model, block_cls=Block, policy="tokenwise", cpu_fraction=cpu_fraction, min_bytes=0, keep_last=0
+        )
         tokens = torch.randint(0, 1024, (1, 4097), device="cuda")
         model.loss(tokens).backward()  # first step: probe and warm-up
         torch.cuda.synchronize()
@@ -533,7 +556,7 @@ def test_verify_catches_a_block_that_changed_before_backward(verify):
     tokens = torch.randint(0, 256, (2, 33))
     model.loss(tokens).backward()  # first step: probe passes
     loss = model.loss(tokens)
-    ScaledBlock.scale = 1.5  # the re-forward in backward now computes something else
+    ScaledBlock.scale = 1.5  # the re-run in backward now computes something else
     try:
         if verify:
             with pytest.raises(RuntimeError, match="differ from the copy kept at forward time"):

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from actoff.tiers.tokenwise.pack import pack_rows, packed_offsets, scatter_rows
+from actoff.tiers.tokenwise.rows import gather_rows, row_offsets, scatter_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Everything a saved activation can be: the kernel moves each as the integer of its width.
@@ -39,8 +39,15 @@ def _views(dtype, device="cpu"):
     sbh = _random((40, 3, 16), dtype, generator, device)  # (S, B, H)
     bhs = _random((2, 24, 40), dtype, generator, device).transpose(1, 2)  # (B, S, H), H strided
     five = _random((3, 5, 40, 7, 8), dtype, generator, device)[::2, ::2, :, ::2, ::2]  # 5 dims: torch copy
-    return [bsh.narrow(1, 10, 17), bhsd.narrow(1, 0, 9), sbh.narrow(0, 30, 10), bsh[0].narrow(0, 5, 3),
-            bhs.narrow(1, 3, 20), five.narrow(2, 7, 11), bsh[1, 2, 3]]  # fmt: skip
+    return [
+        bsh.narrow(1, 10, 17),
+        bhsd.narrow(1, 0, 9),
+        sbh.narrow(0, 30, 10),
+        bsh[0].narrow(0, 5, 3),
+        bhs.narrow(1, 3, 20),
+        five.narrow(2, 7, 11),
+        bsh[1, 2, 3],
+    ]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,7 +59,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_round_trip(dtype):
     views = _views(dtype)
-    buffer, offsets = pack_rows(views, use_triton=False)
+    buffer, offsets = gather_rows(views, use_triton=False)
     assert buffer.dtype == torch.uint8 and all(o % 16 == 0 for o in offsets)
     targets = [torch.zeros_like(v.contiguous()) for v in views]
     targets = [
@@ -65,14 +72,14 @@ def test_torch_round_trip(dtype):
 
 
 def test_packed_offsets_are_aligned():
-    offsets, total = packed_offsets(
+    offsets, total = row_offsets(
         [torch.empty(1, dtype=torch.uint8), torch.empty(3), torch.empty(5, dtype=torch.float16)]
     )
     assert offsets == [0, 16, 32] and total == 48
 
 
 def test_rows_merge_contiguous_dimensions():
-    from actoff.tiers.tokenwise.pack import _rows
+    from actoff.tiers.tokenwise.rows import _rows
 
     bsh = torch.empty(3, 40, 24)
     assert _rows(bsh.narrow(1, 10, 17)) == ([1, 1, 3, 408], [0, 0, 960, 1])  # rows of S x H
@@ -86,18 +93,18 @@ def test_triton_kernels_match_torch_in_the_interpreter():
     pytest.importorskip("triton")
     script = textwrap.dedent("""
         import torch
-        from actoff.tiers.tokenwise import pack
-        from actoff.tiers.tokenwise.pack import pack_rows, scatter_rows, triton_available
+        from actoff.tiers.tokenwise import rows
+        from actoff.tiers.tokenwise.rows import gather_rows, scatter_rows, triton_available
         assert triton_available()
         launched = []
-        real_launch = pack._launch
-        pack._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
-        import test_pack as t
+        real_launch = rows._launch
+        rows._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
+        import test_rows as t
         for dtype in t.ALL_DTYPES:
             views = t._views(dtype)
-            expected, offsets = pack_rows(views, use_triton=False)
+            expected, offsets = gather_rows(views, use_triton=False)
             launched.clear()
-            got, offsets2 = pack_rows(views, use_triton=True)
+            got, offsets2 = gather_rows(views, use_triton=True)
             # The kernel ran for all but the five-dimensional view (torch's copy).
             assert launched == [True, True, True, True, True, False, True], (dtype, launched)
             assert offsets == offsets2, dtype
@@ -111,7 +118,7 @@ def test_triton_kernels_match_torch_in_the_interpreter():
                 assert t._same_bits(v, target), dtype
         # A conjugate view has a lazy bit a raw copy would drop: torch's copy resolves it.
         z = t._views(torch.complex64)[0].conj()
-        got, _ = pack_rows([z], use_triton=True)
+        got, _ = gather_rows([z], use_triton=True)
         assert t._same_bits(got[: z.numel() * 8].view(torch.complex64).view(z.shape), z.resolve_conj())
         print("OK", len(t.ALL_DTYPES))
     """)
@@ -126,8 +133,8 @@ def test_triton_kernels_match_torch_in_the_interpreter():
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_triton_kernels_match_torch_on_gpu(dtype):
     views = _views(dtype, "cuda")
-    expected, offsets = pack_rows(views, use_triton=False)
-    got, _ = pack_rows(views, use_triton=True)
+    expected, offsets = gather_rows(views, use_triton=False)
+    got, _ = gather_rows(views, use_triton=True)
     for view, offset in zip(views, offsets, strict=True):  # the padding is never written
         nbytes = view.numel() * view.element_size()
         assert torch.equal(got[offset : offset + nbytes], expected[offset : offset + nbytes])

@@ -1,44 +1,44 @@
-"""What a re-forward must leave as it found it: the caller's caches, the block's buffers,
+"""What a re-run must leave as it found it: the caller's caches, the block's buffers,
 attributes and forward hooks.
 
-Note [re-forwards leave no trace]: a re-forward (the probe in a block's first backward, the
+Note [re-runs leave no trace]: a re-run (the probe in a block's first backward, the
 recompute of dropped rows in every backward) runs the block's forward again, and nothing it does
 may reach the caller or the model; the program wrote one forward per call, and that is what it
 gets:
 - a key/value cache given to the block (a Hugging Face ``Cache``) is replaced by ``None`` for
-  the re-forward (`without_caches`), so attention does not append the re-run rows to it (a
+  the re-run (`without_caches`), so attention does not append the re-run rows to it (a
   training forward would return a cache longer than its tokens, and a cache fed to the next
   chunk would hand over those rows too). Without a cache the block runs as it does with
   ``use_cache=False``: the keys a cache would add feed attention only, whose output the
-  re-forward serves from what forward stored. A block whose saves depend on the cache is seen
+  re-run serves from what forward stored. A block whose saves depend on the cache is seen
   by the probe (another count or shape) and placed whole.
 - the block's modules are its module's submodules, or for a function scope every module its
   forward ran (noted during that forward) with theirs.
-- buffers of those modules that the re-forward changed (BatchNorm's running statistics and its
+- buffers of those modules that the re-run changed (BatchNorm's running statistics and its
   counter, a write through ``.data``: compared by value) get the forward's values back, and a
   buffer rebound is bound back (`left_as_found`).
-- attributes the re-forward sets on those modules (``self.l_aux`` of a mixture of experts, a
+- attributes the re-run sets on those modules (``self.l_aux`` of a mixture of experts, a
   statistic logged in forward) are restored to the forward's values, graphs included,
   attributes it adds are removed, lists and dictionaries they hold get their items back (an
   auxiliary loss appended to ``self.aux_losses``; one level deep: a list inside a dictionary
   keeps what was appended to it), and tensors up to 1 MiB held as attributes get their values
   back (``self.tally += 1``): the loss that reads them after forward reads the forward's. So
   are the attributes of plain objects given to the block.
-- forward hooks of those modules do not fire (`forward_hooks_off`, Note [re-forwards without
+- forward hooks of those modules do not fire (`forward_hooks_off`, Note [re-runs without
   forward hooks]).
 Not undone, as with ``torch.utils.checkpoint`` (which re-runs a block in backward too): Python
 side effects outside the block's modules and inputs, such as appending to a global list or one
 the block closes over, printing, or counting calls in an object the block reaches otherwise.
-Those run once more in backward for each re-forward (never in forward: Note [probe in the
-first backward], actoff.tiers.tokenwise.run).
+Those run once more in backward for each re-run (never in forward: Note [probe in the
+first backward], actoff.tiers.tokenwise.split).
 
-Note [re-forwards without forward hooks]: the forward hooks of the block's submodules do not
-fire in a re-forward: it is not a forward the user's program made. A hook that records outputs
+Note [re-runs without forward hooks]: the forward hooks of the block's submodules do not
+fire in a re-run: it is not a forward the user's program made. A hook that records outputs
 (Hugging Face's output capture: router logits, attentions, hidden states) would record the
-re-forward's rows as one more layer, and a mixture-of-experts model's auxiliary loss would count
+re-run's rows as one more layer, and a mixture-of-experts model's auxiliary loss would count
 it. A hook that changes an output changes the forward's saves, so the probe finds a mismatch and
 the block is placed whole. Pre-hooks still run (they may gather parameters or set weights). The
-hooks are lifted from the modules while a re-forward runs, so another thread running the same
+hooks are lifted from the modules while a re-run runs, so another thread running the same
 modules then misses them too.
 """
 
@@ -75,8 +75,8 @@ def is_cache(value: Any) -> bool:
 
 
 def without_caches(values: list[Any]) -> list[Any]:
-    """The flattened inputs of a block for a re-forward: caches (`is_cache`) replaced by ``None``
-    (Note [re-forwards leave no trace])."""
+    """The flattened inputs of a block for a re-run: caches (`is_cache`) replaced by ``None``
+    (Note [re-runs leave no trace])."""
     return [None if is_cache(value) else value for value in values]
 
 
@@ -138,7 +138,7 @@ def _plain_object(value: Any) -> bool:
 
 
 def _modules_of(module: torch.nn.Module | None, touched: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules a re-forward may change: ``module``'s, or for a function scope (``None``) those
+    """The modules a re-run may change: ``module``'s, or for a function scope (``None``) those
     its forward ran (``touched``), with their submodules, each once."""
     roots = [module] if module is not None else touched
     found: dict[int, torch.nn.Module] = {}
@@ -152,8 +152,8 @@ def _modules_of(module: torch.nn.Module | None, touched: list[torch.nn.Module]) 
 def left_as_found(
     module: torch.nn.Module | None, inputs: list[Any], touched: list[torch.nn.Module] = ()
 ) -> Iterator[None]:
-    """Run a re-forward of ``module`` (``None``: a function scope, whose forward ran the modules
-    ``touched``) on the flattened ``inputs`` and give back what it changed (Note [re-forwards
+    """Run a re-run of ``module`` (``None``: a function scope, whose forward ran the modules
+    ``touched``) on the flattened ``inputs`` and give back what it changed (Note [re-runs
     leave no trace]): the buffers of the modules (values and bindings), their attributes, and the
     attributes of the plain objects among the inputs.
 
@@ -165,14 +165,14 @@ def left_as_found(
     """
     kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
     # Not held while suspended: a checkpointed block's run again stays open until its backward
-    # node is done (actoff.runtime.checkpoint), and its inputs would stay on the device as long.
+    # node is done (actoff.runtime.placements.checkpoint), and its inputs would stay on the device as long.
     del inputs
     buffers = []
     with torch.no_grad():
         for sub in _modules_of(module, touched):
             kept.append(_Attributes(sub, _TORCH_OWN))
             bound = dict(sub._buffers)
-            # A copy of each buffer's values, written back where the re-forward changed them: by
+            # A copy of each buffer's values, written back where the re-run changed them: by
             # value, as writes through ``.data`` and BatchNorm's kernel leave the version as it was.
             values = [(buffer, buffer.clone()) for buffer in bound.values() if buffer is not None]
             buffers.append((sub, bound, values))
@@ -195,7 +195,7 @@ def left_as_found(
 @contextlib.contextmanager
 def forward_hooks_off(module: torch.nn.Module | None, touched: list[torch.nn.Module] = ()) -> Iterator[None]:
     """The forward hooks of ``module`` and its submodules (a function scope, ``None``: of the
-    modules its forward ran, ``touched``) do not fire inside the block (Note [re-forwards
+    modules its forward ran, ``touched``) do not fire inside the block (Note [re-runs
     without forward hooks]).
 
     >>> layer = torch.nn.Linear(2, 2)

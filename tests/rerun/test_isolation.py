@@ -1,4 +1,4 @@
-"""Re-forwards leave no trace (Note [re-forwards leave no trace]) and a block's body runs once per
+"""Re-runs leave no trace (Note [re-runs leave no trace]) and a block's body runs once per
 forward call (Note [probe in the first backward]): caches, buffers, attributes and the objects a
 block is given are as without actoff, after forward and after backward.
 
@@ -19,7 +19,7 @@ from torch import nn
 import actoff
 from actoff.reference import Block, ModelConfig
 
-# auto's token-wise placements run these same re-forwards (tests/runtime/test_auto.py plans
+# auto's token-wise placements run these same re-runs (tests/runtime/test_auto.py plans
 # them under a budget); its checkpoint placement re-runs a block as tests/runtime/test_checkpoint.py
 # checks.
 POLICIES = [
@@ -75,7 +75,7 @@ def test_a_training_forward_returns_the_cache_it_returns_without_actoff(override
 @pytest.mark.parametrize("overrides", POLICIES, ids=POLICY_IDS)
 def test_a_cache_fed_to_the_next_chunk_holds_the_first_chunks_positions(overrides):
     """Chunk 1's cache fed into chunk 2 handed over 48 positions instead of 32 (wrong loss), and
-    backward through the keys a re-forward had written raised the unpack hook's NoneType error."""
+    backward through the keys a re-run had written raised the unpack hook's NoneType error."""
     model, layer_cls = _llama()
     reference = copy.deepcopy(model)
     actoff.offload_(model, block_cls=layer_cls, min_bytes=0, **overrides)
@@ -194,7 +194,7 @@ class BufferBlock(Block):
 class BatchNormBlock(Block):
     """A BatchNorm over the hidden features at the block's end. Its statistics mix the tokens, but
     what the block saves before it is token-local and what it saves itself (the batch statistics)
-    has no token dimension: the block is recomputed token-wise, and its re-forwards must not count
+    has no token dimension: the block is recomputed token-wise, and its re-runs must not count
     as batches."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -256,7 +256,7 @@ class QuietWritesBlock(Block):
 @pytest.mark.parametrize("overrides", POLICIES, ids=POLICY_IDS)
 def test_writes_no_version_counter_sees_are_given_back(overrides):
     """(Review of issue 28) buffers were given back when their version changed: one written
-    through ``.data`` kept the re-forwards' values, and a tensor attribute kept their counts."""
+    through ``.data`` kept the re-runs' values, and a tensor attribute kept their counts."""
     model = _blocks_model(QuietWritesBlock)
     reference = copy.deepcopy(model)
     expected = train(reference, 3)
@@ -271,7 +271,7 @@ def test_writes_no_version_counter_sees_are_given_back(overrides):
 @pytest.mark.parametrize("closed_over", [False, True], ids=["module_as_argument", "closed_over"])
 def test_a_function_scope_gives_back_the_state_of_the_modules_it_ran(closed_over):
     """(Review of issue 28) a function scope restored no module: a BatchNorm it ran counted every
-    re-forward as a batch. Its forward now notes the modules it runs."""
+    re-run as a batch. Its forward now notes the modules it runs."""
     from actoff.reference import rope_tables
 
     def run_layer(layer, x, cos, sin):
@@ -292,8 +292,12 @@ def test_a_function_scope_gives_back_the_state_of_the_modules_it_ran(closed_over
     reference = copy.deepcopy(model)
     expected = steps(reference, run_layer)
     if closed_over:
-        scopes = {id(layer): actoff.offload(lambda x, c, s, layer=layer: layer(x, c, s), policy="recompute",
-                                            min_bytes=0) for layer in model.layers}  # fmt: skip
+        scopes = {
+            id(layer): actoff.offload(
+                lambda x, c, s, layer=layer: layer(x, c, s), policy="recompute", min_bytes=0
+            )
+            for layer in model.layers
+        }
         grads = steps(model, lambda layer, x, c, s: scopes[id(layer)](x, c, s))
     else:
         grads = steps(model, actoff.offload(run_layer, policy="recompute", min_bytes=0))
@@ -380,7 +384,7 @@ def test_auxiliary_losses_and_logged_statistics_are_the_forwards(overrides):
 
 # ---------------------------------------------------------------------------------- left_as_found
 def test_left_as_found_gives_back_attributes_lists_and_buffers():
-    from actoff.tiers.tokenwise.isolation import left_as_found
+    from actoff.rerun.isolation import left_as_found
 
     module = nn.BatchNorm1d(2)
     module.history = [1]
@@ -397,7 +401,7 @@ def test_left_as_found_gives_back_attributes_lists_and_buffers():
 # ---------------------------------------------------------------------------------- once per call
 class CountedBlock(Block):
     """Counts its body's runs in a list it closes over (a side effect outside the block's modules,
-    which a re-forward in backward repeats, as torch's checkpoint's does)."""
+    which a re-run in backward repeats, as torch's checkpoint's does)."""
 
     runs: ClassVar[list] = []
 
@@ -417,6 +421,6 @@ def test_a_blocks_body_runs_once_per_forward_call(overrides):
         loss = model.loss(torch.randint(0, 256, (2, 33), generator=generator))
         assert len(CountedBlock.runs) == len(model.layers), step  # once per call in forward
         loss.backward()
-        # In backward one re-forward per block: the probe's (step 0), then the recompute's.
+        # In backward one re-run per block: the probe's (step 0), then the recompute's.
         assert len(CountedBlock.runs) == 2 * len(model.layers), step
     assert actoff.stats().blocks["layers.0"].probes == 0 and _recomputed("layers.0")

@@ -1,4 +1,4 @@
-"""Dropout in a re-forward (Note [dropout in a re-forward]): the rows of the forward's own mask,
+"""Dropout in a re-run (Note [dropout in a re-run]): the rows of the forward's own mask,
 drawn again on a tensor laid out as the forward's input, saved as the forward's kernel saved it.
 Each comparison is bit for bit: the same kernel draws the same numbers."""
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actoff.tiers.tokenwise import dropout
+from actoff.rerun import dropout
 
 
 def test_the_fused_kernels_branch_records_a_graph_that_saves_the_mask(monkeypatch):
-    """(Review of issue 28) the CUDA branch applied the mask under no_grad: the re-forward's
+    """(Review of issue 28) the CUDA branch applied the mask under no_grad: the re-run's
     output required no grad and saved nothing, so every block with dropout fell back to whole on
     a GPU. Taken here on the CPU, whose native_dropout is the same kind of kernel."""
     monkeypatch.setattr(dropout, "_FUSED", ("cpu",))

@@ -1,7 +1,7 @@
-"""Triton kernel for actoff.tiers.tokenwise.pack: strided token rows to and from a contiguous buffer.
+"""Triton kernel for actoff.tiers.tokenwise.rows: strided token rows to and from a contiguous buffer.
 
 Kept in its own module so that importing actoff never imports Triton. The caller hands over
-a view already reduced to rows (see ``pack._rows``): ``num_rows`` rows, the row index split
+a view already reduced to rows (see ``rows._rows``): ``num_rows`` rows, the row index split
 over three outer dimensions ``(n0, n1, n2)`` with element strides ``t0, t1, t2``, and
 ``row_len`` elements per row ``t3`` apart (1 when the innermost dimension is contiguous, the
 common case). The contiguous side is row-major: element ``col`` of row ``row`` sits at
@@ -23,8 +23,21 @@ import triton.language as tl
 
 
 @triton.jit
-def copy_rows(src, dst, num_rows, row_len, n1, n2, t0, t1, t2, t3,
-              STRIDED_SRC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+def copy_rows(
+    src,
+    dst,
+    num_rows,
+    row_len,
+    n1,
+    n2,
+    t0,
+    t1,
+    t2,
+    t3,
+    STRIDED_SRC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Strided rows of ``src`` to contiguous ``dst`` (``STRIDED_SRC``), or the reverse."""
     col_blocks = tl.cdiv(row_len, BLOCK_C)
     program = tl.program_id(0).to(tl.int64)
@@ -38,11 +51,11 @@ def copy_rows(src, dst, num_rows, row_len, n1, n2, t0, t1, t2, t3,
     i1 = rest % n1
     i0 = rest // n1
     strided = (i0 * t0 + i1 * t1 + i2 * t2)[:, None] + (cols * t3)[None, :]  # (BLOCK_R, BLOCK_C)
-    packed = (rows * row_len)[:, None] + cols[None, :]
+    flat = (rows * row_len)[:, None] + cols[None, :]
     mask = (rows < num_rows)[:, None] & (cols < row_len)[None, :]
     if STRIDED_SRC:
         values = tl.load(src + strided, mask=mask)
-        tl.store(dst + packed, values, mask=mask)
+        tl.store(dst + flat, values, mask=mask)
     else:
-        values = tl.load(src + packed, mask=mask)
+        values = tl.load(src + flat, mask=mask)
         tl.store(dst + strided, values, mask=mask)

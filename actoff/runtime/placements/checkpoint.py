@@ -14,8 +14,8 @@ block): a zero-size leaf that requires grad is passed along, always. Tensors in 
 arguments become positional inputs (reentrant checkpointing takes no keywords), so they are
 stored, and come back, like the rest.
 
-The run again in backward leaves the block's modules as the forward left them (Note [re-forwards
-leave no trace] in actoff.tiers.tokenwise.isolation): forward hooks do not fire, and buffers and
+The run again in backward leaves the block's modules as the forward left them (Note [re-runs
+leave no trace] in actoff.rerun.isolation): forward hooks do not fire, and buffers and
 attributes it changes are given back when the checkpoint's backward node is done (the run's own
 backward reads the buffers as the run left them: BatchNorm saves its running statistics), so
 blocks sharing a module each give back their own changes, in turn. A block given a key/value cache is not checkpointed: run
@@ -33,12 +33,25 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-from actoff.tiers.tokenwise.isolation import forward_hooks_off, is_cache, left_as_found
+from actoff.rerun.isolation import forward_hooks_off, is_cache, left_as_found
+
+from .base import Call, Placement
 
 if TYPE_CHECKING:
-    from .step import ScopeRun
+    from ..step import ScopeRun
 
-__all__ = ["run_checkpointed"]
+__all__ = ["CheckpointPlacement"]
+
+
+class CheckpointPlacement(Placement):
+    """Only the block's inputs stored (on the policy's tier), the whole block run again in backward
+    (Note [offloaded checkpoint])."""
+
+    name = "checkpoint"
+    needs_call = True
+
+    def forward(self, call: Call) -> Any:
+        return run_checkpointed(self.run, call.fn, call.args, call.kwargs, call.module)
 
 
 def run_checkpointed(
@@ -50,7 +63,6 @@ def run_checkpointed(
     runtime = run.runtime
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if any(is_cache(leaf) for leaf in leaves):
-        run.checkpointed = False
         runtime.warn_once(
             "checkpoint:cache",
             f"actoff: block {run.name!r} (and others like it) is given a key/value cache: run again "
@@ -78,7 +90,7 @@ def run_checkpointed(
         try:
             if watch is None:
                 return fn(*call_args, **call_kwargs)
-            # Note [re-forwards leave no trace]; given back once this run's own backward is over
+            # Note [re-runs leave no trace]; given back once this run's own backward is over
             # (it still reads the buffers it used: BatchNorm's statistics), by `given_back`.
             found = left_as_found(module, values)
             found.__enter__()

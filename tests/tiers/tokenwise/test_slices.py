@@ -1,5 +1,5 @@
-"""The comparison of recomputed rows with the real ones (`actoff.tiers.tokenwise.reforward.rows_differ`), used by
-the probe, the sentinel rows and ACTOFF_VERIFY; and the probe's re-forward short of memory."""
+"""The comparison of recomputed rows with the real ones (`actoff.tiers.tokenwise.slices.rows_differ`), used by
+the probe, the sentinel rows and ACTOFF_VERIFY; and the probe's re-run short of memory."""
 
 import copy
 import warnings
@@ -9,8 +9,8 @@ from _helpers import RECOMPUTE_TOL, make_model
 
 import actoff
 from actoff.reference import Block
-from actoff.tiers.tokenwise import reforward
-from actoff.tiers.tokenwise.reforward import COMPARE_ELEMENTS, rows_differ, rows_match
+from actoff.tiers.tokenwise import slices as reforward
+from actoff.tiers.tokenwise.slices import COMPARE_ELEMENTS, rows_differ, rows_match
 
 
 def test_a_large_value_does_not_hide_a_difference_in_the_others():
@@ -58,7 +58,7 @@ def test_one_answer_for_many_pairs():
 
 
 def test_the_comparison_holds_a_few_pieces_not_float32_copies_of_the_whole():
-    """Found lowering auto's floor: the probe's re-forward fit, then its comparison ran out of
+    """Found lowering auto's floor: the probe's re-run fit, then its comparison ran out of
     memory, making float32 copies of all it compared (bf16 rows: four bytes an element each)."""
     from actoff.device.sim.memory import DeviceMemory
 
@@ -85,7 +85,7 @@ def test_the_pieces_share_the_whole_rows_mean_magnitude():
 
 
 def _probed_under(monkeypatch, fits: int):
-    """A recompute model trained two steps where a probe's re-forward longer than ``fits``
+    """A recompute model trained two steps where a probe's re-run longer than ``fits``
     tokens runs out of memory (what the first backward meets on a full device); the slice
     lengths the probe tried, the step's stats, and the gradients against the model alone."""
     real, tried = reforward.recompute, []
@@ -112,7 +112,7 @@ def _probed_under(monkeypatch, fits: int):
 
 
 def test_a_probe_short_of_memory_tries_a_shorter_slice(monkeypatch):
-    """(Note [a probe short of memory]) out of memory in the probe's re-forward is no verdict on
+    """(Note [a probe short of memory]) out of memory in the probe's re-run is no verdict on
     the block: it probed a slice PROBE_SHRINK times shorter, and the next step recomputes."""
     tried, stats, caught, model, reference = _probed_under(monkeypatch, fits=16)
     assert tried[:2] == [64, 64 // reforward.PROBE_SHRINK] == [64, 16]  # 128 tokens: half, then 16

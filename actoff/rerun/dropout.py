@@ -1,14 +1,14 @@
-"""Dropout in a re-forward: the forward's masks, drawn again at full length and sliced.
+"""Dropout in a re-run: the forward's masks, drawn again at full length and sliced.
 
-Note [dropout in a re-forward]: dropout draws a mask the size of its input, so a re-forward on a
+Note [dropout in a re-run]: dropout draws a mask the size of its input, so a re-run on a
 token slice would draw other masks (other values in every row). The forward notes the input
 shape and strides of each ``F.dropout`` call (`dropout_call`; ``nn.Dropout`` and PEFT's ``lora_dropout``
-call it), and the re-forward, which starts from the forward's RNG state, draws each mask again at
+call it), and the re-run, which starts from the forward's RNG state, draws each mask again at
 that full shape, in the same order, with the same kernel, so with the same random numbers, then
 takes the rows of its slice (`sliced_dropout`). What autograd saves is what the forward's call
 saved, on those rows: the scaled mask of the CPU kernel (``input * noise``), the boolean mask of
-the fused CUDA kernel (``native_dropout``). A block that draws random numbers a re-forward does
-not (dropout inside attention, which the re-forward serves from its stored output) shifts the
+the fused CUDA kernel (``native_dropout``). A block that draws random numbers a re-run does
+not (dropout inside attention, which the re-run serves from its stored output) shifts the
 later masks: its rows differ, the probe or the sentinel rows see it, and the block is placed
 whole.
 """
@@ -64,7 +64,7 @@ def sliced_dropout(
 ) -> torch.Tensor:
     """Dropout of ``x``, rows ``[start, start + len)`` along ``dim`` of the forward's input,
     whose shape and strides were ``full``, with the mask the forward drew for it (Note [dropout
-    in a re-forward]). The mask is drawn on a tensor laid out as that input was: the kernels
+    in a re-run]). The mask is drawn on a tensor laid out as that input was: the kernels
     draw in memory order, so a permuted input (``(B, S, H)`` seen from ``(S, B, H)``) gets
     another mask than a contiguous one.
 
@@ -82,6 +82,6 @@ def sliced_dropout(
             _, mask = torch.native_dropout(ones, p, True)
         else:
             noise = F.dropout(ones, p, True)  # the CPU kernel: ones * (bernoulli / (1 - p))
-    if x.device.type in _FUSED:  # with grad: the re-forward's graph saves the mask, as forward's did
+    if x.device.type in _FUSED:  # with grad: the re-run's graph saves the mask, as forward's did
         return _SavedMask.apply(x, mask.narrow(dim, start, length), 1.0 / (1.0 - p))
     return x * noise.narrow(dim, start, length)

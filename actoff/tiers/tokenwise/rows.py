@@ -1,5 +1,5 @@
-"""Packing token rows: gather the selected rows of several saved tensors into one contiguous
-staging buffer, and scatter them back. Triton kernels on CUDA; torch copies everywhere else.
+"""Token rows gathered: the selected rows of several saved tensors copied into one contiguous
+staging buffer, and scattered back. Triton kernels on CUDA; torch copies everywhere else.
 
 A source is a strided view (the rows ``[start, stop)`` of a record's canonical tensor); the
 staging buffer is uint8 and each source lands at a 16-byte-aligned byte offset in it.
@@ -12,17 +12,17 @@ import os
 
 import torch
 
-__all__ = ["pack_rows", "packed_offsets", "scatter_rows", "triton_available"]
+__all__ = ["gather_rows", "row_offsets", "scatter_rows", "triton_available"]
 
 _ALIGN = 16
 _MAX_DIMS = 4
 _BLOCK = 1024
 
 
-def packed_offsets(views: list[torch.Tensor]) -> tuple[list[int], int]:
+def row_offsets(views: list[torch.Tensor]) -> tuple[list[int], int]:
     """Byte offsets of each view in the staging buffer, and the buffer's size.
 
-    >>> packed_offsets([torch.empty(3), torch.empty(2, dtype=torch.float64)])
+    >>> row_offsets([torch.empty(3), torch.empty(2, dtype=torch.float64)])
     ([0, 16], 32)
     """
     offsets, total = [], 0
@@ -49,7 +49,7 @@ def triton_available() -> bool:
 
 @functools.cache
 def _kernel():
-    from .pack_triton import copy_rows  # imports triton: only when a kernel runs
+    from .rows_triton import copy_rows  # imports triton: only when a kernel runs
 
     return copy_rows
 
@@ -110,24 +110,36 @@ def _launch(strided: torch.Tensor, slot: torch.Tensor, *, strided_src: bool) -> 
     """Copy between ``strided`` and its contiguous ``slot``; False when the kernel cannot."""
     import triton
 
-    strided, packed = _as_int(strided), _as_int(slot)
+    strided, gathered = _as_int(strided), _as_int(slot)
     shape = _rows(strided) if strided is not None else None
     if shape is None:
         return False
     (n0, n1, n2, row_len), strides = shape
     num_rows = n0 * n1 * n2
     # A tile of about _BLOCK elements, as many rows as fit when rows are short, so the row index
-    # split is paid once per row (Note [index arithmetic], actoff.tiers.tokenwise.pack_triton).
+    # split is paid once per row (Note [index arithmetic], actoff.tiers.tokenwise.rows_triton).
     block_c = min(_BLOCK, triton.next_power_of_2(row_len))
     block_r = min(_BLOCK // block_c, triton.next_power_of_2(num_rows))
     grid = (triton.cdiv(num_rows, block_r) * triton.cdiv(row_len, block_c),)
-    src, dst = (strided, packed) if strided_src else (packed, strided)
-    _kernel()[grid](src, dst, num_rows, row_len, n1, n2, *strides,
-                    STRIDED_SRC=strided_src, BLOCK_R=block_r, BLOCK_C=block_c)  # fmt: skip
+    src, dst = (strided, gathered) if strided_src else (gathered, strided)
+    _kernel()[grid](
+        src,
+        dst,
+        num_rows,
+        row_len,
+        n1,
+        n2,
+        *strides,
+        STRIDED_SRC=strided_src,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+    )
     return True
 
 
-def pack_rows(views: list[torch.Tensor], *, use_triton: bool | None = None) -> tuple[torch.Tensor, list[int]]:
+def gather_rows(
+    views: list[torch.Tensor], *, use_triton: bool | None = None
+) -> tuple[torch.Tensor, list[int]]:
     """Copy each (strided) view into one new contiguous uint8 buffer; return it and the offsets.
 
     ``use_triton=None`` uses the Triton kernel for CUDA tensors when Triton is available. Every
@@ -135,11 +147,11 @@ def pack_rows(views: list[torch.Tensor], *, use_triton: bool | None = None) -> t
     do not merge, and conjugate views, take torch's copy.
 
     >>> base = torch.arange(24.0).view(2, 3, 4)
-    >>> buffer, offsets = pack_rows([base[:, 1:], base[:, :1]])
+    >>> buffer, offsets = gather_rows([base[:, 1:], base[:, :1]])
     >>> buffer[offsets[1]:].view(torch.float32)[:4].tolist()
     [0.0, 1.0, 2.0, 3.0]
     """
-    offsets, total = packed_offsets(views)
+    offsets, total = row_offsets(views)
     device = views[0].device if views else torch.device("cpu")
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     for view, offset in zip(views, offsets, strict=True):
@@ -149,9 +161,10 @@ def pack_rows(views: list[torch.Tensor], *, use_triton: bool | None = None) -> t
     return buffer, offsets
 
 
-def scatter_rows(buffer: torch.Tensor, offsets: list[int], views: list[torch.Tensor], *,
-                 use_triton: bool | None = None) -> None:  # fmt: skip
-    """Copy the packed rows back into each (strided) destination view, in place."""
+def scatter_rows(
+    buffer: torch.Tensor, offsets: list[int], views: list[torch.Tensor], *, use_triton: bool | None = None
+) -> None:
+    """Copy the gathered rows back into each (strided) destination view, in place."""
     for view, offset in zip(views, offsets, strict=True):
         slot = _slot(buffer, offset, view)
         if not (_use_triton(view, use_triton) and _launch(view, slot, strided_src=False)):

@@ -1,8 +1,8 @@
-"""The re-forward of a token-wise run on a token slice: the probe in a block's first backward, and
-the recompute of dropped rows in every backward.
+"""A block re-run on a token slice: the probe in a block's first backward, and the recompute of
+dropped rows in every backward.
 
-Note [token-wise re-forward]: the dropped rows of every saved tensor are rebuilt by re-running
-the block's forward on the sliced inputs (RNG state restored) while `ReforwardMode` serves the
+Note [token-wise re-run]: the dropped rows of every saved tensor are rebuilt by re-running
+the block's forward on the sliced inputs (RNG state restored) while `RerunMode` serves the
 token mixer's (attention's) output rows from its stored output. This is exact because a slice
 of a block's input gives the same slice of every token-local activation; only the mixer needs
 all tokens. Saved tensors arrive in the same order as in the forward pass (parameters,
@@ -10,38 +10,28 @@ recognised by storage, and the mixer's own saves are left out of the order on bo
 the i-th repacked tensor gives record i its rows. Any difference in count or shape is a
 mismatch.
 
-The re-forward leaves nothing behind: Note [re-forwards leave no trace]
-(actoff.tiers.tokenwise.isolation).
+The re-run leaves nothing behind: Note [re-runs leave no trace] (actoff.rerun.isolation).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from actoff.tiers.record import Record, param_like, serve
+from actoff.params import param_like
+from actoff.rerun.isolation import forward_hooks_off, left_as_found, without_caches
+from actoff.rerun.state import with_status
+from actoff.tiers.record import Record, serve
 
-from .isolation import forward_hooks_off, left_as_found, without_caches
-from .mixers import ReforwardMismatch, ReforwardMode, rows_like, slice_inputs, with_status
+from .mixers import RerunMismatch, RerunMode, rows_like, slice_inputs
 from .tokens import Canon, detect_canon
 
 if TYPE_CHECKING:
-    from .run import TokenwiseRun
+    from .split import Split
 
-__all__ = [
-    "Resave",
-    "autocast_state",
-    "forward_state",
-    "low_precision",
-    "probe",
-    "recompute",
-    "rows_differ",
-    "rows_match",
-]
+__all__ = ["Resave", "probe", "recompute", "rows_differ", "rows_match"]
 
 
 def rows_match(original: torch.Tensor, recomputed: torch.Tensor, half: bool = False) -> bool:
@@ -54,7 +44,7 @@ def rows_match(original: torch.Tensor, recomputed: torch.Tensor, half: bool = Fa
 
 def rows_differ(pairs: list[tuple[torch.Tensor, torch.Tensor]], half: bool = False) -> bool:
     """Whether any ``(original, recomputed)`` pair fails `rows_match`, with one wait for the device
-    for them all (Note [sentinel rows], actoff.tiers.tokenwise.sentinels).
+    for them all (Note [sentinel rows], actoff.tiers.split.sentinels).
 
     >>> rows = torch.ones(2, 4)
     >>> rows_differ([(rows, rows + 1e-7)]), rows_differ([(rows, rows + 1e-3)])
@@ -104,7 +94,7 @@ def _pieces(original: torch.Tensor, recomputed: torch.Tensor) -> list[tuple[torc
 
 
 def probe(
-    tokenwise: TokenwiseRun, candidates: list[Record], originals: dict[int, torch.Tensor]
+    split: Split, candidates: list[Record], originals: dict[int, torch.Tensor]
 ) -> tuple[dict[int, Canon] | None, str]:
     """Re-run the block on its last tokens, in the backward of its first step, with the
     forward's saves at hand (``originals``: each candidate's tensor, by record index): find each
@@ -113,8 +103,8 @@ def probe(
     Returns ``{record index: Canon}`` for the records it can split, or ``None`` and the
     reason it fails.
     """
-    seq_len = tokenwise.seq_len
-    ranges = tokenwise.ranges  # None on auto's first step: its fractions are not decided yet
+    seq_len = split.seq_len
+    ranges = split.ranges  # None on auto's first step: its fractions are not decided yet
     recompute_len = ranges.recompute_len if ranges is not None else 0
     length = recompute_len if 0 < recompute_len < seq_len else seq_len // 2
     if length < 1:
@@ -122,13 +112,13 @@ def probe(
     while True:
         start, short_of_memory = seq_len - length, False
         try:
-            saved = recompute(tokenwise, start, seq_len, detect=candidates)
+            saved = recompute(split, start, seq_len, detect=candidates)
             break
-        except ReforwardMismatch as error:
+        except RerunMismatch as error:
             return None, str(error)
         except torch.OutOfMemoryError as error:
             # A shorter slice asks less (Note [a probe short of memory]); retried outside the
-            # handler, whose traceback holds the failed re-forward's tensors.
+            # handler, whose traceback holds the failed re-run's tensors.
             short_of_memory = length // PROBE_SHRINK >= PROBE_MIN_TOKENS
             if not short_of_memory:
                 return None, _raised(start, seq_len, error)
@@ -137,7 +127,7 @@ def probe(
         if short_of_memory:
             length //= PROBE_SHRINK
     canons: dict[int, Canon] = {}
-    half = low_precision(tokenwise)  # a float32 value of a bf16 product: a rounding
+    half = split.half_precision  # a float32 value of a bf16 product: a rounding
     for record in candidates:
         recomputed = saved.get(record.index)
         if recomputed is None:
@@ -152,7 +142,7 @@ def probe(
         if not rows_match(original, recomputed.base if canon.on_base else recomputed.view, half):
             return None, (
                 f"saved tensor {record.index} (shape {list(record.geometry.size)}) differs after "
-                f"recompute on tokens [{start}, {seq_len}) ({_likely_cause(tokenwise.module)})"
+                f"recompute on tokens [{start}, {seq_len}) ({_likely_cause(split.module)})"
             )
         canons[record.index] = canon
     if not canons:
@@ -161,17 +151,17 @@ def probe(
 
 
 # Note [a probe short of memory]: the probe runs in backward with the block's saves served whole,
-# so its re-forward's saves come on top of them. Out of memory there says nothing about whether
+# so its re-run's saves come on top of them. Out of memory there says nothing about whether
 # the block can be recomputed: the probe tries a slice PROBE_SHRINK times shorter (the token
 # dimension is still the one that shrank), down to PROBE_MIN_TOKENS, and only then gives up.
 # Its check of the rows then compares COMPARE_ELEMENTS at a time, so its temporaries do not ask
-# for more than the re-forward did.
+# for more than the re-run did.
 PROBE_SHRINK = 4
 PROBE_MIN_TOKENS = 8
 
 
 def _raised(start: int, seq_len: int, error: BaseException) -> str:
-    return f"the re-forward on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}"
+    return f"the re-run on tokens [{start}, {seq_len}) raised {type(error).__name__}: {error}"
 
 
 def _likely_cause(module: torch.nn.Module | None) -> str:
@@ -182,7 +172,7 @@ def _likely_cause(module: torch.nn.Module | None) -> str:
         for name, sub in (module.named_modules() if module is not None else ())
         if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.training and sub.p > 0
     ]
-    if dropouts:  # Note [dropout in a re-forward] (actoff.tiers.tokenwise.dropout)
+    if dropouts:  # Note [dropout in a re-run] (actoff.tiers.split.dropout)
         return (
             f"its dropout module{'s' if len(dropouts) > 1 else ''} {', '.join(dropouts)} in training mode "
             "could not draw the forward's masks again: random numbers drawn inside its token mixer "
@@ -196,11 +186,11 @@ def _likely_cause(module: torch.nn.Module | None) -> str:
 
 
 class Resave(NamedTuple):
-    """What the probe keeps of a re-forward save: shapes and detached rows, never the tensor.
+    """What the probe keeps of a re-run save: shapes and detached rows, never the tensor.
 
-    Note [probe keeps no graph]: the probe keeps re-forward saves detached, never as they are.
-    A re-forward save is an intermediate whose ``grad_fn`` holds the saved-tensor hooks of the
-    re-forward, whose pack closure holds the dictionary of saves, the token-wise run and its
+    Note [probe keeps no graph]: the probe keeps re-run saves detached, never as they are.
+    A re-run save is an intermediate whose ``grad_fn`` holds the saved-tensor hooks of the
+    re-run, whose pack closure holds the dictionary of saves, the token-wise run and its
     step: a cycle through C++ autograd that Python's collector cannot see, so every probe (one
     per block and new sequence length) would leak its step. Detached tensors hold only memory.
     """
@@ -211,101 +201,85 @@ class Resave(NamedTuple):
     base: torch.Tensor | None  # detached ``_base``
 
 
-def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype, bool], ...]:
-    """Autocast as it is now, for the CPU and ``device``'s type: ``(device type, enabled,
-    dtype, weight cache enabled)`` each. Part of what decides what autograd saves.
-
-    >>> autocast_state(torch.device("cpu"))
-    (('cpu', False, torch.bfloat16, True),)
-    """
-    device_types = ("cpu",) if device.type == "cpu" else ("cpu", device.type)
-    cache = torch.is_autocast_cache_enabled()
-    return tuple(
-        (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), cache)
-        for kind in device_types
-    )
-
-
-_HALF = (torch.bfloat16, torch.float16)
-
-
-def low_precision(tokenwise: TokenwiseRun) -> bool:
-    """Whether a token-wise run's block computes in half precision: under half-precision autocast
-    (`autocast_state`), with a half-precision parameter or input. A float32 value computed from
-    a bf16 product (a norm's statistics) may be a bf16 rounding off on fewer rows."""
-    if any(enabled and dtype in _HALF for _, enabled, dtype, _ in tokenwise.autocast):
-        return True
-    module = tokenwise.module
-    if module is not None and any(p.dtype in _HALF for p in module.parameters()):
-        return True
-    dtypes = (
-        v.geometry.dtype if isinstance(v, Record) else getattr(v, "dtype", None) for v in tokenwise.inputs
-    )
-    return any(dtype in _HALF for dtype in dtypes)
-
-
-@contextlib.contextmanager
-def forward_state(tokenwise: TokenwiseRun) -> Iterator[None]:
-    """Note [re-forward state]: run under the grad mode and autocast state of the forward pass.
-
-    Whether an operation saves an operand, and in which dtype, depends on grad mode and on
-    autocast (under autocast a linear layer saves the bf16 cast of its weight). Backward runs
-    with grad off and usually outside the training loop's autocast region, and the probe
-    could run under another state than the step it recomputes for: so both set the captured state.
-    """
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.set_grad_enabled(tokenwise.grad_enabled))
-        for device_type, enabled, dtype, cache in tokenwise.autocast:
-            stack.enter_context(
-                torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
-            )
-        yield
-
-
 def recompute(
-    tokenwise: TokenwiseRun, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
+    split: Split, start: int, stop: int, *, detect: list[Record] | None = None, keep_from: int = 0
 ) -> dict[int, Resave | torch.Tensor]:
-    """The block's forward on token rows ``[start, stop)`` (Note [token-wise re-forward]); of each
+    """The block's forward on token rows ``[start, stop)`` (Note [token-wise re-run]); of each
     record, the rows from token ``keep_from`` on are kept (a copy, when it is not ``start``).
 
-    Returns, per record, its re-forward save: for ``detect``'s records a `Resave` (to find
+    Returns, per record, its re-run save: for ``detect``'s records a `Resave` (to find
     the token dimension), else the rows in the record's canonical shape (detached).
     """
-    run = tokenwise.run
-    runtime = run.runtime
-    length = stop - start
-    values = [serve(v) if isinstance(v, Record) else v for v in tokenwise.inputs]
-    with forward_state(tokenwise):  # backward runs with grad off; the sliced inputs need it on
-        sliced = slice_inputs(
-            values, tokenwise.input_status, tokenwise.seq_len, run.config.token_dim, start, stop
-        )
-    # Note [re-forwards leave no trace] (actoff.tiers.tokenwise.isolation): no cache is written.
+    run = split.run
+    values = [serve(v) if isinstance(v, Record) else v for v in split.inputs]
+    with split.forward.restored():  # backward runs with grad off; the sliced inputs need it on
+        sliced = slice_inputs(values, split.input_status, split.seq_len, run.config.token_dim, start, stop)
+    # Note [re-runs leave no trace] (actoff.rerun.isolation): no cache is written.
     sliced = without_caches(sliced)
-    args, kwargs = pytree.tree_unflatten(sliced, tokenwise.input_spec)
+    args, kwargs = pytree.tree_unflatten(sliced, split.input_spec)
     mixer_rows = []
-    for value, dim, status in tokenwise.mixer_outputs:
+    for value, dim, status in split.mixer_outputs:
         if dim is None:
-            raise ReforwardMismatch("a token mixer's output has no token dimension actoff can find")
+            raise RerunMismatch("a token mixer's output has no token dimension actoff can find")
         whole = serve(value) if isinstance(value, Record) else value
-        with forward_state(tokenwise):  # rows that require grad, as the mixer's output did
+        with split.forward.restored():  # rows that require grad, as the mixer's output did
             mixer_rows.append(with_status(status, rows_like(whole, dim, start, stop)))
-    wanted = {r.index: r for r in (detect if detect is not None else tokenwise.split_records)}
-    events, rows, count = tokenwise.events, {}, [0]
+    wanted = {r.index: r for r in (detect if detect is not None else split.records)}
+    resaves = _Resaves(split, wanted, stop - start, detect is not None, keep_from - start)
+    mode = RerunMode(mixer_rows, split.dropouts, split.seq_len, start, stop)
+    devices = [run.device] if run.device.type == "cuda" else []
+    # Scopes inside the block pass through (run.nested).
+    with run.nested(), torch.random.fork_rng(devices=devices), split.forward.restored():
+        torch.set_rng_state(split.rng[0])
+        if split.rng[1] is not None:
+            torch.cuda.set_rng_state(split.rng[1], run.device)
+        hooks = torch.autograd.graph.saved_tensors_hooks(resaves.pack, lambda packed: packed)
+        found = left_as_found(split.module, sliced, split.touched)
+        with hooks, mode, found, forward_hooks_off(split.module, split.touched):
+            split.fn(*args, **kwargs)
+    events, rows = split.events, resaves.rows
+    if resaves.count != len(events):
+        raise RerunMismatch(
+            f"the re-run saved {resaves.count} tensors, the forward {len(events)} (a loop over the "
+            "tokens, as a scan's, or control flow that depends on the length?)"
+        )
+    if mode.calls != len(mixer_rows):
+        raise RerunMismatch(
+            f"the re-run called the token mixer {mode.calls} times, the forward {len(mixer_rows)}"
+        )
+    if detect is None:
+        missing = [i for i in wanted if i not in rows]
+        if missing:
+            raise RerunMismatch(f"the re-run did not produce records {missing}")
+    return rows
 
-    def pack(tensor: torch.Tensor) -> None:
+
+class _Resaves:
+    """The pack hook of a re-run: the i-th save (parameters left out, as in the forward) gives
+    the forward's i-th record its rows (Note [token-wise re-run]); ``detect``: keep `Resave`s,
+    to find each record's token dimension; ``keep``: the rows kept start that far into the slice."""
+
+    def __init__(self, split: Split, wanted: dict[int, Record], length: int, detect: bool, keep: int) -> None:
+        self.split, self.wanted, self.length, self.detect, self.keep = split, wanted, length, detect, keep
+        self.rows: dict[int, Resave | torch.Tensor] = {}
+        self.count = 0
+
+    def pack(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
-        if isinstance(tensor, torch.nn.Parameter) or param_like(tensor, storage, run.param_storages):
+        if isinstance(tensor, torch.nn.Parameter) or param_like(
+            tensor, storage, self.split.run.param_storages
+        ):
             return None
-        k = count[0]
-        count[0] += 1
+        k, events = self.count, self.split.events
+        self.count += 1
         if k >= len(events):
-            raise ReforwardMismatch(f"the re-forward saved more tensors than the forward ({len(events)})")
-        record = wanted.get(events[k])
-        if record is None or record.index in rows:
+            raise RerunMismatch(f"the re-run saved more tensors than the forward ({len(events)})")
+        record = self.wanted.get(events[k])
+        if record is None or record.index in self.rows:
             return None
-        if detect is not None:  # Note [probe keeps no graph]
+        if self.detect:  # Note [probe keeps no graph]
             base = tensor._base
-            rows[record.index] = Resave(
+            self.rows[record.index] = Resave(
                 tuple(tensor.shape),
                 None if base is None else tuple(base.shape),
                 tensor.detach(),
@@ -313,43 +287,14 @@ def recompute(
             )
             return None
         expected = list(record.canon.shape)
-        expected[record.canon.dim] = length
+        expected[record.canon.dim] = self.length
         candidate = record.canon.source(tensor)
         if candidate is None or list(candidate.shape) != expected:
-            raise ReforwardMismatch(
+            raise RerunMismatch(
                 f"saved tensor {k} has shape {list(tensor.shape)}; the forward's record "
-                f"{record.index} needs {expected} on {length} tokens"
+                f"{record.index} needs {expected} on {self.length} tokens"
             )
-        if keep_from > start:  # a copy: the rows before it go with the re-forward
-            candidate = candidate.narrow(record.canon.dim, keep_from - start, stop - keep_from).clone()
-        rows[record.index] = candidate.detach()
+        if self.keep > 0:  # a copy: the rows before it go with the re-run
+            candidate = candidate.narrow(record.canon.dim, self.keep, self.length - self.keep).clone()
+        self.rows[record.index] = candidate.detach()
         return None
-
-    mode = ReforwardMode(mixer_rows, tokenwise.dropouts, tokenwise.seq_len, start, stop)
-    devices = [run.device] if run.device.type == "cuda" else []
-    runtime.thread.stack.append(run)  # nested scopes inside the block pass through
-    try:
-        with torch.random.fork_rng(devices=devices), forward_state(tokenwise):
-            torch.set_rng_state(tokenwise.rng[0])
-            if tokenwise.rng[1] is not None:
-                torch.cuda.set_rng_state(tokenwise.rng[1], run.device)
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed)
-            found = left_as_found(tokenwise.module, sliced, tokenwise.touched)
-            with hooks, mode, found, forward_hooks_off(tokenwise.module, tokenwise.touched):
-                tokenwise.fn(*args, **kwargs)
-    finally:
-        runtime.thread.stack.pop()
-    if count[0] != len(events):
-        raise ReforwardMismatch(
-            f"the re-forward saved {count[0]} tensors, the forward {len(events)} (a loop over the "
-            "tokens, as a scan's, or control flow that depends on the length?)"
-        )
-    if mode.calls != len(mixer_rows):
-        raise ReforwardMismatch(
-            f"the re-forward called the token mixer {mode.calls} times, the forward {len(mixer_rows)}"
-        )
-    if detect is None:
-        missing = [i for i in wanted if i not in rows]
-        if missing:
-            raise ReforwardMismatch(f"the re-forward did not produce records {missing}")
-    return rows
