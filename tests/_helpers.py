@@ -73,10 +73,10 @@ def train(
     return history
 
 
-def train_ddp(model: torch.nn.Module, lengths: list[int], rank: int):
+def train_ddp(model: torch.nn.Module, lengths: list[int], rank: int, *, find_unused: bool = False):
     """DDP around ``model``, one SGD step per sequence length (tokens drawn per rank); per
     step the loss and the gradients, in parameter order. Needs an initialised process group."""
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     history = []

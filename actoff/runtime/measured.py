@@ -141,8 +141,8 @@ def observe(entry: Measured, state: AutoRun) -> None:
     token-wise placement sorts them), times from warm steps."""
     if state.placement is None and state.classes is not None:
         entry.input_bytes, entry.attention_bytes, entry.local_bytes, entry.tokenwise = state.classes
-    if state.run.placement.calls_collective:
-        entry.rerun = False  # a re-run would call the collective again, on this rank alone
+    if state.run.placement.rerun_unsafe:
+        entry.rerun = False  # a collective called again on one rank, or a changed input
     if entry.steps < 2:
         return  # cold: the probe's re-run, the allocators and kernels warming up
     # The least forward time seen, and attention's share in the step that gave it: figures

@@ -195,17 +195,27 @@ class Record:
 
     def check_version(self) -> None:
         """Raise autograd's in-place error if the saved tensor was modified since it was saved
-        (Note [version check])."""
+        (Note [version check]); a released record holds nothing to read."""
+        if self.changed():
+            alias = self._alias()
+            raise modified_error(
+                self.geometry.size, self.geometry.dtype, self.run.name, alias._version, self.saved_version
+            )
+
+    def changed(self) -> bool:
+        """Whether the saved tensor was modified in place since it was saved (Note [version check])."""
+        if self.state is State.RELEASED:
+            return False
+        alias = self._alias()
+        return alias is not None and alias._version != self.saved_version
+
+    def _alias(self) -> torch.Tensor | None:
         alias = None
         if self.state in (State.RESIDENT, State.OFFLOADING):  # later: a copy brought back
             alias = self.device_tensor if self.device_tensor is not None else self.copy_source
         if alias is None:
             alias = self.source()  # the tensor itself, while it lives
-        if alias is None or alias._version == self.saved_version:
-            return
-        raise modified_error(
-            self.geometry.size, self.geometry.dtype, self.run.name, alias._version, self.saved_version
-        )
+        return alias
 
     def what(self) -> str:
         """The record in messages: ``block 'layers.3' record 5 (shape [2, 32, 64] float32)``."""

@@ -244,3 +244,133 @@ def test_a_block_given_a_cache_is_placed_whole_with_one_warning():
     for layer, other in zip(out.past_key_values.layers, expected.past_key_values.layers, strict=True):
         assert layer.keys.shape == other.keys.shape  # 32 positions, written once
     assert actoff.stats().blocks["model.layers.0"].bytes_per_tier["cpu"] > 0
+
+
+# ------------------------------------------------- any output structure (issue 35: the reentrant checkpoint
+# carried only top-level tensors of a tuple: the rest came back detached, gradients None or off)
+class _Structured(nn.Module):
+    """A block returning its hidden states with an auxiliary output, in a structure of ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear, self.router = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = x + torch.tanh(self.linear(x))
+        aux = self.router(h).softmax(-1).pow(2).mean()
+        if self.kind == "dict":  # as Hugging Face ModelOutput-style blocks return
+            return {"hidden": h, "aux": aux}
+        if self.kind == "list":
+            return [h, aux]
+        if self.kind == "moe":  # an MoE block's (h, [router_logits])
+            return h, [self.router(h)]
+        return h, (aux,)  # an auxiliary loss nested in a tuple
+
+
+def _unpack(kind, out):
+    if kind == "dict":
+        return out["hidden"], out["aux"]
+    if kind == "list":
+        return out[0], out[1]
+    if kind == "moe":
+        return out[0], out[1][0].pow(2).mean()
+    return out[0], out[1][0]
+
+
+def _structured_grads(kind, policy, **settings):
+    torch.manual_seed(0)
+    embed = nn.Embedding(32, 16)
+    blocks = nn.ModuleList(_Structured(kind) for _ in range(3))
+    if policy is not None:
+        actoff.offload_(blocks, block_cls=_Structured, policy=policy, min_bytes=0, **settings)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    x, total_aux = embed(tokens), 0.0
+    for block in blocks:
+        x, aux = _unpack(kind, block(x))
+        total_aux = total_aux + aux
+    loss = x.pow(2).mean() + 0.5 * total_aux
+    loss.backward()
+    return loss.detach(), [p.grad for p in (*embed.parameters(), *blocks.parameters())]
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "moe", "nested"])
+def test_any_output_structure_keeps_its_gradients(kind):
+    expected_loss, expected = _structured_grads(kind, None)
+    loss, grads = _structured_grads(kind, "checkpoint")
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    assert all(grad is not None for grad in grads), "a parameter before or inside the blocks got no gradient"
+    for actual, wanted in zip(grads, expected, strict=True):  # the same kernels on the same shapes
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
+
+
+def test_autograd_grad_and_backward_with_inputs_work_as_without_actoff():
+    """Reentrant checkpointing refused both ('use_reentrant=True is incompatible'), advice only
+    actoff could follow."""
+    results = []
+    for policy in (None, "checkpoint"):
+        actoff.reset()
+        torch.manual_seed(0)
+        model = make_model(num_layers=2)
+        if policy is not None:
+            _checkpointed(model)
+        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+        params = [p for name, p in model.named_parameters() if "layers" in name]
+        grads = torch.autograd.grad(model.loss(tokens), params)
+        model.loss(tokens).backward(inputs=params[:2])
+        results.append((grads, [p.grad for p in params[:2]]))
+    for actual, wanted in zip(results[1][0] + tuple(results[1][1]), results[0][0] + tuple(results[0][1]), strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
+
+
+class _Scaling(nn.Module):
+    """A block that scales its input in place first (with autograd, or under no_grad)."""
+
+    def __init__(self, under_no_grad: bool) -> None:
+        super().__init__()
+        self.linear, self.under_no_grad = nn.Linear(16, 16), under_no_grad
+
+    def forward(self, x):
+        if self.under_no_grad:
+            with torch.no_grad():
+                x.mul_(2)
+        else:
+            x = x.mul_(2)
+        return x + torch.tanh(self.linear(x))
+
+
+def _scaling_grads(policy, under_no_grad):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Scaling(under_no_grad) for _ in range(3))
+    if policy is not None:
+        actoff.offload_(blocks, block_cls=_Scaling, policy=policy, min_bytes=0)
+    start = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = start * 1.0
+    for block in blocks:
+        x = block(x)
+    x.pow(2).mean().backward()
+    return [start.grad, *(p.grad for p in blocks.parameters())]
+
+
+@pytest.mark.parametrize("under_no_grad", [False, True], ids=["autograd", "no_grad"])
+def test_a_block_writing_into_its_input_is_refused_before_a_wrong_gradient(under_no_grad):
+    """Note [inputs changed in place]: run again from the changed input, the block computed
+    something else: with autograd, reentrant checkpointing raised 'a leaf Variable ... in-place'
+    in backward; under no_grad the gradients were off by up to 2.2, without a word."""
+    from actoff.runtime.placements.checkpoint import InputChangedError
+
+    with pytest.raises(InputChangedError, match=r"block '0' wrote into its input .*\(x = x.clone\(\)\)"):
+        _scaling_grads("checkpoint", under_no_grad)
+
+
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+@pytest.mark.parametrize("under_no_grad", [False, True], ids=["autograd", "no_grad"])
+def test_a_token_wise_block_writing_into_its_input_is_placed_whole(policy, under_no_grad):
+    """The token-wise placements raised autograd's in-place error where the model trains: the
+    input they keep for the re-run was changed. Now each block is placed whole, one warning each."""
+    expected = _scaling_grads(None, under_no_grad)
+    with pytest.warns(RuntimeWarning, match="writes into its input in place") as caught:
+        actual = _scaling_grads(policy, under_no_grad)
+    assert sorted(str(w.message).split("'")[1] for w in caught if "in place" in str(w.message)) == ["0", "1", "2"]
+    for got, wanted in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, wanted, rtol=0, atol=0)

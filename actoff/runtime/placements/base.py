@@ -148,9 +148,10 @@ class Placement:
         return False
 
     @property
-    def calls_collective(self) -> bool:
-        """Whether the block's forward called a collective outside a token mixer (a re-run on one
-        rank would call it again)."""
+    def rerun_unsafe(self) -> bool:
+        """Whether running the block again would not give its forward's values: its forward
+        called a collective outside a token mixer (a re-run on one rank would call it again) or
+        wrote into an input in place (Note [inputs changed in place])."""
         return False
 
     def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:

@@ -127,8 +127,8 @@ class TokenwisePlacement(Placement):
         return self.active and bool(self.split.records)
 
     @property
-    def calls_collective(self) -> bool:
-        return self.active and self.split.collective is not None
+    def rerun_unsafe(self) -> bool:
+        return self.active and (self.split.collective is not None or self.split.writes_inputs)
 
     def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:
         split = self.split

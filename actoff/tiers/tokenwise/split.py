@@ -55,6 +55,7 @@ class Split:
         self.events: list[int] = []  # record index per non-parameter save, -1: not a record
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
+        self.writes_inputs = False  # the forward wrote into an input kept for the re-run
         self.touched: list[torch.nn.Module] = []  # a function scope's modules (CaptureMode)
         # Input shape and strides of each dropout: Note [dropout in a re-run]
         self.dropouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -163,6 +164,16 @@ class Split:
         records is placed whole."""
         if self.saved_elsewhere is not None:
             return  # checkpointed inside the scope: its inputs only, placed whole
+        if any(isinstance(value, Record) and value.changed() for value in self.inputs):
+            # Note [inputs changed in place] (actoff.runtime.placements.checkpoint): a re-run
+            # would start from the changed input. Placed whole: every save of this forward is
+            # here, and the inputs kept for a re-run go unread.
+            self.writes_inputs = True
+            self.fall_back(
+                "it writes into its input in place, and a re-run would start from the changed input "
+                "(clone the input inside the block to recompute it)"
+            )
+            return
         candidates = [r for r in self.run.records if not r.whole and not r.geometry.compact]
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:
