@@ -319,7 +319,8 @@ def test_autograd_grad_and_backward_with_inputs_work_as_without_actoff():
         grads = torch.autograd.grad(model.loss(tokens), params)
         model.loss(tokens).backward(inputs=params[:2])
         results.append((grads, [p.grad for p in params[:2]]))
-    for actual, wanted in zip(results[1][0] + tuple(results[1][1]), results[0][0] + tuple(results[0][1]), strict=True):
+    (expected_grads, expected_inputs), (grads, inputs_grads) = results
+    for actual, wanted in zip((*grads, *inputs_grads), (*expected_grads, *expected_inputs), strict=True):
         torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
 
 
@@ -371,6 +372,7 @@ def test_a_token_wise_block_writing_into_its_input_is_placed_whole(policy, under
     expected = _scaling_grads(None, under_no_grad)
     with pytest.warns(RuntimeWarning, match="writes into its input in place") as caught:
         actual = _scaling_grads(policy, under_no_grad)
-    assert sorted(str(w.message).split("'")[1] for w in caught if "in place" in str(w.message)) == ["0", "1", "2"]
+    warned = sorted(str(w.message).split("'")[1] for w in caught if "in place" in str(w.message))
+    assert warned == ["0", "1", "2"]
     for got, wanted in zip(actual, expected, strict=True):
         torch.testing.assert_close(got, wanted, rtol=0, atol=0)
