@@ -4,11 +4,12 @@ object, never to its name (FIELD_NOTES: a module's name is not its identity)."""
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ByOwner"]
+__all__ = ["ByOwner", "Recent"]
 
 V = TypeVar("V")
 
@@ -61,3 +62,36 @@ class ByOwner(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+K = TypeVar("K")
+
+
+class Recent(collections.OrderedDict, Generic[K, V]):
+    """A dict that keeps its ``limit`` most recently set or read entries: what is learned per
+    conditions or per step of blocks stays bounded however many a run goes through (Note [what a
+    key keeps] in actoff.rerun.conditions).
+
+    >>> seen = Recent(limit=2)
+    >>> seen["a"], seen["b"] = 1, 2
+    >>> seen.get("a"); seen["c"] = 3
+    1
+    >>> list(seen)
+    ['a', 'c']
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+    def get(self, key: K, default: V | None = None) -> V | None:
+        if key in self:
+            self.move_to_end(key)
+            return super().__getitem__(key)
+        return default

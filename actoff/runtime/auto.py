@@ -121,7 +121,7 @@ class AutoObserver(AutoPlans):
         if state is None:
             return
         if state.placement is None:
-            state.input_bytes = input_bytes(run, call.flattened(run.device).values)
+            state.input_bytes = input_bytes(run, call.flattened(run.device, run.config.token_dim).values)
         state.forward_watch = run.backend.stopwatch().start()
         run.placement.time_mixers()
 
@@ -185,7 +185,7 @@ class AutoObserver(AutoPlans):
         self.sample(run)
         if self.budget(run) is None:
             return KeptPlacement(run)  # no budget: nothing to fit
-        key = BlockKey(call.owner, call.flattened(run.device).conditions)
+        key = BlockKey(call.owner, call.flattened(run.device, run.config.token_dim).conditions)
         by_conditions = self.blocks.setdefault(key.owner, dict)
         entry = by_conditions.get(key.conditions)
         if entry is None:

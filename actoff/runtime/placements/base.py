@@ -61,10 +61,10 @@ class Call:
         """What is learned about the block belongs to: its module, or a function scope's function."""
         return self.module if self.module is not None else self.fn
 
-    def flattened(self, device: torch.device) -> FlatCall:
+    def flattened(self, device: torch.device, token_dim: int) -> FlatCall:
         """The call flattened (`FlatCall`), computed at the first ask."""
         if self.flat is None:
-            self.flat = FlatCall.of(self.args, self.kwargs, self.module, device)
+            self.flat = FlatCall.of(self.args, self.kwargs, self.module, device, token_dim)
         return self.flat
 
     def run(self) -> Any:

@@ -53,7 +53,9 @@ class TokenwisePlacement(Placement):
         """Before the body runs: what a re-run needs, and what probes learned of the block."""
         run = self.run
         learned = run.runtime.probe_results.setdefault(call.owner, ModuleProbes)
-        if not self.split.capture(call.fn, call.module, call.flattened(run.device), learned):
+        if not self.split.capture(
+            call.fn, call.module, call.flattened(run.device, run.config.token_dim), learned
+        ):
             self.active = False  # placed whole: the pack hook treats it as such
             self.notes_saves, self.shares_views = False, True
 

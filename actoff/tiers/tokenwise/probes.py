@@ -18,7 +18,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from actoff.owners import Recent
+
 from .tokens import Canon
+
+#: Conditions a module's probe results are kept for (the most recent).
+KEYS_KEPT = 32
 
 __all__ = ["ModuleProbes", "ProbeResult", "transferred"]
 
@@ -81,9 +86,12 @@ class ModuleProbes:
     """What probes learned about one module (or function), per `conditions` key, and the last
     result per key of every length (Note [a probe serves other lengths])."""
 
-    results: dict[tuple, ProbeResult] = field(default_factory=dict)
-    verdicts: dict[tuple, str] = field(default_factory=dict)  # placed whole under these, and why
-    any_length: dict[tuple, ProbeResult] = field(default_factory=dict)
+    # Each keeps its most recent keys (Note [what a key keeps] in actoff.rerun.conditions).
+    results: dict[tuple, ProbeResult] = field(default_factory=lambda: Recent(KEYS_KEPT))
+    verdicts: dict[tuple, str] = field(
+        default_factory=lambda: Recent(KEYS_KEPT)
+    )  # placed whole under these, and why
+    any_length: dict[tuple, ProbeResult] = field(default_factory=lambda: Recent(KEYS_KEPT))
     warned: bool = False  # one fallback warning per module, whatever the conditions
 
     def fall_back(self, conditions: tuple, block: str, tier: str, reason: str) -> None:
