@@ -50,12 +50,14 @@ class Arenas(dict):
         return arena
 
     def for_device(self, backend: DeviceBackend, config: Config, budget: int | None) -> HostArena:
-        """The arena of ``backend``'s device under ``budget`` (the config in force decides it);
-        its trace starts here when the planner is on (every step is traced from then on)."""
+        """The arena of ``backend``'s device under ``budget`` and the config's pinned budget (the
+        config in force decides them); its trace starts here when the planner is on (every step
+        is traced from then on)."""
         arena = self.get(backend)
         if arena is None:
             arena = self[backend] = HostArena(backend, budget)
         arena.budget = budget
+        arena.memory.pinned_budget = config.pinned_budget  # a process's own (the cap is on pinning)
         if config.planner != "off" and not arena.tracing:
             arena.take_trace()
             arena.tracing = True  # the planner lays out each step that did not keep to a plan

@@ -13,8 +13,9 @@ when its last slot is freed. The first step may need several chunks; when a step
 chunk empty, they are replaced by one chunk as large as the step's high-water mark, so later
 steps of the same shape allocate nothing (`num_allocations` stays put: the tests count it).
 
-Chunks are sized as the host allocator really holds them (Note [pinned footprint],
-actoff.memory.host_chunks).
+Chunks come from `HostMemory` (actoff.memory.host_chunks), sized as the host allocator really
+holds them (Note [pinned footprint]), pinned until the pinned budget or the system refuses, then
+pageable (Note [pageable fallback]).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from actoff.device.base import DeviceBackend
 
-from .host_chunks import ALIGNMENT, Chunk, align_up, chunk_of, chunk_request, lowest_fit
+from .host_chunks import ALIGNMENT, Chunk, HostMemory, align_up, lowest_fit
 from .host_plans import HostPlan, HostPlans
 
 # Trace generations are unique in the process: a slot freed after actoff.reset() (a graph that
@@ -87,7 +88,7 @@ class HostArena:
     def __init__(self, backend: DeviceBackend, budget: int | None = None) -> None:
         self.backend = backend
         self.budget = budget
-        self.num_allocations = 0  # host buffers ever allocated (cudaHostAlloc on CUDA)
+        self.memory = HostMemory(backend)  # pinned, or pageable past `memory.pinned_budget`
         self.high_water = 0  # most bytes in use at once since the last consolidation
         self._chunks: list[Chunk] = []
         self._lock = threading.Lock()
@@ -131,6 +132,11 @@ class HostArena:
         """Bytes of host memory the allocator really holds for the arena (Note [pinned footprint])."""
         planned = self.planned.capacity if self.planned is not None else 0
         return planned + sum(chunk.capacity for chunk in self._chunks)
+
+    @property
+    def num_allocations(self) -> int:
+        """Host buffers ever allocated (cudaHostAlloc on CUDA)."""
+        return self.memory.num_allocations
 
     @property
     def used(self) -> int:
@@ -188,12 +194,11 @@ class HostArena:
             if grow:
                 held = sum(chunk.capacity for chunk in self._chunks)
                 room = None if self.budget is None else self.budget - held
-                request = chunk_request(self.backend.pinned, need, need, room)
-                if request is None:
+                self.planned = self.memory.allocate(need, need, room)
+                if self.planned is None:
                     self.plans.current = None
                     self.plan_method = "none (the plan does not fit the host budget)"
                     return
-                self.planned = self._new_chunk(request)
                 self.planned.planned = True
             self.plans.add(HostPlan(tuple(sizes), tuple(offsets), peak, method))
             self.plan_method = method
@@ -350,26 +355,22 @@ class HostArena:
             if len(self._chunks) <= 1 or any(chunk.live for chunk in self._chunks):
                 return
             need = align_up(max(self.high_water, 1))
-            request = chunk_request(self.backend.pinned, need, align_up(need, _MIN_CHUNK), self.budget)
-            if request is None:  # one chunk of that size would break the budget: keep these
-                return
+            want = align_up(need, _MIN_CHUNK)
+            if self.memory.request(need, want, self.budget, fall_back=False) is None:
+                return  # one chunk of that size would break the host or the pinned budget: keep these
             self._chunks = []
             self.backend.release_host_cache()  # before the new chunk: never both held at once
-            self._chunks.append(self._new_chunk(request))
+            chunk = self.memory.allocate(need, want, self.budget)
+            self._chunks = [chunk] if chunk is not None else []
 
     def _grow(self, size: int) -> Chunk | None:
         # Grow geometrically so a first step needs few chunks; never past the budget.
         want = max(size, _MIN_CHUNK, self.capacity)
         room = None if self.budget is None else self.budget - self.capacity
-        request = chunk_request(self.backend.pinned, size, want, room)
-        if request is not None:
-            self._chunks.append(self._new_chunk(request))
-            return self._chunks[-1] if self._chunks[-1].usable >= size else None
-        return None
-
-    def _new_chunk(self, request: int) -> Chunk:
-        self.num_allocations += 1
-        return chunk_of(self.backend.host_empty(request), request, self.backend.pinned)
+        chunk = self.memory.allocate(size, want, room)
+        if chunk is not None:
+            self._chunks.append(chunk)
+        return chunk if chunk is not None and chunk.usable >= size else None
 
 
 def _settle(deferred: list[tuple[Slot, tuple]], pid: int) -> None:
