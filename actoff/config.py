@@ -108,6 +108,13 @@ class Config:
     prefetch_depth: int = 1
     #: Cap on the host memory actoff may hold (``None``: no cap). Over it, tensors stay put.
     host_budget: int | None = None
+    #: Cap on the pinned (page-locked) host memory of each process's host arena (a size like
+    #: ``1GiB``; ``None``: no cap). Past it, or once pinning fails, the arena falls back to
+    #: pageable host memory for the rest of the run, with one warning: the same gradients, but
+    #: copies to and from pageable memory are synchronous (the host waits for each) and slower
+    #: (``actoff.stats().host_pageable_bytes`` counts those bytes). Set it under the system's
+    #: cap on pinned memory (WSL2: 1-2 GB). Not shared by ranks: each process's own.
+    pinned_budget: int | None = None
     #: Device memory the ``auto`` policy plans the whole step under: weights, gradients,
     #: optimizer state and activations (``None``: the device's: CUDA's total memory less the
     #: larger of 2 GiB and 5%, the simulated device's capacity; none on a plain CPU device,
@@ -197,7 +204,7 @@ class Config:
             )
 
         set_(self, "min_bytes", _as_size("min_bytes", self.min_bytes, allow_bare=True))
-        for name in ("host_budget", "gpu_budget", "host_bandwidth"):
+        for name in ("host_budget", "pinned_budget", "gpu_budget", "host_bandwidth"):
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _as_size(name, value, allow_bare=False))
@@ -315,17 +322,8 @@ class Config:
 
 
 # Settings whose variable may say "none" (or be empty) for "not set".
-_OPTIONAL = frozenset(
-    {
-        "host_budget",
-        "gpu_budget",
-        "host_bandwidth",
-        "tile_chunks",
-        "tile_max_tokens",
-        "sim_device_memory",
-        "sim_device_bandwidth",
-    }
-)
+_OPTIONAL = frozenset({"host_budget", "pinned_budget", "gpu_budget", "host_bandwidth", "tile_chunks",
+                       "tile_max_tokens", "sim_device_memory", "sim_device_bandwidth"})  # fmt: skip
 
 # Variables that share the prefix but configure tests or builds, not the runtime.
 _NOT_CONFIG = frozenset({"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR"})

@@ -97,9 +97,8 @@ def trace_arenas() -> Iterator[dict[str, list[list[tuple]]]]:
     them out: a list of traces per kind, each a list of buffers with their lifetimes.
 
     ``"host"``: the host arenas' buffers, ``(size, start, end, block)`` on the arena's clock.
-    Every host arena traces inside the block, planned or not; an unplanned arena's trace is
-    taken by its planner at the end of its first step, the others' when the block ends (all
-    the steps inside it, one after the other).
+    Every host arena traces inside the block, planned or not, one trace per step as its planner
+    takes it at the step's end (Note [a host plan per shape], actoff.memory.host_plans).
 
     ``"device"``: the device arena's requests (CUDA or the simulated device, planner on), one
     trace per step as its planner takes it, ``(size, start, end, block, part)``: ``part`` is

@@ -13,6 +13,7 @@ def test_defaults_are_valid():
     assert config.policy == "cpu"
     assert config.min_bytes == 64 * 1024
     assert config.host_budget is None
+    assert config.pinned_budget is None  # no cap: pinned as long as the system gives it
     assert config.allocator == "caching"
     assert config.nvme_checksum is True  # every NVMe record sealed unless switched off
 
@@ -27,6 +28,7 @@ def test_from_env_reads_every_variable(tmp_path):
         "ACTOFF_KEEP_LAST": "2",
         "ACTOFF_PREFETCH_DEPTH": "0",
         "ACTOFF_HOST_BUDGET": "64GiB",
+        "ACTOFF_PINNED_BUDGET": "1.5GiB",
         "ACTOFF_GPU_BUDGET": "70GB",
         "ACTOFF_PLANNER": "MIP",
         "ACTOFF_PLAN_CACHE": str(tmp_path / "plans"),
@@ -44,6 +46,7 @@ def test_from_env_reads_every_variable(tmp_path):
     assert config.keep_last == 2
     assert config.prefetch_depth == 0
     assert config.host_budget == 64 * 2**30
+    assert config.pinned_budget == 3 * 2**29
     assert config.gpu_budget == 70 * 10**9
     assert config.planner == "mip"
     assert config.io_threads == 8
@@ -89,6 +92,13 @@ def test_config_is_frozen():
         ("ACTOFF_HOST_BUDGET", "64", "ACTOFF_HOST_BUDGET.*no unit.*'64GiB'"),
         ("ACTOFF_HOST_BUDGET", "64 parsecs", "ACTOFF_HOST_BUDGET.*unknown unit"),
         ("ACTOFF_GPU_BUDGET", "-4GiB", "ACTOFF_GPU_BUDGET.*not a size"),
+        (
+            "ACTOFF_PINNED_BUDGET",
+            "2",
+            r"ACTOFF_PINNED_BUDGET \(Config.pinned_budget\)='2' has no unit.*'2GiB'",
+        ),
+        ("ACTOFF_PINNED_BUDGET", "lots", "ACTOFF_PINNED_BUDGET.*not a size"),
+        ("ACTOFF_PINNED_BUDGET", "-1GiB", "ACTOFF_PINNED_BUDGET.*not a size"),
         ("ACTOFF_KEEP_LAST", "-1", "ACTOFF_KEEP_LAST.*out of range"),
         ("ACTOFF_KEEP_LAST", "two", "ACTOFF_KEEP_LAST.*'two' is not an integer"),
         ("ACTOFF_IO_THREADS", "0", "ACTOFF_IO_THREADS.*>= 1"),

@@ -98,8 +98,17 @@ class DeviceBackend:
     #: the arena's reuse relies on (Note [device arena reuse]).
     device_arena: bool = False
 
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        """A fresh uint8 host buffer of ``nbytes`` (pinned where the device has DMA)."""
+    @property
+    def pins_host(self) -> bool:
+        """`host_empty` gives pinned (page-locked) memory: the device has DMA (``staged``), or
+        the buffers come from torch's caching pinned allocator (``pinned``). Pinned memory is
+        what ``ACTOFF_PINNED_BUDGET`` caps (Note [pageable fallback] in actoff.memory.host_chunks)."""
+        return self.staged or self.pinned
+
+    def host_empty(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
+        """A fresh uint8 host buffer of ``nbytes``: pinned where `pins_host` (a ``RuntimeError``
+        if it cannot be had), else or with ``pinned=False`` pageable: copies to and from it are
+        synchronous and slower (Note [pageable fallback] in actoff.memory.host_chunks)."""
         raise NotImplementedError
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -192,8 +201,8 @@ class CpuBackend(DeviceBackend):
         self.device = device if device is not None else torch.device("cpu")
         self.host_resident = self.device.type == "cpu"
 
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def host_empty(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)  # no DMA: nothing to pin
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Ticket:
         start = time.perf_counter()
@@ -284,7 +293,7 @@ class StreamBackend(DeviceBackend):
     (Note [capture the compute stream], Note [no record_stream]).
 
     ``streams`` is the stream API: ``current()``, ``new_stream()``, ``event()``,
-    ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes)``,
+    ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes, pinned=True)``,
     ``check_host_reuse(buffer, action)``, ``default_budget()`` and ``memory_watch()``; its streams have ``wait_stream`` and
     ``wait_event``, its events ``record``, ``query``, ``synchronize`` and ``elapsed_time``,
     as ``torch.cuda``'s do. Optional: ``pinned`` (host buffers from torch's caching pinned
@@ -301,8 +310,8 @@ class StreamBackend(DeviceBackend):
         self.h2d_stream = streams.new_stream()
         self.pinned = bool(getattr(streams, "pinned", False))
 
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        return self.streams.host_empty(nbytes)
+    def host_empty(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
+        return self.streams.host_empty(nbytes) if pinned else self.streams.host_empty(nbytes, pinned=False)
 
     def release_host_cache(self) -> None:
         release = getattr(self.streams, "release_host_cache", None)

@@ -34,8 +34,10 @@ class CudaStreams:
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    def host_empty(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
+        # A failed cudaHostAlloc (pinned memory capped, as on WSL2) raises a RuntimeError; the
+        # host arena then asks for pageable memory (Note [pageable fallback]).
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def release_host_cache(self) -> None:
         # torch's caching host allocator keeps freed pinned blocks until asked to let go.

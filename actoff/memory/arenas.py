@@ -2,8 +2,9 @@
 layouts: from the buffers a step traced to a plan installed in the arena.
 
 A traced step becomes a plan (from memory, the on-disk cache, or a solve by actoff.planner).
-A host arena that diverged from its plan drops it and traces the next step; a device arena
-traces every step, so the step that diverged is planned at once (actoff.memory.device_arena).
+Both kinds of arena trace every step, so a step that diverged is planned at once, and keep the
+plans of the last few shapes of step (Note [a host plan per shape], actoff.memory.host_plans;
+Note [a plan per shape], actoff.memory.device_plans).
 """
 
 from __future__ import annotations
@@ -49,15 +50,17 @@ class Arenas(dict):
         return arena
 
     def for_device(self, backend: DeviceBackend, config: Config, budget: int | None) -> HostArena:
-        """The arena of ``backend``'s device under ``budget`` (the config in force decides it);
-        a new plan's trace starts here when the planner is on and the arena has no plan."""
+        """The arena of ``backend``'s device under ``budget`` and the config's pinned budget (the
+        config in force decides them); its trace starts here when the planner is on (every step
+        is traced from then on)."""
         arena = self.get(backend)
         if arena is None:
             arena = self[backend] = HostArena(backend, budget)
         arena.budget = budget
-        if arena.plan is None and config.planner != "off" and not arena.tracing:
+        arena.memory.pinned_budget = config.pinned_budget  # a process's own (the cap is on pinning)
+        if config.planner != "off" and not arena.tracing:
             arena.take_trace()
-            arena.tracing = True  # trace this step: the planner lays it out at its end
+            arena.tracing = True  # the planner lays out each step that did not keep to a plan
         return arena
 
     def begin_step(self) -> None:
@@ -94,25 +97,25 @@ class Arenas(dict):
 
 
 def plan_arena(arena: HostArena, config: Config, plans: dict[str, Layout]) -> None:
-    """After a step whose buffers are all back: lay out the arena for the next steps.
+    """After a step whose buffers are all back: a step that kept to the arena's plans changes
+    nothing (its spare bump chunks go); any other step's trace becomes the plan of its shape,
+    kept beside the others (Note [a host plan per shape], actoff.memory.host_plans).
 
     ``plans`` maps trace signatures to layouts solved so far in this process (and broadcast
     from rank 0, Note [one agreement]); a new layout is added to it.
     """
-    if arena.plan is not None and arena.divergences:
-        arena.drop_plan()
+    if not arena.tracing:
         return
-    if arena.plan is not None or not arena.tracing:
-        return
-    trace = arena.take_trace()
-    arena.tracing = False
+    trace = arena.take_trace()  # a new one starts: every step is traced
     if not trace or config.planner == "off":
+        return
+    if arena.plan is not None and not arena.divergences:  # the step kept to the arena's plans
+        arena.drop_spare_chunks()
         return
     origin = min(start for _, start, _, _ in trace)
     buffers = [Buffer(size, start - origin, end - origin) for size, start, end, _ in trace]
     layout = _layout("host-arena", buffers, None, config, plans, ALIGNMENT)
-    arena.plan_method = layout.method
-    arena.install_plan(tuple(b.size for b in buffers), layout.offsets, layout.peak)
+    arena.install_plan(tuple(b.size for b in buffers), layout.offsets, layout.peak, layout.method)
 
 
 def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layout]) -> None:

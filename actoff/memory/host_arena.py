@@ -1,22 +1,21 @@
 """Host arena: host (pinned on CUDA) memory allocated once and handed out as aligned slots.
 
-With a plan (`install_plan`, from `actoff.planner`), request k of a step gets its planned
-offset in one chunk; a request that differs from the plan (size, count, or a planned range
-still occupied) is a divergence and falls back to the bump chunks below.
+With plans (`install_plan`, from `actoff.planner`), request k of a step gets the offset its
+step's shape planned for it, in one chunk that every shape shares (Note [a host plan per
+shape], actoff.memory.host_plans). A request no plan kept knows (another size or count), or
+whose planned range is still occupied, is a divergence: it goes to the lowest free room of that
+chunk that fits, else to the bump chunks below; the step's trace then becomes the plan of its
+shape.
 
-A step's offloads are allocated in forward order and freed in backward order, so a bump
-allocator over a few chunks fits: a chunk rewinds when its last slot is freed. The first
-step may need several chunks; when a step ends with every chunk empty, they are replaced by
-one chunk as large as the step's high-water mark, so later steps of the same shape allocate
-nothing (`num_allocations` stays put: the tests count it).
+Before the first plan (and with the planner off), a step's offloads are allocated in forward
+order and freed in backward order, so a bump allocator over a few chunks fits: a chunk rewinds
+when its last slot is freed. The first step may need several chunks; when a step ends with every
+chunk empty, they are replaced by one chunk as large as the step's high-water mark, so later
+steps of the same shape allocate nothing (`num_allocations` stays put: the tests count it).
 
-Note [pinned footprint]: torch's caching host allocator rounds every pinned allocation up to
-a power of two and keeps freed blocks cached until told to empty its cache. So on a pinned
-backend chunks are requested as powers of two and used whole (pinned blocks are page-aligned:
-no alignment slack), `capacity` counts what the allocator really holds, and whenever chunks
-are dropped the backend's `release_host_cache()` gives their blocks back. Otherwise a budget
-of B could hold 2 B (rounding) plus every chunk ever dropped (caching). Other backends get
-exactly what they ask for, with one page of slack to align the chunk's start.
+Chunks come from `HostMemory` (actoff.memory.host_chunks), sized as the host allocator really
+holds them (Note [pinned footprint]), pinned until the pinned budget or the system refuses, then
+pageable (Note [pageable fallback]).
 """
 
 from __future__ import annotations
@@ -34,47 +33,23 @@ import torch
 
 from actoff.device.base import DeviceBackend
 
+from .host_chunks import ALIGNMENT, Chunk, HostMemory, align_up, lowest_fit
+from .host_plans import HostPlan, HostPlans
+
 # Trace generations are unique in the process: a slot freed after actoff.reset() (a graph that
 # outlived it) never matches the new arena's trace.
 _GENERATIONS = itertools.count()
 
-__all__ = ["ALIGNMENT", "HostArena", "Slot"]
+__all__ = ["ALIGNMENT", "HostArena", "Slot", "align_up"]
 
-#: Slot alignment in bytes: O_DIRECT-ready (4 KiB) for the NVMe path's staging buffers.
-ALIGNMENT = 4096
 _MIN_CHUNK = 16 * 2**20
-
-
-def align_up(value: int, alignment: int = ALIGNMENT) -> int:
-    """Round ``value`` up to a multiple of ``alignment``: ``align_up(1) == 4096``."""
-    return (value + alignment - 1) // alignment * alignment
-
-
-def _next_pow2(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
-
-
-def _prev_pow2(value: int) -> int:
-    return 1 << (value.bit_length() - 1) if value > 0 else 0
-
-
-class _Chunk:
-    __slots__ = ("buffer", "capacity", "live", "planned", "top", "usable")
-
-    def __init__(self, buffer: torch.Tensor, usable: int, capacity: int) -> None:
-        self.buffer = buffer  # (usable,) uint8, ALIGNMENT-aligned start
-        self.usable = usable  # bytes slots can use
-        self.capacity = capacity  # bytes the host allocator really holds for it
-        self.top = 0
-        self.live = 0  # bump slots not yet freed
-        self.planned = False  # a plan's chunk: its slots are counted in _live_planned
 
 
 @dataclass(frozen=True)
 class Slot:
     """``nbytes`` bytes of host memory inside an arena chunk."""
 
-    chunk: _Chunk
+    chunk: Chunk
     offset: int
     nbytes: int
     trace_index: int = -1  # its entry in the arena's trace, when tracing ...
@@ -113,20 +88,20 @@ class HostArena:
     def __init__(self, backend: DeviceBackend, budget: int | None = None) -> None:
         self.backend = backend
         self.budget = budget
-        self.num_allocations = 0  # host buffers ever allocated (cudaHostAlloc on CUDA)
+        self.memory = HostMemory(backend)  # pinned, or pageable past `memory.pinned_budget`
         self.high_water = 0  # most bytes in use at once since the last consolidation
-        self._chunks: list[_Chunk] = []
+        self._chunks: list[Chunk] = []
         self._lock = threading.Lock()
         # Planner trace while ``tracing``: [size, alloc, free or None, tag] on a logical clock.
         self.tracing = False
         self.clock = 0
         self.trace: list[list] = []
         self.trace_generation = next(_GENERATIONS)
-        # Planned offsets (see the module docstring).
-        self.plan: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # sizes, offsets
-        self.plan_method = "none"  # where the plan came from (Layout.method): shown in stats
-        self.planned: _Chunk | None = None
-        self.request = 0  # request index within the step
+        # Plans of the last shapes of step, all laying out the planned chunk (Note [a host plan
+        # per shape], actoff.memory.host_plans).
+        self.plans = HostPlans()
+        self.plan_method = "none"  # where the plan in force came from: shown in stats
+        self.planned: Chunk | None = None
         self.divergences = self.total_divergences = 0  # since the last begin_step; ever
         self._live_planned: dict[int, int] = {}  # offset -> end, in the planned chunk
         # Note [host slot reuse]: a returned slot is handed out again only once every copy
@@ -159,6 +134,11 @@ class HostArena:
         return planned + sum(chunk.capacity for chunk in self._chunks)
 
     @property
+    def num_allocations(self) -> int:
+        """Host buffers ever allocated (cudaHostAlloc on CUDA)."""
+        return self.memory.num_allocations
+
+    @property
     def used(self) -> int:
         """Bytes currently handed out (including alignment padding); waits for the copies
         that still touch returned slots (Note [host slot reuse])."""
@@ -170,55 +150,72 @@ class HostArena:
         planned = sum(end - offset for offset, end in self._live_planned.items())
         return planned + sum(chunk.top for chunk in self._chunks if chunk.live)
 
+    @property
+    def plan(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The plan in force as ``(sizes, offsets)``, or ``None``."""
+        current = self.plans.current
+        return None if current is None else (current.sizes, current.offsets)
+
     def begin_step(self) -> None:
-        """A new step: the next request is request 0 of the plan."""
+        """A new step: the next request is request 0 of the plan. A trace the last step left
+        unplanned (its records outlived it) is dropped: a plan is one step's."""
         with self._locked():
-            self.request = 0
+            self.plans.begin_step()
             self.divergences = 0
+            if self.trace:
+                self.trace = []
+                self.trace_generation = next(_GENERATIONS)
 
-    def install_plan(self, sizes: tuple[int, ...], offsets: tuple[int, ...], peak: int) -> None:
-        """Serve later steps at these offsets, in one chunk of ``peak`` bytes.
-
-        Not installed (``plan`` stays ``None``) when that chunk would not fit in the budget.
+    def install_plan(
+        self, sizes: tuple[int, ...], offsets: tuple[int, ...], peak: int, method: str = "none"
+    ) -> None:
+        """Serve later steps of this shape at these offsets, in the planned chunk, grown to
+        ``peak`` bytes if smaller; the plan is kept beside those of other shapes (Note [a host
+        plan per shape]). Not installed (no plan in force) when that chunk would not fit in the
+        budget.
         """
         with self._locked():
             # A step boundary, once per plan: the old chunks whose copies are done can go. It
             # runs at the end of backward, so never wait: a chunk with copies still touching a
             # returned slot stays (live) until they end.
             self._reap(wait=False)
-            # Bump chunks with nothing live are no longer needed, nor an unused planned chunk
-            # too small for this plan: give their memory back before a new chunk adds to it.
+            # Bump chunks with nothing live are no longer needed, nor a planned chunk too small
+            # for this plan: give their memory back before a new chunk adds to it.
             dropped = not all(chunk.live for chunk in self._chunks)
             self._chunks = [chunk for chunk in self._chunks if chunk.live]
             need = align_up(max(peak, 1))
-            replace = self.planned is None or self.planned.usable < need or self._live_planned
-            if replace and self.planned is not None and not self._live_planned:
-                self.planned, dropped = None, True
+            grow = self.planned is None or self.planned.usable < need
+            if grow and self.planned is not None:
+                # Live slots of the old chunk keep it alive; the arena stops counting it.
+                dropped = dropped or not self._live_planned
+                self.planned, self._live_planned = None, {}
             if dropped:
                 self.backend.release_host_cache()
-            if replace:
-                # Live slots of an older plan keep its chunk alive; the arena stops counting it.
+            if grow:
                 held = sum(chunk.capacity for chunk in self._chunks)
                 room = None if self.budget is None else self.budget - held
-                request = chunk_request(self.backend.pinned, need, need, room)
-                if request is None:
-                    self.planned, self._live_planned, self.plan = None, {}, None
+                self.planned = self.memory.allocate(need, need, room)
+                if self.planned is None:
+                    self.plans.current = None
                     self.plan_method = "none (the plan does not fit the host budget)"
                     return
-                self.planned, self._live_planned = self._new_chunk(request), {}
                 self.planned.planned = True
-            self.plan = (tuple(sizes), tuple(offsets))
+            self.plans.add(HostPlan(tuple(sizes), tuple(offsets), peak, method))
+            self.plan_method = method
 
-    def drop_plan(self) -> None:
+    def drop_spare_chunks(self) -> None:
+        """After a step that kept to its plans: its empty bump chunks are not needed (one that
+        copies held at the last plan's install goes once they end)."""
         with self._locked():
-            self.plan = None
+            self._reap(wait=False)
+            if not all(chunk.live for chunk in self._chunks):
+                self._chunks = [chunk for chunk in self._chunks if chunk.live]
+                self.backend.release_host_cache()
 
-    def _take_planned(self, size: int) -> tuple[_Chunk, int] | None:
-        k = self.request
-        self.request += 1
-        sizes, offsets = self.plan
-        if k < len(sizes) and sizes[k] == size:
-            offset = offsets[k]
+    def _take_planned(self, size: int) -> tuple[Chunk, int] | None:
+        offset = self.plans.place(size, room=self.planned.usable)
+        if offset is not None:
+            self.plan_method = self.plans.current.method
             end = offset + size
             for attempt in range(2):
                 if all(end <= low or high <= offset for low, high in self._live_planned.items()):
@@ -231,18 +228,26 @@ class HostArena:
         self.total_divergences += 1
         return None
 
+    def _fit(self, size: int) -> tuple[Chunk, int] | None:
+        """The lowest free room of ``size`` bytes in the planned chunk."""
+        offset = None if self.planned is None else lowest_fit(self._live_planned, self.planned.usable, size)
+        if offset is None:
+            return None
+        self._live_planned[offset] = offset + size
+        return self.planned, offset
+
     def alloc(self, nbytes: int, tag: object = None) -> Slot | None:
         """A slot of ``nbytes``, or ``None`` when the budget does not allow it. ``tag`` (the
         block, say) goes into the trace."""
         size = align_up(max(nbytes, 1))
         with self._locked():
             self._reap(wait=False)
-            place = self._take_planned(size) if self.plan is not None else None
+            place = self._take_planned(size) if len(self.plans) and self.planned is not None else None
             if place is None:
-                place = self._bump(size, grow=False)
+                place = self._fit(size) or self._bump(size, grow=False)
             if place is None and self._deferred:  # the room is held by copies still running:
                 self._reap(wait=True)  # wait for them rather than hold more memory
-                place = self._bump(size, grow=False)
+                place = self._fit(size) or self._bump(size, grow=False)
             if place is None:
                 place = self._bump(size, grow=True)
             if place is None:
@@ -258,7 +263,7 @@ class HostArena:
             self.high_water = max(self.high_water, self._used())
             return slot
 
-    def _bump(self, size: int, *, grow: bool) -> tuple[_Chunk, int] | None:
+    def _bump(self, size: int, *, grow: bool) -> tuple[Chunk, int] | None:
         chunk = next((c for c in self._chunks if c.usable - c.top >= size), None)
         if chunk is None:
             chunk = self._grow(size) if grow else None
@@ -350,26 +355,22 @@ class HostArena:
             if len(self._chunks) <= 1 or any(chunk.live for chunk in self._chunks):
                 return
             need = align_up(max(self.high_water, 1))
-            request = chunk_request(self.backend.pinned, need, align_up(need, _MIN_CHUNK), self.budget)
-            if request is None:  # one chunk of that size would break the budget: keep these
-                return
+            want = align_up(need, _MIN_CHUNK)
+            if self.memory.request(need, want, self.budget, fall_back=False) is None:
+                return  # one chunk of that size would break the host or the pinned budget: keep these
             self._chunks = []
             self.backend.release_host_cache()  # before the new chunk: never both held at once
-            self._chunks.append(self._new_chunk(request))
+            chunk = self.memory.allocate(need, want, self.budget)
+            self._chunks = [chunk] if chunk is not None else []
 
-    def _grow(self, size: int) -> _Chunk | None:
+    def _grow(self, size: int) -> Chunk | None:
         # Grow geometrically so a first step needs few chunks; never past the budget.
         want = max(size, _MIN_CHUNK, self.capacity)
         room = None if self.budget is None else self.budget - self.capacity
-        request = chunk_request(self.backend.pinned, size, want, room)
-        if request is not None:
-            self._chunks.append(self._new_chunk(request))
-            return self._chunks[-1] if self._chunks[-1].usable >= size else None
-        return None
-
-    def _new_chunk(self, request: int) -> _Chunk:
-        self.num_allocations += 1
-        return _chunk_of(self.backend.host_empty(request), request, self.backend.pinned)
+        chunk = self.memory.allocate(size, want, room)
+        if chunk is not None:
+            self._chunks.append(chunk)
+        return chunk if chunk is not None and chunk.usable >= size else None
 
 
 def _settle(deferred: list[tuple[Slot, tuple]], pid: int) -> None:
@@ -381,31 +382,3 @@ def _settle(deferred: list[tuple[Slot, tuple]], pid: int) -> None:
         for ticket in tickets:
             ticket.synchronize()
     deferred.clear()
-
-
-def chunk_request(pinned: bool, need: int, want: int, room: int | None) -> int | None:
-    """Bytes to ask the host allocator for: a chunk with at least ``need`` usable bytes, ``want``
-    if it fits, whose real footprint is at most ``room``; ``None`` if none fits.
-
-    >>> chunk_request(True, 5000, 5000, None), chunk_request(False, 5000, 5000, None)
-    (8192, 9096)
-    """
-    if pinned:  # Note [pinned footprint]: powers of two, used whole
-        request = _next_pow2(max(want, need))
-        if room is not None and request > room:
-            request = _prev_pow2(room)
-        return request if request >= need else None
-    request = max(want, need) + ALIGNMENT  # slack to align the start
-    if room is not None and request > room:
-        request = room // ALIGNMENT * ALIGNMENT
-    return request if request - ALIGNMENT >= need else None
-
-
-def _chunk_of(raw: torch.Tensor, request: int, pinned: bool) -> _Chunk:
-    """The aligned chunk in a fresh host buffer of ``request`` bytes."""
-    pad = (-raw.data_ptr()) % ALIGNMENT
-    usable = request if pinned else request - ALIGNMENT
-    if pad + usable > request:  # a pinned block that is not page-aligned: lose a page
-        usable = (request - pad) // ALIGNMENT * ALIGNMENT
-    footprint = _next_pow2(request) if pinned else request
-    return _Chunk(raw[pad : pad + usable], usable, footprint)

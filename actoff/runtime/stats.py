@@ -38,6 +38,10 @@ class Stats:
     host_capacity: int = 0  # bytes of host arena held
     host_high_water: int = 0  # most host arena bytes in use at once
     host_allocations: int = 0  # host buffers ever allocated (constant after the first step)
+    #: Bytes of host arena in pageable memory because pinned memory was capped (ACTOFF_PINNED_BUDGET)
+    #: or could not be had (Note [pageable fallback]): copies to and from them are synchronous, the
+    #: host waiting for each, and slower (staged through the driver's own pinned buffer).
+    host_pageable_bytes: int = 0
     nvme_file_bytes: int = 0  # size of the NVMe files
     io_backend: str = "none"  # I/O engine of the NVMe tier, once used
     auto: dict = field(default_factory=dict)  # block name -> actoff.policy.AutoDecision
@@ -133,7 +137,8 @@ class Stats:
         lines = [
             f"steps: {self.steps}   host arena: {format_bytes(self.host_capacity)} in "
             f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}, "
-            f"plan {self.host_plan}   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
+            + (f"{format_bytes(self.host_pageable_bytes)} pageable, " if self.host_pageable_bytes else "")
+            + f"plan {self.host_plan}   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
         ]
         if self.device_plan != "none":
             gap = self.device_plan_bytes / self.device_lower_bound - 1 if self.device_lower_bound else 0.0
@@ -239,6 +244,7 @@ def snapshot(
         host_capacity=sum(a.capacity for a in arenas.values()),
         host_high_water=max((a.high_water for a in arenas.values()), default=0),
         host_allocations=sum(a.num_allocations for a in arenas.values()),
+        host_pageable_bytes=sum(a.memory.pageable_bytes for a in arenas.values()),
         nvme_file_bytes=stores.file_bytes(),
         io_backend=stores.backend_name(),
         auto=auto.decisions(),

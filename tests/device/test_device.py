@@ -101,3 +101,36 @@ def test_cuda_pinned_arena_and_exact_gradients():
     # After the first step the planner's single chunk serves the plan; the bump chunks went back.
     chunks = [*arena._chunks, *([arena.planned] if arena.planned is not None else [])]
     assert chunks and all(chunk.buffer.is_pinned() for chunk in chunks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cause", ["pinning fails", "pinned budget"])
+def test_cuda_pageable_fallback_gives_exact_gradients(cause, monkeypatch):
+    """(Note [pageable fallback]) Pinning that fails, or a pinned budget smaller than the arena,
+    gives pageable chunks on CUDA: their copies are synchronous, the gradients the same."""
+    from actoff.device.cuda import CudaStreams
+
+    if cause == "pinning fails":
+        real = CudaStreams.host_empty
+
+        def capped(self, nbytes, *, pinned=True):
+            if pinned:
+                raise RuntimeError("CUDA error: out of memory")
+            return real(self, nbytes, pinned=False)
+
+        monkeypatch.setattr(CudaStreams, "host_empty", capped)
+    model = make_model().cuda()
+    reference = copy.deepcopy(model)
+    budget = 256 * 1024 if cause == "pinned budget" else None
+    settings = {"pinned_budget": budget} if budget else {}
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0, **settings)
+    expected = train(reference, 3, seq=65)
+    with pytest.warns(RuntimeWarning, match="pinned|PINNED") as warned:
+        actual = train(model, 3, seq=65)
+    assert_same_history(expected, actual)
+    assert len(warned) == 1
+    (arena,) = actoff.runtime.runtime.get_runtime().arenas.values()
+    chunks = [*arena._chunks, *([arena.planned] if arena.planned is not None else [])]
+    assert chunks and all(chunk.buffer.is_pinned() != chunk.pageable for chunk in chunks)
+    stats = actoff.stats()
+    assert stats.host_pageable_bytes > 0 and arena.memory.pinned_bytes <= (budget or 0)

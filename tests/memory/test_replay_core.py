@@ -81,17 +81,15 @@ def test_replay_serves_every_request_at_its_planned_offset():
 def test_replay_of_a_recorded_model_trace():
     # Drive the allocator with the host-arena trace of a real training step.
     from actoff.reference import Block, ModelConfig, Transformer
-    from actoff.runtime.runtime import get_runtime
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig.preset("tiny", num_layers=4))
     actoff.offload_(model, block_cls=Block, policy="tokenwise", cpu_fraction=0.5, min_bytes=0)
     tokens = torch.randint(0, 256, (2, 65))
     model.loss(tokens).backward()
-    arena = next(iter(get_runtime().arenas.values()))
-    arena.tracing = True
-    model.loss(tokens).backward()
-    trace = arena.take_trace()
+    with actoff.trace_arenas() as traces:
+        model.loss(tokens).backward()
+    (trace,) = traces["host"]  # the second step's
     assert trace
     timeline = sorted(
         [(start, "alloc", i, size) for i, (size, start, _, _) in enumerate(trace)]

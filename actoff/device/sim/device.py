@@ -15,7 +15,10 @@ asynchronous as a GPU, so that CI sees what a GPU would (``ACTOFF_SIM_DEVICE=1``
   dying before the copy is ordered, is a race; so is host memory freed or handed out while
   a copy the host has not seen finish still touches it. Races raise `RaceError`, naming the
   copy's record, at the next copy or wait in the training thread (a race found while autograd
-  frees a graph cannot raise there), and are listed in ``races``.
+  frees a graph cannot raise there), and are listed in ``races``;
+- host buffers are pinned unless asked for pageable (``host_empty(nbytes, pinned=False)``): a
+  copy to or from pageable memory is synchronous, as CUDA's ``cudaMemcpyAsync`` is there: the
+  host blocks until it has run, at ``pageable_rate`` of the link.
 """
 
 from __future__ import annotations
@@ -63,11 +66,18 @@ class SimSettings:
     #: Host link rate in bytes per second, each direction (``None``: copies run at memcpy
     #: speed). Note [the wind tunnel] in actoff.device.sim.link.
     bandwidth: float | None = None
-    #: A synchronous copy from pageable host memory (`SimStreams.transfer`) runs at this
-    #: share of the link: the driver stages it through a pinned bounce buffer.
+    #: A copy from or to pageable host memory (`SimStreams.transfer`, or a stream's copy of a
+    #: pageable host buffer) runs at this share of the link: the driver stages it through a
+    #: pinned bounce buffer.
     pageable_rate: float = 0.5
     #: Tells apart the devices of two `actoff.testing.simulated_device` blocks.
     generation: int = field(default=0, repr=False)
+
+
+def _inside(tensor: torch.Tensor, ranges: dict[int, int]) -> bool:
+    """``tensor`` starts inside one of ``ranges`` (start -> bytes)."""
+    address = tensor.data_ptr()
+    return any(start <= address < start + size for start, size in list(ranges.items()))
 
 
 def _use_count(tensor: torch.Tensor) -> int:
@@ -122,6 +132,8 @@ class SimStreams:
         # "device" tensor whose copies compute must wait for; a range kept past its buffer would
         # take a copy into that tensor for a copy to the host, and check the wrong side of it.
         self._host_ranges: dict[int, int] = {}
+        self._pageable: dict[int, int] = {}  # the live host buffers that are not pinned
+        self.pageable_copies = 0  # copies of pageable host memory: each blocked the host
         self._side: list[SideStream] = []
         self.compute = ComputeStream(self, settings.seed)
         self._streams = 0
@@ -154,6 +166,14 @@ class SimStreams:
     def copy(self, stream: SideStream, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         self.surface()
         stream.copy(dst, src, what)
+        if self.is_pageable(dst) or self.is_pageable(src):
+            # CUDA returns from a copy of pageable memory once it has run (to the host) or been
+            # staged (to the device): the host waits for the stream, and sees the copy done.
+            self.pageable_copies += 1
+            done = SimEvent(self)
+            stream.record(done)
+            self.reach(done, by="pageable copy")
+            self.observed(done)
 
     def transfer(self, nbytes: int, direction: str, *, pageable: bool = False) -> float:
         """Block the calling thread for a synchronous copy of ``nbytes`` over the link (a
@@ -179,17 +199,24 @@ class SimStreams:
     def memory_watch(self) -> PeakWatch:
         return self.memory.watch()
 
-    def host_empty(self, nbytes: int) -> torch.Tensor:
+    def host_empty(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
+        """A host buffer: pinned, or pageable (its copies block the host) unless ``pinned``."""
         with no_dispatch():  # host memory: not the device's
             buffer = torch.empty(nbytes, dtype=torch.uint8)
         start = buffer.data_ptr()  # no lock: the finalizer may run inside any allocation
         self._host_ranges[start] = nbytes
         weakref.finalize(buffer.untyped_storage(), self._host_ranges.pop, start, None)
+        if not pinned:
+            self._pageable[start] = nbytes
+            weakref.finalize(buffer.untyped_storage(), self._pageable.pop, start, None)
         return buffer
 
     def is_host(self, tensor: torch.Tensor) -> bool:
-        address = tensor.data_ptr()
-        return any(start <= address < start + size for start, size in list(self._host_ranges.items()))
+        return _inside(tensor, self._host_ranges)
+
+    def is_pageable(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` lies in a pageable host buffer (`host_empty` with ``pinned=False``)."""
+        return _inside(tensor, self._pageable)
 
     # ------------------------------------------------------------------ ordering and races
     def ordered(self, event: SimEvent, *, by_host: bool) -> None:

@@ -28,10 +28,19 @@ __all__ = ["ComputeStream", "Copy", "Gate", "SideStream"]
 class Copy:
     """One queued copy: what it touches, and how far it has been ordered."""
 
-    __slots__ = ("device_alias", "direction", "dst", "host_range", "ran", "seq", "src", "what")
+    __slots__ = ("device_alias", "direction", "dst", "host_range", "pageable", "ran", "seq", "src", "what")
 
-    def __init__(self, direction: str, dst: torch.Tensor, src: torch.Tensor, what: str, seq: int) -> None:
+    def __init__(
+        self,
+        direction: str,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        what: str,
+        seq: int,
+        pageable: bool = False,
+    ) -> None:
         self.direction, self.what, self.seq = direction, what or "a copy", seq
+        self.pageable = pageable  # its host side is pageable memory: slower, and the host waits
         # Held until the copy runs: aliases of its own, so that the race check can tell its
         # references from the caller's.
         self.dst = dst.detach()
@@ -85,7 +94,8 @@ class SideStream:
                         payload.dst.copy_(payload.src)
                     else:  # the link's time, whatever the memcpy took (Note [the wind tunnel])
                         moved = links[payload.direction].reserve(
-                            payload.dst.numel() * payload.dst.element_size()
+                            payload.dst.numel() * payload.dst.element_size(),
+                            rate=self.streams.settings.pageable_rate if payload.pageable else 1.0,
                         )
                         payload.dst.copy_(payload.src)
                         sleep_until(moved.end)
@@ -116,9 +126,10 @@ class SideStream:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         direction = "device-to-host" if self.streams.is_host(dst) else "host-to-device"
+        pageable = self.streams.is_pageable(dst if direction == "device-to-host" else src)
         with self.streams.lock:
             self.seq += 1
-            entry = Copy(direction, dst, src, what, self.seq)
+            entry = Copy(direction, dst, src, what, self.seq, pageable)
             poison(dst)
             self.copies.append(entry)
             self.items.put(("copy", entry))

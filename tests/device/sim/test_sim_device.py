@@ -68,6 +68,20 @@ def test_copy_destination_holds_poison_until_the_copy_runs(streams):
     assert torch.equal(back, source)
 
 
+def test_a_copy_of_pageable_host_memory_has_run_when_it_returns(streams):
+    """(Note [pageable fallback]) CUDA returns from a copy into pageable memory once it has run,
+    and from one out of it once staged: the host waits, however long the device takes."""
+    backend = StreamBackend(torch.device("cpu"), streams)
+    source = torch.arange(8, dtype=torch.float32)
+    host = backend.host_empty(32, pinned=False).view(torch.float32)
+    with streams.hold(copies=True):
+        backend.copy_to_host(host, source, "a test copy")
+        assert torch.equal(host, source)  # no poison left to read
+        back, _ = backend.copy_to_device(host)
+        assert torch.equal(back, source)  # landed before compute waited for it
+    assert streams.pageable_copies == 2 and streams.races == []
+
+
 def test_integer_copies_are_poisoned_with_ones(streams):
     backend = StreamBackend(torch.device("cpu"), streams)
     host = streams.host_empty(64).view(torch.int64)
