@@ -322,8 +322,8 @@ class Config:
 
 
 # Settings whose variable may say "none" (or be empty) for "not set".
-_OPTIONAL = frozenset({"host_budget", "pinned_budget", "gpu_budget", "host_bandwidth", "tile_chunks",
-                       "tile_max_tokens", "sim_device_memory", "sim_device_bandwidth"})  # fmt: skip
+_OPTIONAL = {"host_budget", "pinned_budget", "gpu_budget", "host_bandwidth", "tile_chunks",
+             "tile_max_tokens", "sim_device_memory", "sim_device_bandwidth"}  # fmt: skip
 
 # Variables that share the prefix but configure tests or builds, not the runtime.
 _NOT_CONFIG = frozenset({"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR"})

@@ -115,7 +115,12 @@ class FlatCall:
 
     @classmethod
     def of(
-        cls, args: tuple, kwargs: dict, module: torch.nn.Module | None, device: torch.device, token_dim: int = 1
+        cls,
+        args: tuple,
+        kwargs: dict,
+        module: torch.nn.Module | None,
+        device: torch.device,
+        token_dim: int = 1,
     ) -> FlatCall:
         """Flatten a call of ``module`` (``None``: a function scope) on ``device``, its sequence's
         length read on its first tensor along ``token_dim``."""
