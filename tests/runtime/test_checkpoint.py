@@ -355,7 +355,7 @@ def _scaling_grads(policy, under_no_grad):
 
 @pytest.mark.parametrize("under_no_grad", [False, True], ids=["autograd", "no_grad"])
 def test_a_block_writing_into_its_input_is_refused_before_a_wrong_gradient(under_no_grad):
-    """Note [inputs changed in place]: run again from the changed input, the block computed
+    """(Note [inputs changed in place]) Run again from the changed input, the block computed
     something else: with autograd, reentrant checkpointing raised 'a leaf Variable ... in-place'
     in backward; under no_grad the gradients were off by up to 2.2, without a word."""
     from actoff.runtime.placements.checkpoint import InputChangedError
