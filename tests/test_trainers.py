@@ -195,6 +195,63 @@ def test_trl_sft_trainer(checkpointing, overrides, tmp_path):
     assert _recomputed() == (tokenwise and not checkpointing)
 
 
+def _probes_and_recompute_per_step(log):
+    """A Trainer callback that notes, at each step's end, the blocks' probes and recomputed bytes."""
+
+    class Log(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            blocks = actoff.stats().blocks.values()
+            if blocks:  # (none in the run without actoff)
+                log.append(
+                    (sum(b.probes for b in blocks), min(b.bytes_per_tier["recompute"] for b in blocks))
+                )
+
+    return Log()
+
+
+@pytest.mark.parametrize("collator", ["packing", "padding_free"])
+def test_trl_sft_packed_batches_are_recomputed_token_wise(collator, tmp_path):
+    """TRL's ``packing=True`` (several documents a row, position ids restarting at each, a
+    block-diagonal mask) recomputed nothing: every batch had other metadata (the documents' count,
+    their longest) and saved tensors of other sizes, so each was probed again or placed whole. Now
+    one probe, then every step recomputes (Note [what a key keeps])."""
+    trl = pytest.importorskip("trl", reason="TRL is not installed")
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    lengths = [5, 9, 14, 20, 7, 11, 16, 6, 12, 18, 8, 10, 13, 17, 4, 19, 9, 15, 6, 21, 11, 8, 14, 10]
+    data = datasets.Dataset.from_dict({"text": [_sentences(1, n, seed=i)[0] for i, n in enumerate(lengths)]})
+    # padding-free without packing: each batch's documents flattened into one row, untruncated
+    options = (
+        {"packing": True, "max_length": 32}
+        if collator == "packing"
+        else {"padding_free": True, "max_length": None}
+    )
+    logs: list[list] = []
+
+    def train(offload):
+        model = offload(_model())
+        args = _arguments(
+            trl.SFTConfig, tmp_path, max_steps=6, bf16=False, gradient_checkpointing=False, **options
+        )
+        logs.append([])  # the run without actoff, then the one with
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            processing_class=_tokenizer(),
+            callbacks=[_probes_and_recompute_per_step(logs[-1])],
+        )
+        trainer.train()
+        return _parameters(model)
+
+    expected, actual, messages = _run(train, {"policy": "tokenwise", "cpu_fraction": 0.5})
+    _assert_same_parameters(expected, actual, exact=False)  # recomputed: float32 reassociation
+    assert messages == []
+    log = logs[1]
+    probes = [count for count, _ in log]
+    assert probes[0] > 0 and probes[1:] == [0] * 5, log  # one probe, in the first step
+    assert all(recomputed > 0 for _, recomputed in log[1:]), log
+
+
 @pytest.mark.parametrize("overrides", POLICIES, ids=POLICY_IDS)
 def test_trl_dpo_trainer(overrides, tmp_path):
     trl = pytest.importorskip("trl", reason="TRL is not installed")

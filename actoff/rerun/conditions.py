@@ -50,8 +50,7 @@ def conditions(
     ``tokens`` by rank (Note [what a key keeps]); other inputs by value when plain (integers by
     type), else by type; the module by the training flag of every submodule and the dtype,
     ``requires_grad`` and shape of every parameter. With ``seq_len``, the key of every length
-    (Note [a probe serves other lengths]): dimensions of that length count as "a length" and
-    strides by their order.
+    (Note [a probe serves other lengths]): tensors count by rank and strides by their order.
 
     >>> x = torch.zeros(2, 8, 4)
     >>> key = conditions([x], None, None, True, ())
@@ -85,10 +84,11 @@ def _input_key(value: Any, length: int | None, any_length: bool) -> Any:
                 tuple(sorted(range(value.dim()), key=lambda i: -value.stride(i))),
                 value.is_contiguous(),
             )
-        if length is not None and length not in shape:
-            shape = value.dim()  # per-batch metadata: its rank (Note [what a key keeps])
-        elif any_length:
-            shape = tuple(-1 if n == length else n for n in shape)
+        if any_length or (length is not None and length not in shape):
+            # Of every length: tensors by rank (a hidden size equal to the length would make any
+            # shape with the length left out ambiguous), and per-batch metadata always by rank
+            # (Note [what a key keeps]); `actoff.tiers.tokenwise.probes.transferred` checks the rest.
+            shape = value.dim()
         return (shape, strides, value.dtype, value.device, autograd_status(value))
     if value is None or type(value) in _BY_VALUE:
         return value

@@ -180,11 +180,15 @@ class Split:
             return  # nothing to split (or every token to host memory): whole
         learned, probed = self.learned, self.probed
         if probed is not None and probed.saves != self.saves():
-            # Same key, other saves: the block changed in a way the key cannot see (say, its
-            # attention implementation switched in place). Placed whole; the next call probes
-            # afresh, watched for collectives (this forward was not: see CollectiveWatch).
-            del learned.results[self.conditions]
-            return
+            # Same key, other saves: fitted where they differ in sizes only (a packed batch's
+            # metadata, Note [what a key keeps]); else the block changed in a way the key cannot
+            # see (say, its attention implementation switched in place): placed whole, and the
+            # next call probes afresh, watched for collectives (this one was not: CollectiveWatch).
+            probed = self.fitted(probed)
+            if probed is None:
+                del learned.results[self.conditions]
+                return
+            learned.results[self.conditions] = probed
         if probed is None:
             probed = self.from_another_length()
             if probed is None:
@@ -201,10 +205,12 @@ class Split:
         """The probe of these conditions at another length, fitted to this forward's saves, if
         they differ by their length only (Note [a probe serves other lengths])."""
         other = self.learned.any_length.get(self.any_length)
-        if other is None:
-            return None
+        return None if other is None else self.fitted(other)
+
+    def fitted(self, result: ProbeResult) -> ProbeResult | None:
+        """``result`` fitted to this forward's saves, if they differ from its in sizes only."""
         views = {r.index: ((r.geometry.size, r.geometry.stride), r.base_info) for r in self.run.records}
-        return transferred(other, self.saves(), views, self.seq_len)
+        return transferred(result, self.saves(), views, self.seq_len)
 
     def probe_later(self, candidates: list[Record]) -> None:
         """Place the run whole and probe it in its backward (Note [probe in the first backward])."""

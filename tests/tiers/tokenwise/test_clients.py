@@ -561,3 +561,72 @@ def test_plans_go_with_their_module_and_with_reset():
     assert len(runtime.probe_results) == 0
     train(third, 1)  # learned afresh
     assert len(runtime.probe_results) == 2
+
+
+# ---------------------------------------------------------------------------------- packed batches
+class PackedBlock(Block):
+    """The reference block called as a packing collator calls a decoder layer: with the batch's
+    longest document (an int) and its documents' starts (a tensor of one more than their count)."""
+
+    def forward(self, x, cos, sin, *, longest: int, starts: torch.Tensor):
+        assert longest <= x.shape[1] and starts.numel() >= 2
+        return super().forward(x, cos, sin)
+
+
+def _packed_model():
+    model = make_model()
+    packed = nn.ModuleList(PackedBlock(model.config) for _ in model.layers)
+    packed.load_state_dict(model.layers.state_dict())
+    model.layers = packed
+    return model
+
+
+def _packed_step(model, generator, documents: int) -> None:
+    from actoff.reference import rope_tables
+
+    tokens = torch.randint(0, 256, (2, 33), generator=generator)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    x = model.embed(inputs)
+    cos, sin = rope_tables(inputs.shape[1], model.config.head_dim)
+    starts = torch.linspace(0, 32, documents + 1).long()
+    for layer in model.layers:
+        x = layer(x, cos, sin, longest=int(starts.diff().max()), starts=starts)
+    logits = model.head(model.norm(x))
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _learned_objects() -> int:
+    """What probes and the auto policy learned, alive: probe results, measurements, plans."""
+    gc.collect()
+    return sum(type(o).__name__ in ("ProbeResult", "Measured", "StepPlan") for o in gc.get_objects())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"policy": "tokenwise", "cpu_fraction": 0.25},
+        {"policy": "auto", "host_bandwidth": "20MB", "gpu_budget": "1MiB"},
+    ],
+    ids=["tokenwise", "auto"],
+)
+def test_every_packing_of_a_batch_is_the_same_block(overrides, monkeypatch):
+    """(Note [what a key keeps]) A packed batch's int and per-batch tensor arguments made every
+    batch new conditions: stored whole and probed again every step, auto never left measuring,
+    and what was learned per packing piled up."""
+    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
+    model = _packed_model()
+    actoff.offload_(model, block_cls=PackedBlock, min_bytes=0, **overrides)
+    generator = torch.Generator().manual_seed(0)
+    probes, learned = [], []
+    for step in range(40):
+        _packed_step(model, generator, documents=2 + step % 7 + step // 7)  # a new count most steps
+        probes.append(sum(block.probes for block in actoff.stats().blocks.values()))
+        if step in (9, 39):
+            learned.append(_learned_objects())
+    assert sum(probes[1:]) == 0, probes  # the first step's probe serves every packing
+    if overrides["policy"] == "auto":
+        assert actoff.stats().plan != "none"
+    else:
+        assert actoff.stats().blocks["layers.0"].bytes_per_tier["recompute"] > 0
+    assert learned[1] == learned[0], learned
