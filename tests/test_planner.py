@@ -240,7 +240,7 @@ def test_a_new_sequence_length_replans_and_a_known_one_reuses_its_plan():
 def _host_plans(runtime) -> list:
     """The host arena's plans (the device arena's share the dictionary, keyed by kind first)."""
     return [
-        layout for signature, layout in runtime.plans.items() if not signature.startswith("device-arena:")
+        layout for signature, layout in runtime.layouts.items() if not signature.startswith("device-arena:")
     ]
 
 
@@ -260,7 +260,7 @@ def test_plans_come_back_from_the_disk_cache(tmp_path):
         methods = {layout.method for layout in _host_plans(get_runtime())}
         assert methods == ({"cache"} if attempt else {m for m in methods if m != "cache"})
         assert actoff.stats().host_plan == ("cache" if attempt else methods.pop())  # shown in the stats
-        assert f"plan {actoff.stats().host_plan}" in str(actoff.stats())
+        assert f"layout {actoff.stats().host_layout}" in str(actoff.stats())
     kinds = [json.loads(path.read_text())["key"]["kind"] for path in tmp_path.glob("plan-*.json")]
     assert kinds.count("host-arena") == 1  # written once, read back
     # The device arena's trace depends on which copies were over by backward (a record still on

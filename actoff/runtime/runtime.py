@@ -93,7 +93,7 @@ class Runtime:
         self.probe_results: ByOwner[ModuleProbes] = ByOwner()
         self.auto = AutoObserver()  # the auto policy: measurements, plans, each run's placement
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
-        self.plans: dict[str, Layout] = {}  # trace signature -> host arena layout
+        self.layouts: dict[str, Layout] = {}  # trace signature -> host arena layout
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         self.stores = StoreRegistry()
@@ -275,7 +275,7 @@ class Runtime:
                 run.placement.backward_ended()
             self.steps_completed += 1
             if self.steps_completed == 1:  # Note [one agreement]
-                agree_with_rank0(self.plans, lambda: self._publish(step))
+                agree_with_rank0(self.layouts, lambda: self._publish(step))
             if self.steps_completed == MEASURE_STEPS:
                 agree_on_auto(self.auto)
             self._publish(step)
@@ -319,7 +319,7 @@ class Runtime:
         self.last_stats = collect(step)
         if step.live == 0:
             self.arenas.consolidate()
-            self.arenas.plan(step.runs[0].config, self.plans)
+            self.arenas.plan(step.runs[0].config, self.layouts)
 
     def stats(self) -> Stats:
         with self.lock:
@@ -342,7 +342,7 @@ class Runtime:
             # the copies that still touch returned ones (HostArena's finalizer).
             self.arenas = Arenas()
             self.probe_results, self._warned = ByOwner(), set()
-            self.auto, self.plans = AutoObserver(), {}
+            self.auto, self.layouts = AutoObserver(), {}
             self.stores.close()
             self.replay.close()
 

@@ -62,23 +62,29 @@ class Stats:
     measured_peak_bytes: int | None = None
     measured_predicted_step_ms: float = 0.0
     measured_step_ms: float | None = None
-    host_plan: str = "none"  # the host arena's plan: "greedy:...", "mip", "cache", "rank 0 (...)"
+    host_layout: str = "none"  # the host arena's layout: "greedy:...", "mip", "cache", "rank 0 (...)"
     #: The device arena (actoff.memory.device_arena; none on a plain CPU device or with the planner
     #: off): most bytes of its buffers alive at once in the last step (those of the step before
-    #: that still had tenants at its start included), the bytes its plan's
-    #: address space spans, the plan's lower bound (most bytes live at once in the traced step),
+    #: that still had tenants at its start included), the bytes its layout's
+    #: address space spans, the layout's lower bound (most bytes live at once in the traced step),
     #: solve time, method ("bilevel", "cache", ...), buffers taken (one per wave of a block's
-    #: tensors and step: Note [a buffer per wave]), requests not served as planned, and plans
+    #: tensors and step: Note [a buffer per wave]), requests not served as laid out, and layouts
     #: kept (one per shape of step: Note [a plan per shape]).
     device_arena_bytes: int = 0
-    device_plan_bytes: int = 0
+    device_layout_bytes: int = 0
     device_lower_bound: int = 0
     device_solve_s: float = 0.0
-    device_plan: str = "none"
+    device_layout: str = "none"
     device_allocations: int = 0
     device_divergences: int = 0
     device_fallbacks: int = 0  # planned ranges still held: served elsewhere
-    device_plans: int = 0
+    device_layouts: int = 0
+
+    # The arenas' figures' names until 0.1 ("plan" is the auto policy's word now); kept a release.
+    host_plan = property(lambda self: self.host_layout)
+    device_plan = property(lambda self: self.device_layout)
+    device_plan_bytes = property(lambda self: self.device_layout_bytes)
+    device_plans = property(lambda self: self.device_layouts)
 
     @property
     def total_bytes_saved(self) -> int:
@@ -138,17 +144,17 @@ class Stats:
             f"steps: {self.steps}   host arena: {format_bytes(self.host_capacity)} in "
             f"{self.host_allocations} allocation(s), high water {format_bytes(self.host_high_water)}, "
             + (f"{format_bytes(self.host_pageable_bytes)} pageable, " if self.host_pageable_bytes else "")
-            + f"plan {self.host_plan}   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
+            + f"layout {self.host_layout}   nvme file: {format_bytes(self.nvme_file_bytes)} ({self.io_backend})"
         ]
-        if self.device_plan != "none":
-            gap = self.device_plan_bytes / self.device_lower_bound - 1 if self.device_lower_bound else 0.0
+        if self.device_layout != "none":
+            gap = self.device_layout_bytes / self.device_lower_bound - 1 if self.device_lower_bound else 0.0
             lines.append(
                 f"device arena: {format_bytes(self.device_arena_bytes)} held at most, in buffers taken "
-                f"{self.device_allocations} time(s) (one per wave of a block's tensors and backward), plan "
-                f"{format_bytes(self.device_plan_bytes)} = lower bound "
-                f"{format_bytes(self.device_lower_bound)} + {gap:.1%} ({self.device_plan}, solved in "
+                f"{self.device_allocations} time(s) (one per wave of a block's tensors and backward), layout "
+                f"{format_bytes(self.device_layout_bytes)} = lower bound "
+                f"{format_bytes(self.device_lower_bound)} + {gap:.1%} ({self.device_layout}, solved in "
                 f"{self.device_solve_s * 1e3:.1f} ms), {self.device_divergences} divergence(s), "
-                f"{self.device_fallbacks} fallback(s), {self.device_plans} plan(s) kept"
+                f"{self.device_fallbacks} fallback(s), {self.device_layouts} layout(s) kept"
             )
         if self.plan != "none":
             lines.append(
@@ -249,7 +255,7 @@ def snapshot(
         io_backend=stores.backend_name(),
         auto=auto.decisions(),
         **auto.summary(),
-        host_plan=next((a.plan_method for a in arenas.values() if a.plan is not None), "none"),
+        host_layout=next((a.plan_method for a in arenas.values() if a.plan is not None), "none"),
         **_device_arena_figures(arenas.on_device.values()),
     )
 
@@ -259,12 +265,12 @@ def _device_arena_figures(device_arenas: Iterable[DeviceArena]) -> dict[str, Any
     figures = [arena.stats() for arena in device_arenas]
     return {
         "device_arena_bytes": sum(f["bytes"] for f in figures),
-        "device_plan_bytes": sum(f["plan_bytes"] for f in figures),
+        "device_layout_bytes": sum(f["plan_bytes"] for f in figures),
         "device_lower_bound": sum(f["lower_bound"] for f in figures),
         "device_solve_s": sum(f["solve_s"] for f in figures),
-        "device_plan": next((f["method"] for f in figures if f["method"] != "none"), "none"),
+        "device_layout": next((f["method"] for f in figures if f["method"] != "none"), "none"),
         "device_allocations": sum(f["allocations"] for f in figures),
         "device_divergences": sum(f["divergences"] for f in figures),
         "device_fallbacks": sum(f["fallbacks"] for f in figures),
-        "device_plans": sum(f["plans"] for f in figures),
+        "device_layouts": sum(f["plans"] for f in figures),
     }

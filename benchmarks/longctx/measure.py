@@ -322,7 +322,7 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
         "auto_replans": stats.replans,
         "host_arena_bytes": stats.host_capacity,
         # actoff's device arena: its planned size and the lower bound no layout undercuts
-        "device_plan_bytes": stats.device_plan_bytes,
+        "device_layout_bytes": stats.device_layout_bytes,
         "device_lower_bound_bytes": stats.device_lower_bound,
         "nvme_file_bytes": stats.nvme_file_bytes,
         "io_backend": stats.io_backend,

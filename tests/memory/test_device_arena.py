@@ -91,7 +91,7 @@ def _device_allocations(monkeypatch) -> list[int]:
 
 
 def _device_plans() -> list:
-    return [layout for key, layout in get_runtime().plans.items() if key.startswith("device-arena:")]
+    return [layout for key, layout in get_runtime().layouts.items() if key.startswith("device-arena:")]
 
 
 def test_a_buffer_per_wave_serves_every_request_and_lives_only_while_its_tenants_do(monkeypatch):
@@ -351,7 +351,7 @@ def test_stats_report_the_arena_against_its_lower_bound():
     # The first token-wise step stores whole (the probe runs in its backward): its own plan.
     assert stats.device_plans == len(arena.plans) >= 1
     text = str(stats)
-    assert "device arena:" in text and "lower bound" in text and f"{len(arena.plans)} plan(s) kept" in text
+    assert "device arena:" in text and "lower bound" in text and f"{len(arena.plans)} layout(s) kept" in text
 
 
 # ---------------------------------------------------------------------- the arena alone
