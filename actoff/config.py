@@ -106,6 +106,16 @@ class Config:
     #: holding one block's fewer on the device with the copies no longer hidden. Under the
     #: ``auto`` policy its plan sets the depth for the whole step.
     prefetch_depth: int = 1
+    #: Bytes of saved tensors backward may have fetched and not let go at once (a size like
+    #: ``64MiB``; ``None``: ``prefetch_depth`` blocks instead). Records come back one saved tensor
+    #: at a time, in backward's order, as far ahead as this reaches (Note [fetch per saved tensor]
+    #: in actoff.runtime.fetch); ``0`` fetches each at its own unpack, as PyTorch's ``save_on_cpu``:
+    #: the least device memory, the copies back not hidden.
+    fetch_window: int | None = None
+    #: Bytes of saved tensors forward may be copying out at once (``None``: no cap). Each saved
+    #: tensor's copy to the host starts when autograd saves it, and its device memory goes when
+    #: the copy lands; past this many bytes in flight the compute stream waits for the oldest.
+    copy_window: int | None = None
     #: Cap on the host memory actoff may hold (``None``: no cap). Over it, tensors stay put.
     host_budget: int | None = None
     #: Cap on the pinned (page-locked) host memory of each process's host arena (a size like
@@ -208,6 +218,10 @@ class Config:
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _as_size(name, value, allow_bare=False))
+        for name in ("fetch_window", "copy_window"):  # 0 is a window (and needs no unit), not "unset"
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, 0 if str(value).strip() == "0" else _as_size(name, value, allow_bare=False))
         timeout = _as_float("io_timeout", self.io_timeout)
         if timeout <= 0:
             raise ValueError(f"{_where('io_timeout')}={timeout!r} is out of range: expected seconds > 0")
@@ -322,8 +336,8 @@ class Config:
 
 
 # Settings whose variable may say "none" (or be empty) for "not set".
-_OPTIONAL = {"host_budget", "pinned_budget", "gpu_budget", "host_bandwidth", "tile_chunks",
-             "tile_max_tokens", "sim_device_memory", "sim_device_bandwidth"}  # fmt: skip
+_OPTIONAL = {"host_budget", "pinned_budget", "gpu_budget", "host_bandwidth", "tile_chunks", "tile_max_tokens",
+             "sim_device_memory", "sim_device_bandwidth", "fetch_window", "copy_window"}  # fmt: skip
 
 # Variables that share the prefix but configure tests or builds, not the runtime.
 _NOT_CONFIG = frozenset({"ACTOFF_BUILD_EXT", "ACTOFF_RUN_SLOW", "ACTOFF_TEST_NVME_DIR"})

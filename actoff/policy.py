@@ -48,7 +48,9 @@ TIER_NAMES = ("keep", "cpu", "nvme")
 #: Where a block's saved bytes end up, as the statistics count them: a tier, or recomputed.
 BUCKETS = (*TIER_NAMES, "recompute")
 #: Settings only some policies read (`PolicySpec.reads`); the others every policy reads.
-OPTIONAL_SETTINGS = ("cpu_fraction", "nvme_fraction", "host_bandwidth", "gpu_budget", "prefetch_depth")
+OPTIONAL_SETTINGS = (
+    "cpu_fraction", "nvme_fraction", "host_bandwidth", "gpu_budget", "prefetch_depth", "fetch_window", "copy_window",
+)  # fmt: skip
 
 
 class Settings(Protocol):
@@ -109,7 +111,7 @@ class PolicySpec:
         return self.tier if isinstance(self.tier, str) else self.tier(settings)
 
 
-_DEPTH = ("prefetch_depth",)
+_DEPTH = ("prefetch_depth", "fetch_window", "copy_window")  # the windows (auto plans its own)
 _BUILT_IN = (
     PolicySpec("keep", placement="kept", tier="keep", reads=_DEPTH),
     PolicySpec("recompute", placement="tokenwise", tier="cpu", splits_by_token=True, reads=_DEPTH),

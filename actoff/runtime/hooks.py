@@ -144,6 +144,8 @@ class PackHook:
         self.dedup[key] = (handle, ref)
         if shares_views and not record.geometry.compact:  # Note [views of one storage]
             self._note_span(tensor, storage, ref, handle, record.geometry.span)
+        if placement.streams_out:  # Note [copy out at pack]
+            self.stream_out(record)
         return handle
 
     def _note_span(
@@ -215,7 +217,7 @@ def _unpack_kept(alias: torch.Tensor, version: int, run: ScopeRun) -> torch.Tens
     if alias._version != version:
         raise modified_error(alias.shape, alias.dtype, run.name, alias._version, version)
     step = run.step  # a first unpack outside backward (grad_fn._saved_self) queued nothing
-    if not run.window_issued or not step.callback_queued or (run.index and step.runs[run.index - 1].fetching):
+    if not run.window_issued or not step.callback_queued or step.fetches.busy:
         with run.runtime.lock:
-            run.reached()
+            run.reached(None)  # and the window moves on (Note [fetch per saved tensor])
     return alias

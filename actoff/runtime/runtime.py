@@ -44,7 +44,7 @@ from actoff.device.sim.device import settings_for
 from actoff.memory.arenas import Arenas
 from actoff.memory.host_arena import HostArena
 from actoff.memory.replay_steps import ReplayDrivers
-from actoff.owners import ByOwner
+from actoff.owners import ByOwner, Recent
 from actoff.params import param_storages
 from actoff.planner import Layout
 from actoff.policy import budget_share, runs_to_place, spec
@@ -87,6 +87,7 @@ class Runtime:
         self.step: Step | None = None
         self.steps_started = 0
         self.steps_completed = 0
+        self.last_runs: int | None = None  # runs of the step before (`_streams`)
         self.arenas = Arenas()  # host arenas by device backend
         self.last_stats: dict[str, BlockStats] = {}
         # What probes learned, per module by identity (Note [probes per module and conditions])
@@ -94,6 +95,7 @@ class Runtime:
         self.auto = AutoObserver()  # the auto policy: measurements, plans, each run's placement
         self.quarantine: list[tuple] = []  # Note [hung I/O]: memory and extents never reused
         self.layouts: dict[str, Layout] = {}  # trace signature -> host arena layout
+        self.orders: Recent[tuple, list] = Recent(16)  # step shape -> backward's unpack order
         self.bandwidths: dict[torch.device, float] = {}  # measured host link, bytes/s
         self._warned: set[str] = set()
         self.stores = StoreRegistry()
@@ -181,6 +183,7 @@ class Runtime:
         module_id = id(module) if module is not None else None
         if step is None or step.backward_started or step.aborted or module_id in step.modules:
             if step is not None:  # finish its copies: their sources can go now
+                self.last_runs = len(step.runs)
                 step.last_placed = None
                 step.progress()
                 step.harvest(block=True)  # long done: a whole step ran since
@@ -198,11 +201,24 @@ class Runtime:
         policy the plan's (actoff.runtime.auto)."""
         entry = spec(run.config.policy)
         if entry.planned and call is not None:
-            return self.auto.placement_for(run, call)
-        kind = None if entry.planned else placement_class(entry.placement)
-        if kind is None or (call is None and kind.needs_call):
-            kind = placement_class("whole")
-        return kind(run)
+            placement = self.auto.placement_for(run, call)
+        else:
+            kind = None if entry.planned else placement_class(entry.placement)
+            if kind is None or (call is None and kind.needs_call):
+                kind = placement_class("whole")
+            placement = kind(run)
+        if placement.streams_out and not self._streams(run):
+            placement.streams_out = False
+        return placement
+
+    def _streams(self, run: ScopeRun) -> bool:
+        """Whether ``run``'s copies out may start at pack (Note [copy out at pack]): not on a host
+        device (nothing to copy), nor for the last ``keep_last`` runs of the step (counted on the
+        step before: until one has run, none streams)."""
+        keep_last = run.config.keep_last
+        if run.backend.host_resident:
+            return False
+        return keep_last == 0 or (self.last_runs is not None and run.index < self.last_runs - keep_last)
 
     def _abort(self, run: ScopeRun) -> None:
         # An exception inside the scope: nothing is copied; the records stay resident and
@@ -256,9 +272,12 @@ class Runtime:
                 "Run backward in the process that ran the forward pass."
             )
         with self.lock:
-            record.run.reached()
+            run = record.run
+            run.reached(record)
             record.check_version()
-            return serve(record)
+            tensor = serve(record)
+            run.step.fetches.consumed(record)
+            return tensor
 
     def end_backward(self, step: Step) -> None:
         """Autograd's final callback of a backward that unpacked ``step`` (`ScopeRun.reached`)."""
@@ -273,6 +292,9 @@ class Runtime:
                     record.tier.evict(record)
                 run.fetch_issued = run.window_issued = False
                 run.placement.backward_ended()
+            trace = step.fetches.ended()
+            if trace:  # Note [fetch per saved tensor]: the next step of this shape fetches in this order
+                self.orders[step.fetches.signature()] = trace
             self.steps_completed += 1
             if self.steps_completed == 1:  # Note [one agreement]
                 agree_with_rank0(self.layouts, lambda: self._publish(step))
@@ -293,6 +315,7 @@ class Runtime:
         record.state = State.RELEASED  # from any other state (the transitions allow it)
         step = record.run.step
         step.live -= 1
+        step.fetches.let_go(record)
         record.run.released()
         record.run.placement.released(record)
         if step.live == 0 and (step.backward_started or step.aborted or self.step is not step):
@@ -342,7 +365,7 @@ class Runtime:
             # the copies that still touch returned ones (HostArena's finalizer).
             self.arenas = Arenas()
             self.probe_results, self._warned = ByOwner(), set()
-            self.auto, self.layouts = AutoObserver(), {}
+            self.auto, self.layouts, self.orders = AutoObserver(), {}, Recent(16)
             self.stores.close()
             self.replay.close()
 

@@ -24,6 +24,7 @@ from actoff.device.base import DeviceBackend, Ticket
 from actoff.figures import BlockStats
 from actoff.tiers.record import Record, State
 
+from .fetch import FetchQueue
 from .hooks import Handle, PackHook
 
 if TYPE_CHECKING:
@@ -45,15 +46,22 @@ class Step:
         self.pending: collections.deque[ScopeRun] = collections.deque()  # sealed, not placed
         self.modules: set[int] = set()  # ids of module scopes entered (re-entry: new step)
         self.in_flight: list[ScopeRun] = []  # placed runs with copies out not yet finished
+        # Note [copy out at pack]: records whose copy out started at pack and still holds their
+        # device tensor, oldest first; the most bytes they held at once.
+        self.outbound: list[Record] = []
+        self.outbound_peak = 0
         self.last_placed: ScopeRun | None = None
         self.live = 0  # records not yet released
         self.timings: list[tuple[ScopeRun, str, Ticket]] = []  # copies to time at the end
         self.backward_started = False
         self.callback_queued = False
         self.aborted = False
-        # Runs prefetched ahead of the one backward is in, for the whole step: the auto policy's
-        # plan (actoff.runtime.auto); None: each run's own ``prefetch_depth``.
+        # How far backward fetches ahead, for the whole step: the auto policy's plan, in runs or
+        # bytes (actoff.runtime.auto); None: each run's own settings (`ScopeRun.fetch_limits`).
         self.depth: int | None = None
+        self.window: int | None = None
+        self.copy_window: int | None = None  # bytes copying out at once (Note [copy out at pack])
+        self.fetches = FetchQueue(self)  # Note [fetch per saved tensor]
 
     def harvest(self, *, block: bool) -> None:
         """Add the times of copies that were in flight when accounted (`ScopeRun.account`):
@@ -87,6 +95,38 @@ class Step:
                 still.append(run)
         self.in_flight = still
 
+    # Note [copy out at pack]: a placement that stores every record whole on a tier that copies
+    # (cpu, nvme, checkpoint's inputs) starts each record's copy out when autograd saves it, not
+    # when its block's forward ends: the copy overlaps the rest of the block, and the record lets
+    # go of its device tensor as soon as the copy lands (checked at every save), so a block's saves
+    # do not pile up on the device until its end. ``copy_window`` caps the bytes still copying:
+    # past it the compute stream waits for the oldest copies (no host wait), so a slow link makes
+    # forward slower instead of the step larger. Double buffering still holds as a bound: a run's
+    # copies are finished (stream-side) when the run after it is placed. Not for the last
+    # ``keep_last`` runs, which stay where they are.
+    def copies_out(self, window: int | None) -> None:
+        """Note [copy out at pack]: records whose copy has landed let go of their device tensor
+        (no wait); past ``window`` bytes still held, the oldest are waited for, stream-side."""
+        held, still = 0, []
+        for record in self.outbound:
+            if record.state is not State.OFFLOADING or record.device_tensor is None:
+                continue  # finished since (`progress`), or released
+            ticket = record.copy_ticket
+            if ticket is None or ticket.query():  # landed, or a write the tier watches itself
+                record.tier.advance(record, force=ticket is not None)
+            if record.state is State.OFFLOADING and record.device_tensor is not None:
+                still.append(record)
+                held += record.geometry.nbytes
+        self.outbound_peak = max(self.outbound_peak, held)
+        if window is not None:
+            for record in still:
+                if held <= window:
+                    break
+                record.tier.advance(record, force=True)  # the compute stream waits for its copy
+                if record.state is not State.OFFLOADING or record.device_tensor is None:
+                    held -= record.geometry.nbytes
+        self.outbound = [r for r in still if r.state is State.OFFLOADING and r.device_tensor is not None]
+
 
 class ScopeRun(PackHook):
     """One forward call of an offload scope and the records it made."""
@@ -115,45 +155,57 @@ class ScopeRun(PackHook):
         self.spans: dict[tuple, tuple[Handle | None, int, int, weakref.ref]] = {}
         self.stats = BlockStats(name, calls=1)
         self.live = 0  # records not yet released
-        self.fetch_issued = False
-        self.window_issued = False  # the runs before it prefetched (at its first unpack)
-        self.fetching: list[Record] = []  # records the prefetch left FETCHING, for `poll`
+        self.streaming = False  # its records' copies out started at pack (Note [copy out at pack])
+        self.fetch_issued = False  # a record of it fetched this backward (Note [fetch per saved tensor])
+        self.window_issued = False  # its first unpack of this backward seen
         # What its saved tensors become (Note [placements]): set by the runtime as it opens the run.
         self.placement: Placement = None  # type: ignore[assignment]
 
-    def reached(self) -> None:
-        """Backward unpacks this run (the runtime's lock held): at its first unpack queue the
-        end-of-backward callback, bring back this run's records and prefetch the records of the
-        ``step.depth`` runs before it; later, move those prefetches on."""
-        step = self.step
+    def reached(self, record: Record | None) -> None:
+        """Backward unpacks ``record`` of this run (None: a tensor kept as is; the runtime's lock
+        held): at the step's first unpack queue the end-of-backward callback, at the run's first
+        tell its placement (a probe runs), and at every unpack fetch what the window reaches
+        (Note [fetch per saved tensor], actoff.runtime.fetch)."""
+        step, runtime = self.step, self.runtime
         if not step.backward_started:
             step.backward_started = True
-            self.runtime.auto.backward_starts(self)
-        arena = self.runtime.arenas.on_device.get(self.device)
+            runtime.auto.backward_starts(self)
+        arena = runtime.arenas.on_device.get(self.device)
         if arena is not None:
             arena.unpacked()  # the tenants that die from now to the next unpack are a wave
         if not step.callback_queued:
             try:
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self.runtime.end_backward(step)
-                )
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: runtime.end_backward(step))
                 step.callback_queued = True
             except RuntimeError:
                 pass  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
-        if not self.fetch_issued:
-            self.prefetch()
-        depth = self.config.prefetch_depth if step.depth is None else step.depth
-        window = step.runs[max(0, self.index - depth) : self.index]
+        step.fetches.unpacking(self, record, runtime.orders)
         if not self.window_issued:
             self.window_issued = True
-            for run in reversed(window):  # the next one backward reaches first
-                if not run.fetch_issued:
-                    run.prefetch()
-            self.runtime.auto.prefetched(self)  # the prefetches' buffers are taken now
+            runtime.auto.prefetched(self)  # the prefetches' buffers are taken now
             self.placement.reached()
-        else:
-            for run in reversed(window):
-                run.poll()
+
+    def stream_out(self, record: Record) -> None:
+        """Note [copy out at pack]: ``record``'s copy out starts now, not at the scope's exit."""
+        with self.runtime.lock:
+            step = self.step
+            self.placement.tier.place(record)
+            if not self.streaming:
+                self.streaming = True
+                step.in_flight.append(self)
+            if record.state is State.OFFLOADING and record.device_tensor is not None:
+                step.outbound.append(record)
+            window = step.copy_window if step.copy_window is not None else self.config.copy_window
+            step.copies_out(window)
+
+    def fetch_limits(self) -> tuple[int, int | None]:
+        """How far backward fetches ahead from this run: ``(depth, None)`` in runs, or ``(0, bytes)``
+        (Note [fetch per saved tensor]); the auto policy's plan sets the step's."""
+        step, config = self.step, self.config
+        window = step.window if step.window is not None else config.fetch_window
+        if window is not None and step.depth is None:
+            return 0, window
+        return (config.prefetch_depth if step.depth is None else step.depth), None
 
     def released(self) -> None:
         """One of the run's records was released (the runtime's lock held): at the last, the
@@ -165,40 +217,6 @@ class ScopeRun(PackHook):
     def all_records(self) -> tuple[Record, ...]:
         """The run's records and any a tier made for it (a token-wise run's packed rows)."""
         return self.placement.records()
-
-    def prefetch(self) -> None:
-        """Start bringing back every offloaded record not still alive elsewhere (once a step).
-
-        Note [forward what is still on the device]: a record whose copy out is still under way
-        when backward starts (the last runs placed) keeps its device tensor and is served from
-        it: finishing the copy now would drop the tensor only to copy it back. It also keeps
-        the device arena's requests the same from step to step, whenever the copies end.
-        """
-        self.fetch_issued = True
-        self.fetching = []
-        fetched = []
-        for record in self.all_records():
-            if record.state is State.OFFLOADING:
-                record.tier.settle(record)  # a staged write that has ended since: finish it
-            if record.state is State.OFFLOADED and record.live_source() is None:
-                fetched.append(record)
-            elif record.state is State.OFFLOADING and record.device_tensor is not None:
-                self._expect_device_buffer(record)
-        # The device arena hears of every record forwarded before the first fetch: it sizes the
-        # run's buffers to what is fetched (Note [skipped requests], actoff.memory.device_arena).
-        for record in fetched:
-            record.tier.fetch(record)
-            if record.state is State.FETCHING:
-                self.fetching.append(record)
-
-    def poll(self) -> None:
-        """Move this run's prefetches on without waiting (see `Tier.poll`). Called at every
-        unpack of the next run: it visits only the prefetches still in flight, not every record
-        (the profile of a CPU step showed the full loop as actoff's largest cost there)."""
-        if self.fetching:
-            self.fetching = [record for record in self.fetching if record.state is State.FETCHING]
-            for record in self.fetching:
-                record.tier.poll(record)
 
     # ------------------------------------------------------------------ for the tiers
     # Note [tiers see a view of their run] (actoff.tiers.run_view): what follows is the `RunView`.
@@ -218,7 +236,7 @@ class ScopeRun(PackHook):
             return arena.empty(numel, dtype, (self.index, *key), tag=self.index)
         return self.backend.device_empty(numel, dtype)
 
-    def _expect_device_buffer(self, record: Record) -> None:
+    def expect_device_buffer(self, record: Record) -> None:
         """A record served from the device this step may be fetched in another: the device
         arena expects it (`DeviceArena.expect`)."""
         arena = self.runtime.arenas.device_arena(self.backend, self.config)

@@ -27,6 +27,8 @@ class Tier:
     """What a tier does with a record. The base class is the device itself (nothing moves)."""
 
     name = "keep"
+    #: Records of this tier come back to the device by `fetch` (Note [fetch per saved tensor]).
+    fetches = False
 
     def place(self, record: Record) -> None:
         """Start moving ``record`` off the device; a record that cannot go stays RESIDENT."""

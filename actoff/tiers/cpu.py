@@ -15,6 +15,7 @@ class CpuTier(Tier):
     """Host memory: a slot of the host arena, filled by a copy off the compute stream."""
 
     name = "cpu"
+    fetches = True
 
     def place(self, record: Record) -> None:
         run, geometry = record.run, record.geometry
@@ -123,6 +124,7 @@ class InPlaceCpuTier(Tier):
     host bytes. The copy paths are exercised on the simulated device (actoff.device.sim.device)."""
 
     name = "cpu"
+    fetches = False  # its records stay where they are
 
 
 CPU = CpuTier()

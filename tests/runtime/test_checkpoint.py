@@ -90,8 +90,12 @@ def test_the_inputs_leave_the_device_in_forward_and_each_blocks_go_after_its_bac
         assert [ref() is None for ref in inputs[1:3]] == [True, True]
         loss.backward()
     one_block = 2 * 129 * 64 * 4  # a block's hidden-state input, float32
-    # Each block's backward starts with what the one after it fetched and ran again gone.
-    assert max(live_at_backward) - min(live_at_backward) < one_block, live_at_backward
+    # Each block's backward starts with what the one after it fetched and ran again gone. (The
+    # last block's may start with less: its input's copy out, started at pack, may have landed
+    # already, Note [copy out at pack]; then it comes back at its first unpack.)
+    later = live_at_backward[1:]
+    assert max(later) - min(later) < one_block, live_at_backward
+    assert live_at_backward[0] <= max(later), live_at_backward
 
 
 class _SharingBlock(nn.Module):

@@ -20,6 +20,7 @@ class EveryOther(Placement):
     policy's tier; it counts the hooks the runtime called."""
 
     name = "every-other"
+    stores_whole = False  # it chooses per record, at placement
     calls: ClassVar[list[str]] = []
 
     def seal(self) -> list[object]:

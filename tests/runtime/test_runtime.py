@@ -200,18 +200,25 @@ def test_keep_counts_its_tensors_as_records_kept_on_the_device_are_counted():
 def test_a_kept_block_after_an_offloaded_one_prefetches_it_and_trains_exactly(monkeypatch):
     # A keep run's first unpack must still tell the runtime that backward reached it
     # (ScopeRun.reached): the end-of-backward callback, and the prefetch of the run before.
-    events = []
-    real_prefetch, real_unpack = ScopeRun.prefetch, Runtime.unpack
+    from actoff.runtime.fetch import FetchQueue
 
-    def prefetch(self):
-        events.append(("prefetch", self.name))
-        real_prefetch(self)
+    events = []
+    real_reached, real_enter, real_unpack = ScopeRun.reached, FetchQueue._enter, Runtime.unpack
+
+    def reached(self, record):
+        events.append(("reached", self.name))
+        real_reached(self, record)
+
+    def enter(self, run):  # the window reaches the run: its records are fetched or served
+        events.append(("prefetch", run.name))
+        real_enter(self, run)
 
     def unpack(self, record):
         events.append(("unpack", record.run.name))
         return real_unpack(self, record)
 
-    monkeypatch.setattr(ScopeRun, "prefetch", prefetch)
+    monkeypatch.setattr(ScopeRun, "reached", reached)
+    monkeypatch.setattr(FetchQueue, "_enter", enter)
     monkeypatch.setattr(Runtime, "unpack", unpack)
     model = make_model()
     reference = copy.deepcopy(model)
@@ -221,7 +228,7 @@ def test_a_kept_block_after_an_offloaded_one_prefetches_it_and_trains_exactly(mo
     stats = actoff.stats()
     assert stats.steps == 2
     assert stats.blocks["layers.0"].bytes_offloaded > 0 and stats.blocks["layers.1"].bytes_offloaded == 0
-    last = events[events.index(("prefetch", "layers.1"), len(events) // 2) :]  # the second backward
+    last = events[events.index(("reached", "layers.1"), len(events) // 2) :]  # the second backward
     assert last.index(("prefetch", "layers.0")) < last.index(("unpack", "layers.0"))
     assert ("unpack", "layers.1") not in events  # kept as is: no record to serve
 

@@ -83,6 +83,9 @@ class Placement:
     #: Runs the block's body again, so a compiled body (whose saves are the compiler's) cannot
     #: take it: such runs get the policy's whole-tier placement (actoff.scope.compile).
     needs_call: ClassVar[bool] = False
+    #: Places every record whole on its tier as it is saved (Note [copy out at pack]): a subclass
+    #: that chooses per record says False.
+    stores_whole: ClassVar[bool] = True
 
     def __init__(self, run: ScopeRun, tier: str | None = None) -> None:
         self.run = run
@@ -94,6 +97,9 @@ class Placement:
         # Its copies out finish before the next block runs, not alongside it (auto's measuring
         # steps: Note [measuring at recompute] in actoff.runtime.auto).
         self.finish_copies_first = False
+        # Each record's copy out starts at pack (Note [copy out at pack]); the runtime turns it off
+        # for the runs ``keep_last`` keeps and where nothing leaves the device.
+        self.streams_out = self.stores_whole and self.tier.fetches
 
     # ------------------------------------------------------------------ forward
     def capture(self, call: Call) -> None:

@@ -38,6 +38,7 @@ class TokenwisePlacement(Placement):
 
     name = "tokenwise"
     needs_call = True
+    stores_whole = False
 
     def __init__(
         self, run: ScopeRun, tier: str | None = None, planned: tuple[float, float] | None = None

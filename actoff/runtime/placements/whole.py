@@ -17,6 +17,7 @@ class KeptPlacement(Placement):
 
     name = "keep"
     keeps_as_is = True
+    stores_whole = False
 
     def place(self) -> None:
         """Nothing moves."""
