@@ -145,7 +145,7 @@ def trace_arenas() -> Iterator[dict[str, list[list[tuple]]]]:
             traces["device"].append(
                 [
                     (size, start, end, tag, part)
-                    for (size, start, end, _, tag, _), part in zip(trace, parts, strict=True)
+                    for (size, start, end, _, tag, *_), part in zip(trace, parts, strict=True)
                 ]
             )
         return trace

@@ -136,19 +136,26 @@ def plan_device_arena(arena: DeviceArena, config: Config, plans: dict[str, Layou
 
 def waves(trace: list[tuple]) -> list[tuple]:
     """The part of each traced request (Note [a buffer per wave], actoff.memory.device_arena): its
-    run's fetches or rebuilds (a key's first two items) and the wave it died in, numbered from 0
-    in the order the waves died.
+    run's fetches or rebuilds (a key's first two items) asked for between the same two unpacks and
+    dying between the same two, numbered from 0 in the order of those pairs. Requests asked for
+    apart are parts apart: a part's buffer is taken at its first request and would hold the
+    range of a request made much later (fetches of one saved tensor at a time, Note [fetch per
+    saved tensor] in actoff.runtime.fetch).
 
-    >>> trace = [(512, 1, 4, (0, "fetch", 0, 0), 0, 7), (512, 2, 3, (0, "fetch", 1, 0), 0, 5),
-    ...          (512, 5, 6, (1, "fetch", 0, 0), 1, 7)]
+    >>> trace = [(512, 1, 4, (0, "fetch", 0, 0), 0, 7, 0), (512, 2, 3, (0, "fetch", 1, 0), 0, 5, 0),
+    ...          (512, 5, 6, (1, "fetch", 0, 0), 1, 7, 0), (512, 6, 8, (1, "fetch", 1, 0), 1, 7, 6)]
     >>> waves(trace)
-    [(0, 'fetch', 1), (0, 'fetch', 0), (1, 'fetch', 0)]
+    [(0, 'fetch', 1), (0, 'fetch', 0), (1, 'fetch', 0), (1, 'fetch', 1)]
     """
-    epochs: dict[tuple, set[int]] = {}
+
+    def wave(entry: tuple) -> tuple[int, int]:
+        return (entry[6] if len(entry) > 6 else 0, entry[5])  # (asked, died)
+
+    seen: dict[tuple, set[tuple[int, int]]] = {}
     for entry in trace:
-        epochs.setdefault(entry[3][:2], set()).add(entry[5])
-    order = {group: sorted(seen) for group, seen in epochs.items()}
-    return [(*entry[3][:2], order[entry[3][:2]].index(entry[5])) for entry in trace]
+        seen.setdefault(entry[3][:2], set()).add(wave(entry))
+    order = {group: sorted(pairs, key=lambda pair: (pair[1], pair[0])) for group, pairs in seen.items()}
+    return [(*entry[3][:2], order[entry[3][:2]].index(wave(entry))) for entry in trace]
 
 
 def _layout(

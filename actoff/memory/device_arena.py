@@ -107,8 +107,9 @@ class _PartBuffer:
 
 
 class _Trace:
-    """A step's requests, ``[size, start, end or None, key, tag, epoch at death]``, on a clock
-    that ticks at every request and every death; tenants of an older generation are not traced."""
+    """A step's requests, ``[size, start, end or None, key, tag, epoch at death, epoch at the
+    request]``, on a clock that ticks at every request and every death; tenants of an older
+    generation are not traced."""
 
     __slots__ = ("clock", "entries", "generation")
 
@@ -118,10 +119,10 @@ class _Trace:
     def new(self) -> None:
         self.clock, self.entries, self.generation = 0, [], next(_GENERATIONS)
 
-    def request(self, size: int, key: tuple, tag: Any) -> tuple[int, int]:
-        """Trace a request; its index and generation, for its death."""
+    def request(self, size: int, key: tuple, tag: Any, epoch: int) -> tuple[int, int]:
+        """Trace a request made at ``epoch`` (unpacks so far); its index and generation, for its death."""
         self.clock += 1
-        self.entries.append([size, self.clock, None, key, tag, None])
+        self.entries.append([size, self.clock, None, key, tag, None, epoch])
         return len(self.entries) - 1, self.generation
 
     def died(self, index: int, generation: int, epoch: int) -> None:
@@ -130,7 +131,7 @@ class _Trace:
             self.entries[index][2] = self.clock
             self.entries[index][5] = epoch
 
-    def take(self) -> list[tuple[int, int, int, tuple, Any, int]]:
+    def take(self) -> list[tuple[int, int, int, tuple, Any, int, int]]:
         """The requests whose tenants have died; starts a new generation."""
         entries = self.entries
         self.new()
@@ -153,7 +154,7 @@ class DeviceArena:
     >>> x = arena.empty(256, torch.float32, key=(0, "fetch", 0), tag=0)  # no plan: a new tensor
     >>> del x
     >>> trace = arena.take_trace(); trace
-    [(1024, 1, 2, (0, 'fetch', 0, 0), 0, 0)]
+    [(1024, 1, 2, (0, 'fetch', 0, 0), 0, 0, 0)]
     >>> layout = solve([Buffer(*entry[:3]) for entry in trace])
     >>> arena.install_plan(DevicePlan([entry[3] for entry in trace], [entry[0] for entry in trace], layout))
     >>> arena.begin_step()
@@ -305,7 +306,7 @@ class DeviceArena:
     def _trace(
         self, size: int, key: tuple, tag: Any, holder: object, held: _PartBuffer | None, offset: int
     ) -> None:
-        index, generation = self.trace.request(size, key, tag)
+        index, generation = self.trace.request(size, key, tag, self._epoch[0])
         part, ident = (held.part, held.ident) if held is not None else (None, -1)
         # Not a bound method: a tenant alive (a graph kept) must not keep the arena alive.
         weakref.finalize(
@@ -370,9 +371,10 @@ class DeviceArena:
                 del self.draining[ident]
         self.trace.died(index, generation, epoch)
 
-    def take_trace(self) -> list[tuple[int, int, int, tuple, Any, int]]:
+    def take_trace(self) -> list[tuple[int, int, int, tuple, Any, int, int]]:
         """The requests traced since the step began whose tenants have died, as ``(size, start,
-        end, key, tag, epoch)`` (``epoch``: unpacks before the death); starts a new trace."""
+        end, key, tag, epoch, asked)`` (unpacks before the death, and before the request);
+        starts a new trace."""
         with self._locked():
             return self.trace.take()
 

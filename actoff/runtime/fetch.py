@@ -125,17 +125,19 @@ class FetchQueue:
         self.peak = max(self.peak, self.held)
 
     def consumed(self, record: Record) -> None:
-        """Autograd has ``record``'s tensor: its bytes stay in the window until it lets go of it;
-        one that came back only now, at its own unpack, counts from now."""
-        if record in self.fetched:
-            self.fetched[record] = True
-        elif record.state is State.READY and record.tier is not None and record.tier.fetches:
+        """Autograd has ``record``'s tensor: its bytes stay in the window until it lets go of it
+        (one that came back only now, at its own unpack, counts from now); once every save of it
+        has unpacked it, only a retained graph keeps it, and it may be evicted."""
+        record.unpacks += 1
+        if record not in self.fetched:
+            if record.state is not State.READY or record.tier is None or not record.tier.fetches:
+                return
             self._fetched(record)
-            self.fetched[record] = True
+        self.fetched[record] = record.unpacks >= record.uses
 
     def _evict(self, nbytes: int, window: int) -> bool:
-        """Room for ``nbytes`` in the window from records already unpacked and still back (a
-        retained graph's), least recently unpacked first; whether there is room now."""
+        """Room for ``nbytes`` in the window from records every save of which has unpacked them
+        and still back (a retained graph's), oldest first; whether there is room now."""
         for record in [record for record, unpacked in self.fetched.items() if unpacked]:
             if record.state is State.READY:
                 record.tier.evict(record)

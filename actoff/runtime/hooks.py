@@ -120,7 +120,13 @@ class PackHook:
         found = self.dedup.get(key)
         if found is not None and found[1]() is root:
             self.stats.dedup_hits += 1
-            return found[0]
+            packed = found[0]
+            kind = type(packed)
+            if kind is Handle:
+                packed.record.uses += 1
+            elif kind is AliasHandle:
+                packed.handle.record.uses += 1
+            return packed
         placement = self.placement
         shares_views = placement.shares_views
         inside = self._inside(tensor, storage, root) if shares_views else None
@@ -131,6 +137,7 @@ class PackHook:
             return packed
         if inside is not None:
             self.stats.dedup_hits += 1
+            inside[0].record.uses += 1
             alias = AliasHandle(*inside, tensor)
             self.dedup[key] = (alias, ref)
             return alias

@@ -290,6 +290,7 @@ class Runtime:
                 for record in run.all_records():
                     # Kept for retain_graph: drop the device copy; the stored copy stays.
                     record.tier.evict(record)
+                    record.unpacks = 0
                 run.fetch_issued = run.window_issued = False
                 run.placement.backward_ended()
             trace = step.fetches.ended()

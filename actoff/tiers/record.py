@@ -140,6 +140,8 @@ class Record:
         "state",
         "store",
         "tier",
+        "unpacks",
+        "uses",
         "whole",
         "write_future",
     )
@@ -183,6 +185,11 @@ class Record:
         self.base_info: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.whole = False
         self.split: Split | None = None
+        # Saves served by it (its own and those deduplicated onto it) and, in the backward under
+        # way, its unpacks: once every save has unpacked it, a record still back is kept by a
+        # retained graph only (Note [fetch per saved tensor] in actoff.runtime.fetch).
+        self.uses = 1
+        self.unpacks = 0
 
     def to(self, state: State) -> None:
         """Move to ``state``; raise `RecordStateError` if the machine forbids it."""
