@@ -602,6 +602,7 @@ def _learned_objects() -> int:
     return sum(type(o).__name__ in ("ProbeResult", "Measured", "StepPlan") for o in gc.get_objects())
 
 
+@pytest.mark.no_sim_device  # auto's budget is for the blocks' bytes: a plain CPU device counts no other
 @pytest.mark.parametrize(
     "overrides",
     [
