@@ -17,6 +17,7 @@ Example:
 """
 
 from ._version import __version__
+from .budget import BudgetWarning
 from .config import Config, get_config, parse_size, set_config
 from .introspect import check_kvikio, format_bytes, held_bytes, open_io_engine, trace_arenas
 from .memory import replay_allocator
@@ -49,6 +50,7 @@ __all__ = [
     "HAS_EXTENSION",
     "AllocatorStats",
     "BlockStats",
+    "BudgetWarning",
     "Config",
     "Stats",
     "__version__",

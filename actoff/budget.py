@@ -1,7 +1,7 @@
-"""Fitting a device budget at the least step time: per block a placement, the step's predicted
-device peak and added time, and the plan with the least time whose peak fits.
+"""Fitting a device budget at the least step time: the model of a step's device peak and added
+time under a placement per block and two windows (actoff.fitting finds the plan).
 
-Pure functions on what a first step measured: no tensors, no devices, tested on numbers
+Pure functions on what the measuring steps measured: no tensors, no devices, tested on numbers
 against brute force.
 
 Note [the budget model]: a block saves three classes of bytes in forward: its input, what
@@ -9,28 +9,39 @@ attention saves (q, k, v, its output, the log-sum-exp) and the token-local rest.
 says which stay on the device until the block's backward:
 
 - ``keep``: all of them; it adds no time.
+- ``stream``: all of them go to the host one saved tensor at a time as they are saved, and come
+  back one at a time in backward (Note [copy out at pack], Note [fetch per saved tensor]): on the
+  device only what the windows allow, besides the node at work.
 - ``tokenwise`` with a stored fraction ``a``: the input, attention's saves and a share ``a``
-  of the rest go to the host; the rest is recomputed in backward (``(1 - a)`` of the block's
-  forward time outside attention).
+  of the rest go to the host at the block's end; the rest is recomputed in backward (``(1 - a)``
+  of the block's forward time outside attention).
 - ``checkpoint``: the input goes to the host; the whole block is run again (its forward time).
 
-Copies out overlap the next block's forward and copies back the previous block's backward
-(twice a forward, times the prefetch depth): only the part a copy takes beyond that is added.
+The windows are the step's: ``copy`` bytes of saved tensors may be copying out at once in
+forward (a ``stream`` block's), ``fetch`` bytes may be fetched and not yet let go in backward
+(any offloaded block's records). A copy hides behind compute as far as its window lets compute
+run ahead of it: behind up to two forwards (its block's and the next) out, two backwards (twice
+a forward each) back; with a window of ``w`` block's worth of bytes, ``w`` of them; what is
+left is added to the step.
 
 The device peak is the largest of three moments, each with what the step holds outside the
-blocks then (`Outside`: weights, gradients, optimizer state, and the moment's own, the logits
-and their gradient at the head):
+blocks then (`Outside`: weights, gradients, optimizer state, one autograd node's working
+memory, and the moment's own, the logits and their gradient at the head):
 
-- the forward of each block: every kept block before it, the stored bytes of the block
-  before it on their way out (if offloaded: the next block's placement waits for them), and
-  its own bytes as it saves them;
+- the forward of each block: every kept block before it, the stored bytes of the block before
+  it on their way out (a ``tokenwise`` one: the next block's placement waits for them), its own
+  bytes as it saves them (none for a ``stream`` block, whose saves go as their copies land, nor
+  for a ``checkpoint`` one, which saves its inputs only, streamed), and what is copying out where
+  a streamed block is at or just before it (at most the copy window);
 - the head, between forward and backward: every kept block, and the last block's stored bytes
-  on their way out if it is offloaded;
+  on their way out (its window's, if it streams);
 - the backward of each block, from the last: the kept blocks before it (their backward comes
-  later), its own bytes back on the device (kept, fetched or rebuilt) and the prefetch of the
-  ``depth`` blocks before it. A token-wise block that both stores and recomputes rows holds its
-  stored rows twice while it is rebuilt: fetched packed, and scattered into the rebuilt tensors
-  (the packed copy goes when the last is rebuilt).
+  later), its own working bytes (kept, rebuilt or run again; none for a ``stream`` block) and
+  the fetch window; for the last block, at least its copies still under way at the head, which
+  are served from the device and count in the fetch window (Note [forward what is still on the
+  device] in actoff.runtime.fetch). A token-wise block that both stores and recomputes rows holds its stored
+  rows twice while it is rebuilt: fetched packed, and scattered into the rebuilt tensors (the
+  packed copy goes when the last is rebuilt).
 
 So kept blocks are best the last ones: their backward comes first and lets them go before any
 offloaded block comes back.
@@ -38,7 +49,7 @@ offloaded block comes back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -49,15 +60,18 @@ __all__ = [
     "PLAN_HEADROOM",
     "REPLAN_TOLERANCE",
     "BlockCost",
+    "BudgetWarning",
     "Outside",
     "Placement",
     "Plan",
+    "Windows",
+    "added_seconds",
     "allowed",
     "cuda_budget",
-    "floor_plan",
+    "least",
+    "moments",
     "off_by",
     "outside_from",
-    "plan",
     "predict",
 ]
 
@@ -80,9 +94,19 @@ PLAN_HEADROOM = 0.15
 CALIBRATED_HEADROOM = 0.03
 
 
+class BudgetWarning(RuntimeWarning):
+    """A step of the auto policy peaked over its device budget, or no plan fits it
+    (Note [every step over the budget is said] in actoff.runtime.over_budget). Silence it with
+    ``warnings.filterwarnings("ignore", category=actoff.BudgetWarning)``.
+
+    >>> issubclass(BudgetWarning, RuntimeWarning)
+    True
+    """
+
+
 @dataclass(frozen=True)
 class BlockCost:
-    """One block as its first step measured it: forward time, attention's share of it, and
+    """One block as its measuring steps measured it: forward time, attention's share of it, and
     the bytes it saves by class."""
 
     forward_s: float
@@ -90,12 +114,16 @@ class BlockCost:
     input_bytes: int
     attention_bytes: int
     local_bytes: int
-    #: The block can be recomputed token-wise (its probe passed): else of the token-wise
-    #: placements only ``tokenwise:1`` (everything stored) is open to it.
+    #: The block can be recomputed token-wise (its probe passed): else no ``tokenwise``.
     tokenwise: bool = True
-    #: The block may be run again in backward (its forward calls no collective outside a
-    #: token mixer, which a re-run on one rank would call again): else no ``checkpoint``.
+    #: The block may be run again in backward (no collective outside a token mixer, no input
+    #: written in place): else no ``checkpoint``.
     rerun: bool = True
+    #: The block's share of the host budget in bytes (None: no cap). Where its saves do not fit
+    #: it, ``stream`` is closed and ``tokenwise`` storing every row opens: its rows split
+    #: between host memory and NVMe, or recomputed past the host's share without an NVMe
+    #: directory (actoff.policy.host_split).
+    host_room: float | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -104,8 +132,8 @@ class BlockCost:
 
 @dataclass(frozen=True)
 class Placement:
-    """``keep``, ``tokenwise`` with the token fraction ``stored`` of the token-local bytes kept
-    on the host (the rest recomputed), or ``checkpoint``."""
+    """``keep``, ``stream``, ``tokenwise`` with the token fraction ``stored`` of the token-local
+    bytes kept on the host (the rest recomputed), or ``checkpoint``."""
 
     kind: str
     stored: float = 1.0
@@ -117,23 +145,63 @@ class Placement:
 #: From most to least device memory held through the step (Note [the budget model]).
 PLACEMENTS = (
     Placement("keep"),
+    Placement("stream"),
     *(Placement("tokenwise", stored) for stored in (1.0, 0.75, 0.5, 0.25, 0.0)),
     Placement("checkpoint"),
 )
 
 
+@dataclass(frozen=True)
+class Windows:
+    """The step's windows in bytes (Note [the budget model]): ``fetch`` in backward, ``copy`` in
+    forward."""
+
+    fetch: float = 0.0
+    copy: float = 0.0
+
+    def __str__(self) -> str:
+        return f"fetch window {_mib(self.fetch)}, copy window {_mib(self.copy)}"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
 def allowed(block: BlockCost) -> tuple[Placement, ...]:
-    """The placements open to ``block`` (`BlockCost.tokenwise`, `BlockCost.rerun`).
+    """The placements open to ``block`` (`BlockCost.tokenwise`, `BlockCost.rerun`,
+    `BlockCost.host_room`): ``tokenwise`` storing every row only where ``stream``, which holds
+    less, is closed by the host budget.
 
     >>> [str(p) for p in allowed(BlockCost(0.01, 0.0, 1, 1, 1, tokenwise=False, rerun=False))]
-    ['keep', 'tokenwise:1']
+    ['keep', 'stream']
+    >>> [str(p) for p in allowed(BlockCost(0.01, 0.0, 1, 1, 1, rerun=False, host_room=2))]
+    ['keep', 'tokenwise:1', 'tokenwise:0.75', 'tokenwise:0.5', 'tokenwise:0.25', 'tokenwise:0']
     """
-    return tuple(
-        p
-        for p in PLACEMENTS
-        if (p.kind != "tokenwise" or block.tokenwise or p.stored == 1.0)
-        and (p.kind != "checkpoint" or block.rerun)
-    )
+    streams = block.host_room is None or block.saved_bytes <= block.host_room
+
+    def open_to(placement: Placement) -> bool:
+        if placement.kind == "stream":
+            return streams
+        if placement.kind == "tokenwise":
+            return block.tokenwise and (placement.stored < 1.0 or not streams)
+        return placement.kind != "checkpoint" or block.rerun
+
+    return tuple(p for p in PLACEMENTS if open_to(p))
+
+
+def least(block: BlockCost) -> Placement:
+    """The placement open to ``block`` that holds the least device memory (the floor): ``stream``,
+    else ``checkpoint``, else ``tokenwise`` recomputing every row, else ``stream`` all the same
+    (what the host budget cannot take stays on the device, said: actoff.tiers.cpu).
+
+    >>> str(least(BlockCost(0.01, 0.0, 1, 1, 1, host_room=0)))
+    'checkpoint'
+    """
+    open_ = allowed(block)
+    for placement in (Placement("stream"), Placement("checkpoint"), Placement("tokenwise", 0.0)):
+        if placement in open_:
+            return placement
+    return Placement("stream")
 
 
 def _host_bytes(block: BlockCost, placement: Placement) -> float:
@@ -142,11 +210,34 @@ def _host_bytes(block: BlockCost, placement: Placement) -> float:
         return 0.0
     if placement.kind == "checkpoint":
         return block.input_bytes
+    if placement.kind == "stream":
+        return block.saved_bytes
     return block.input_bytes + block.attention_bytes + placement.stored * block.local_bytes
+
+
+def _forward_bytes(block: BlockCost, placement: Placement) -> float:
+    """Bytes a block holds through its own forward: all it saves, but for a ``stream`` block (its
+    copies go as they land) and a ``checkpoint`` one (it saves nothing but its inputs, streamed)."""
+    return 0.0 if placement.kind in ("stream", "checkpoint") else block.saved_bytes
+
+
+def _leaving(block: BlockCost, placement: Placement) -> float:
+    """A block's copies out still in flight through the next block's forward: a token-wise
+    block's, issued at its end (streamed ones count in the copy window)."""
+    return _host_bytes(block, placement) if placement.kind == "tokenwise" else 0.0
+
+
+def _streaming(block: BlockCost, placement: Placement, windows: Windows) -> float:
+    """A block's copies out started at pack and still in flight: at most the copy window."""
+    if placement.kind in ("stream", "checkpoint"):
+        return min(windows.copy, _host_bytes(block, placement))
+    return 0.0
 
 
 def _working_bytes(block: BlockCost, placement: Placement) -> float:
     """Bytes an offloaded block has back on the device at its backward (Note [the budget model])."""
+    if placement.kind == "stream":
+        return 0.0
     if placement.kind == "tokenwise" and 0.0 < placement.stored < 1.0:
         return block.saved_bytes + placement.stored * block.local_bytes
     return block.saved_bytes
@@ -160,19 +251,27 @@ def _recompute_s(block: BlockCost, placement: Placement) -> float:
     return 0.0
 
 
-def added_seconds(block: BlockCost, placement: Placement, link_bytes_per_s: float, depth: int = 1) -> float:
+def added_seconds(block: BlockCost, placement: Placement, link_bytes_per_s: float, windows: Windows) -> float:
     """Time a placement adds to a step over ``keep``: copies not hidden, and recompute.
 
     >>> block = BlockCost(0.01, 0.002, 10_000_000, 10_000_000, 30_000_000)
-    >>> round(added_seconds(block, Placement("checkpoint"), 1e9), 4)  # re-run the forward
-    0.01
-    >>> round(added_seconds(block, Placement("tokenwise", 1.0), 1e9), 4)  # 50 ms each way: 40 + 30 over
+    >>> # re-run 10 ms; windows of none: its input's copies (10 ms each way) hide behind nothing
+    >>> round(added_seconds(block, Placement("checkpoint"), 1e9, Windows()), 4)
+    0.03
+    >>> one = Windows(fetch=50e6, copy=50e6)  # a block's worth each way: 50 ms of copy, 10 and 20 hidden
+    >>> round(added_seconds(block, Placement("stream"), 1e9, one), 4)
     0.07
     """
-    copy_s = _host_bytes(block, placement) / link_bytes_per_s
-    out_stall = max(0.0, copy_s - block.forward_s)
-    in_stall = max(0.0, copy_s - 2 * block.forward_s * depth)
-    return out_stall + in_stall + _recompute_s(block, placement)
+    host = _host_bytes(block, placement)
+    if host == 0.0:
+        return _recompute_s(block, placement)
+    copy_s = host / link_bytes_per_s
+    forward = block.forward_s
+    # Copied at a token-wise block's end: behind the next block's forward; streamed: behind as
+    # much compute as the copy window lets run ahead.
+    out_hidden = forward if placement.kind == "tokenwise" else forward * min(windows.copy / host, 2.0)
+    in_hidden = 2 * forward * min(windows.fetch / host, 2.0)
+    return max(0.0, copy_s - out_hidden) + max(0.0, copy_s - in_hidden) + _recompute_s(block, placement)
 
 
 @dataclass(frozen=True)
@@ -204,10 +303,10 @@ def _outside(outside: Outside | float) -> Outside:
 
 @dataclass(frozen=True)
 class Plan:
-    """Placements per block (in forward order), the prefetch depth, and what they predict."""
+    """Placements per block (in forward order), the step's windows, and what they predict."""
 
     placements: tuple[Placement, ...]
-    depth: int
+    windows: Windows
     peak_bytes: float
     seconds: float
 
@@ -215,7 +314,7 @@ class Plan:
         counts: dict[str, int] = {}
         for placement in self.placements:
             counts[str(placement)] = counts.get(str(placement), 0) + 1
-        return ", ".join(f"{n} {name}" for name, n in counts.items()) + f"; prefetch depth {self.depth}"
+        return ", ".join(f"{n} {name}" for name, n in counts.items()) + f"; {self.windows}"
 
 
 def predict(
@@ -224,7 +323,7 @@ def predict(
     link_bytes_per_s: float,
     *,
     outside_bytes: Outside | float = 0,
-    depth: int = 1,
+    windows: Windows = Windows(),
 ) -> tuple[float, float]:
     """The step's device peak and the time the placements add (Note [the budget model]).
 
@@ -232,146 +331,68 @@ def predict(
     >>> predict(blocks, [Placement("keep")] * 2, 1e9, outside_bytes=100)
     (200.0, 0.0)
     >>> peak, _ = predict(blocks, [Placement("checkpoint"), Placement("keep")], 1e9, outside_bytes=100)
-    >>> peak  # the kept block, let go before the checkpointed one comes back whole
-    160.0
+    >>> peak  # the kept block at the head; it is let go before the checkpointed one comes back whole
+    150.0
+    >>> predict(blocks, [Placement("stream")] * 2, 1e9, outside_bytes=100)[0]  # windows of 0: nothing
+    100.0
     """
-    return float(max(_moments(blocks, placements, outside_bytes, depth))), sum(
-        added_seconds(b, p, link_bytes_per_s, depth) for b, p in zip(blocks, placements, strict=True)
+    return float(max(moments(blocks, placements, outside_bytes, windows))), sum(
+        added_seconds(b, p, link_bytes_per_s, windows) for b, p in zip(blocks, placements, strict=True)
     )
 
 
-def _moments(
-    blocks: Sequence[BlockCost], placements: Sequence[Placement], outside: Outside | float, depth: int
+def moments(
+    blocks: Sequence[BlockCost], placements: Sequence[Placement], outside: Outside | float, windows: Windows
 ) -> tuple[float, float, float]:
     """Bytes on the device at the worst forward moment, the head and the worst backward one."""
     outside = _outside(outside)
-    kept = [b.saved_bytes if p.kind == "keep" else 0 for b, p in zip(blocks, placements, strict=True)]
-    stored = [0.0 if p.kind == "keep" else _host_bytes(b, p) for b, p in zip(blocks, placements, strict=True)]
+    pairs = list(zip(blocks, placements, strict=True))
+    kept = [b.saved_bytes if p.kind == "keep" else 0 for b, p in pairs]
+    leaving = [_leaving(b, p) for b, p in pairs]
+    streaming = [_streaming(b, p, windows) for b, p in pairs]
     forward = outside.forward + max(
-        sum(kept[:index]) + (stored[index - 1] if index else 0.0) + block.saved_bytes
-        for index, block in enumerate(blocks)
+        sum(kept[:index])
+        + (leaving[index - 1] if index else 0.0)
+        + _forward_bytes(block, placement)
+        + max(streaming[index], streaming[index - 1] if index else 0.0)
+        for index, (block, placement) in enumerate(pairs)
     )
-    head = outside.head + sum(kept) + stored[-1]
+    head = outside.head + sum(kept) + leaving[-1] + streaming[-1]
+    offloaded = any(p.kind != "keep" for p in placements)
+    fetch = windows.fetch if offloaded else 0.0
     backward = 0.0
-    for index, (block, placement) in enumerate(zip(blocks, placements, strict=True)):
+    for index, (block, placement) in enumerate(pairs):
         own = kept[index] if placement.kind == "keep" else _working_bytes(block, placement)
-        ahead = sum(stored[max(0, index - depth) : index])
+        ahead = fetch if index and any(p.kind != "keep" for p in placements[:index]) else 0.0
+        if index == len(pairs) - 1:  # its copies still under way at the head are served from the device
+            ahead = max(ahead, streaming[-1])
         backward = max(backward, sum(kept[:index]) + own + ahead)
     return forward, head, outside.backward + backward
 
 
 def outside_from(
-    moments: tuple[float, float, float],
+    measured: tuple[float, float, float],
     blocks: Sequence[BlockCost],
     placements: Sequence[Placement],
-    *,
-    depth: int = 1,
+    windows: Windows,
 ) -> Outside:
     """The step's memory outside the blocks at each moment, from a step's measured peak at each
-    (forward, the head, backward) under ``placements``.
+    (forward, the head, backward) under ``placements`` and ``windows``.
 
     Note [memory outside the blocks]: what the step holds besides the blocks' saved bytes
     (weights, gradients, optimizer state, the loss and its logits, the tokens, the embedding's
-    output, kernels' scratch, copies still on their way) is counted by nobody: at each moment
-    it is the measured peak of that moment less what the model says the blocks held then under
-    the placements that ran. Taken as the same under every placement; a plan it misleads is
-    caught by the next step's comparison (`off_by`) and replanned from that step's peaks.
+    output, kernels' scratch, the node at work in backward, copies still on their way) is counted
+    by nobody: at each moment it is the measured peak of that moment less what the model says
+    the blocks held then under the placements that ran. Taken as the same under every placement;
+    a plan it misleads is caught by the next step's comparison (`off_by`) and replanned from that
+    step's peaks.
 
     >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 2
-    >>> outside_from((500, 400, 300), blocks, [Placement("keep")] * 2)  # 50 + 50 held at the head
+    >>> outside_from((500, 400, 300), blocks, [Placement("keep")] * 2, Windows())  # 50 + 50 held at the head
     Outside(forward=400.0, head=300.0, backward=200.0)
     """
-    model = _moments(blocks, placements, Outside(), depth)
-    return Outside(
-        *(max(0.0, measured - modelled) for measured, modelled in zip(moments, model, strict=True))
-    )
-
-
-def plan(
-    blocks: Sequence[BlockCost],
-    link_bytes_per_s: float,
-    budget_bytes: float,
-    *,
-    outside_bytes: Outside | float = 0,
-    depths: Sequence[int] = (1, 2),
-) -> Plan | None:
-    """The least added time whose predicted peak fits ``budget_bytes``, or None if nothing does.
-
-    Keeping is free in time, so each count of kept blocks is tried (the last ones: their
-    backward comes first and lets them go before an offloaded block comes back); the offloaded
-    ones get placements by dynamic programming over the blocks in order, the state being the
-    last ``depth`` placements (what is fetched ahead of a block's backward). Exact when the
-    blocks are alike (a transformer's are); for blocks that differ, among plans that keep the
-    last blocks.
-
-    >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4  # 50 bytes each: copies take no time
-    >>> plan(blocks, 1e9, 200).describe()  # keep fits: keep
-    '4 keep; prefetch depth 1'
-    >>> plan(blocks, 1e9, 150).describe()  # three held at the head; the first back once they are gone
-    '1 tokenwise:1, 3 keep; prefetch depth 1'
-    >>> plan(blocks, 1e9, 60).describe(), plan(blocks, 1e9, 59)  # the floor: one block back whole
-    ('3 checkpoint, 1 keep; prefetch depth 1', None)
-    >>> # (the last block's backward comes first, with one input fetched ahead: it may stay)
-    """
-    outside = _outside(outside_bytes)
-    best: Plan | None = None
-    count = len(blocks)
-    for kept in range(count, -1, -1):
-        held = sum(b.saved_bytes for b in blocks[count - kept :])
-        if outside.head + held > budget_bytes:
-            continue
-        # Offloaded blocks come back after every kept one has gone.
-        cap = budget_bytes - outside.backward
-        for depth in depths if kept < count else depths[:1]:
-
-            def fits(offloaded: tuple[Placement, ...], depth: int = depth, kept: int = kept) -> bool:
-                # The head and the kept blocks' backward depend on the last offloaded ones only.
-                placements = (*offloaded, *(PLACEMENTS[0],) * kept)
-                return max(_moments(blocks, placements, outside, depth)) <= budget_bytes
-
-            offloaded = _cheapest(blocks[: count - kept], link_bytes_per_s, cap, depth, fits)
-            if offloaded is None:
-                continue
-            placements = (*offloaded, *(PLACEMENTS[0],) * kept)
-            peak, seconds = predict(blocks, placements, link_bytes_per_s, outside_bytes=outside, depth=depth)
-            if best is None or seconds < best.seconds - 1e-12:
-                best = Plan(placements, depth, peak, seconds)
-        if best is not None and best.seconds == 0.0:
-            break  # nothing is faster than adding no time: keeping more only holds more
-    return best
-
-
-def _cheapest(
-    blocks: Sequence[BlockCost],
-    link_bytes_per_s: float,
-    cap: float,
-    depth: int,
-    fits: Callable[[tuple[Placement, ...]], bool],
-) -> tuple[Placement, ...] | None:
-    """Offloaded placements for ``blocks`` (in forward order) with the least added time such
-    that each block's bytes back plus the ``depth`` stored ones before it stay within ``cap``,
-    and the whole plan ``fits`` (which depends on the last ``depth`` placements alone)."""
-    # state: the last ``depth`` placements (fewer at the start) -> (seconds, placements so far)
-    states: dict[tuple[Placement, ...], tuple[float, tuple[Placement, ...]]] = {(): (0.0, ())}
-    for block in blocks:
-        following: dict[tuple[Placement, ...], tuple[float, tuple[Placement, ...]]] = {}
-        for window, (seconds, chosen) in states.items():
-            before = chosen[-depth:] if depth else ()
-            ahead = sum(
-                _host_bytes(b, p) for b, p in zip(blocks[len(chosen) - len(before) :], before, strict=False)
-            )
-            for placement in allowed(block)[1:]:
-                if _working_bytes(block, placement) + ahead > cap:
-                    continue
-                total = seconds + added_seconds(block, placement, link_bytes_per_s, depth)
-                key = (*window, placement)[-depth:]
-                if key not in following or total < following[key][0] - 1e-15:
-                    following[key] = (total, (*chosen, placement))
-        states = following
-        if not states:
-            return None
-    valid = [state for state in states.values() if fits(state[1])]
-    return min(valid, key=lambda state: state[0])[1] if valid else None
+    model = moments(blocks, placements, Outside(), windows)
+    return Outside(*(max(0.0, seen - modelled) for seen, modelled in zip(measured, model, strict=True)))
 
 
 def off_by(measured: float, predicted: float, tolerance: float = REPLAN_TOLERANCE) -> bool:
@@ -390,17 +411,3 @@ def cuda_budget(total_bytes: int) -> int:
     76.0
     """
     return int(total_bytes - max(CUDA_MARGIN_BYTES, CUDA_MARGIN_SHARE * total_bytes))
-
-
-def floor_plan(
-    blocks: Sequence[BlockCost], link_bytes_per_s: float, *, outside_bytes: Outside | float = 0
-) -> Plan:
-    """Every block at the least device memory open to it, prefetch depth 1: what runs when no
-    plan fits the budget (it may still fit: the model errs both ways).
-
-    >>> floor_plan([BlockCost(0.01, 0.002, 10, 10, 30)] * 2, 1e9).describe()
-    '2 checkpoint; prefetch depth 1'
-    """
-    placements = tuple(allowed(block)[-1] for block in blocks)
-    peak, seconds = predict(blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes)
-    return Plan(placements, 1, peak, seconds)

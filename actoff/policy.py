@@ -76,7 +76,7 @@ def _none_stored(settings: Settings, planned: tuple[float, float] | None) -> tup
 
 
 def _as_planned(settings: Settings, planned: tuple[float, float] | None) -> tuple[float, float]:
-    # Measuring (no plan yet): Note [measuring at recompute] in actoff.runtime.auto.
+    # Measuring (no plan yet): Note [measuring at the floor] in actoff.runtime.auto.
     return (0.0, 0.0) if planned is None else planned
 
 
@@ -206,7 +206,7 @@ def ignored_settings(policy: str, names: object) -> list[str]:
 def token_fractions(settings: Settings, planned: tuple[float, float] | None) -> tuple[float, float]:
     """Token fractions ``(cpu, nvme)`` a token-wise run stores (the rest is recomputed): under
     ``auto`` the ones its plan gives the run (``planned``), or none while it measures (the
-    ``recompute`` placement: Note [measuring at recompute] in actoff.runtime.auto).
+    probe step: Note [measuring at the floor] in actoff.runtime.auto).
 
     >>> from actoff import Config
     >>> token_fractions(Config(policy="recompute"), None)
@@ -259,6 +259,8 @@ class AutoDecision:
     other_bytes: int
     host_budget_per_layer: float | None
     reason: str
+    fetch_window: int = 0  # the step's windows in bytes (``prefetch_depth`` 0: they say how far)
+    copy_window: int = 0
 
 
 def host_split(

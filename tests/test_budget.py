@@ -1,8 +1,5 @@
-"""The budget planner against brute force, on numbers; and the figures the auto policy plans with."""
-
-import itertools
-import random
-from collections.abc import Sequence
+"""The budget model on numbers (Note [the budget model]): what each placement holds at each
+moment and adds in time, and the figures the auto policy plans with."""
 
 import pytest
 
@@ -11,164 +8,109 @@ from actoff.budget import (
     BlockCost,
     Outside,
     Placement,
-    Plan,
+    Windows,
+    added_seconds,
     allowed,
     cuda_budget,
-    floor_plan,
+    least,
+    moments,
     off_by,
     outside_from,
-    plan,
     predict,
 )
 
-
-def brute_force(
-    blocks: Sequence[BlockCost],
-    link_bytes_per_s: float,
-    budget_bytes: float,
-    *,
-    outside_bytes: int = 0,
-    depths: Sequence[int] = (1, 2),
-) -> Plan | None:
-    """Every combination of placements and depths: the reference `plan` is held to."""
-    best: Plan | None = None
-    for placements in itertools.product(*(allowed(block) for block in blocks)):
-        for depth in depths:
-            peak, seconds = predict(
-                blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, depth=depth
-            )
-            if peak <= budget_bytes and (best is None or seconds < best.seconds - 1e-12):
-                best = Plan(tuple(placements), depth, peak, seconds)
-    return best
+BLOCK = BlockCost(0.01, 0.002, 10, 10, 30)  # 50 bytes: input 10, attention 10, the rest 30
 
 
-def _block(rng: random.Random) -> BlockCost:
-    forward = rng.uniform(0.002, 0.05)
-    return BlockCost(
-        forward,
-        forward * rng.uniform(0.05, 0.5),
-        rng.randint(1, 40) * 10**6,
-        rng.randint(1, 60) * 10**6,
-        rng.randint(10, 300) * 10**6,
-    )
+def test_every_placement_is_open_unless_the_block_says_otherwise():
+    # storing every row token-wise holds more than streaming: open only where stream is closed
+    assert allowed(BLOCK) == tuple(p for p in PLACEMENTS if p != Placement("tokenwise", 1.0))
+    no_split = BlockCost(0.01, 0.002, 10, 10, 30, tokenwise=False)
+    assert all(p.kind != "tokenwise" for p in allowed(no_split))
+    assert Placement("checkpoint") not in allowed(BlockCost(0.01, 0.002, 10, 10, 30, rerun=False))
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_alike_blocks_get_the_least_time_that_fits(seed):
-    rng = random.Random(seed)
-    blocks = [_block(rng)] * rng.randint(1, 4)
-    link = rng.choice([5e9, 25e9, 55e9])
-    outside = rng.randint(0, 200) * 10**6
-    keep_peak, _ = predict(blocks, [Placement("keep")] * len(blocks), link, outside_bytes=outside)
-    for budget in (keep_peak, keep_peak * rng.uniform(0.2, 1.0), outside + blocks[0].saved_bytes * 0.5):
-        expected, actual = (
-            brute_force(blocks, link, budget, outside_bytes=outside),
-            plan(blocks, link, budget, outside_bytes=outside),
-        )
-        assert (actual is None) == (expected is None)
-        if expected is not None:
-            assert actual.peak_bytes <= budget
-            assert actual.seconds == pytest.approx(expected.seconds, abs=1e-12)
+def test_a_host_budget_too_small_for_a_blocks_saves_closes_stream():
+    roomy = BlockCost(0.01, 0.002, 10, 10, 30, host_room=50)
+    assert Placement("stream") in allowed(roomy) and least(roomy) == Placement("stream")
+    tight = BlockCost(0.01, 0.002, 10, 10, 30, host_room=49)
+    assert Placement("stream") not in allowed(tight) and Placement("tokenwise", 1.0) in allowed(tight)
+    assert least(tight) == Placement("checkpoint")  # its input only goes to the host
+    unsplit = BlockCost(0.01, 0.002, 10, 10, 30, tokenwise=False, rerun=False, host_room=0)
+    assert allowed(unsplit) == (Placement("keep"),)
+    assert least(unsplit) == Placement("stream")  # all the same: what the host cannot take stays, said
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_any_blocks_get_a_plan_that_fits_whenever_one_exists(seed):
-    rng = random.Random(1000 + seed)
-    blocks = [_block(rng) for _ in range(rng.randint(1, 3))]
-    link = rng.choice([5e9, 55e9])
-    floor, _ = predict(blocks, [Placement("checkpoint")] * len(blocks), link)
-    budget = floor * rng.uniform(1.0, 3.0)
-    expected, actual = brute_force(blocks, link, budget), plan(blocks, link, budget)
-    assert expected is not None and actual is not None
-    assert actual.peak_bytes <= budget and actual.seconds >= expected.seconds - 1e-12
-
-
-def test_where_keep_fits_keep_adds_nothing():
-    blocks = [BlockCost(0.01, 0.003, 10**6, 10**6, 10**7)] * 8
-    peak, _ = predict(blocks, [PLACEMENTS[0]] * 8, 25e9, outside_bytes=5 * 10**7)
-    chosen = plan(blocks, 25e9, peak, outside_bytes=5 * 10**7)
-    assert chosen.placements == (Placement("keep"),) * 8 and chosen.seconds == 0
-
-
-def test_a_slow_link_prefers_recompute_to_stalled_copies():
-    # 7B at 8k on an H100 (benchmarks/results): a block saves 1.6 GB, its copy takes 3.4 times
-    # its forward: storing everything stalls; recomputing the token-local rest costs less.
-    block = BlockCost(0.0085, 0.0012, 67 * 10**6, 340 * 10**6, 1190 * 10**6)
-    chosen = plan([block] * 4, 55e9, 1.9e9)
-    assert chosen is not None and all(p.kind != "keep" for p in chosen.placements[:-1])
-    assert (
-        chosen.seconds
-        < predict([block] * 4, [Placement("tokenwise", 1.0)] * 3 + [Placement("keep")], 55e9)[1]
-    )
-
-
-def test_blocks_that_cannot_split_or_rerun_get_only_what_is_open_to_them():
-    block = BlockCost(0.001, 0.0002, 10**6, 10**6, 10**7, tokenwise=False, rerun=False)
-    assert allowed(block) == (Placement("keep"), Placement("tokenwise", 1.0))
-    tight = predict([block] * 4, [Placement("tokenwise", 1.0)] * 4, 1e12)[0]
-    chosen = plan([block] * 4, 1e12, tight)  # the link is free: storing everything fits
-    assert chosen is not None and set(chosen.placements) <= set(allowed(block))
-    assert plan([block] * 4, 1e12, tight - 1) is None  # nothing of theirs holds less
-    assert floor_plan([block] * 4, 1e12).placements == (Placement("tokenwise", 1.0),) * 4
-    rerun_only = BlockCost(0.001, 0.0002, 10**6, 10**6, 10**7, tokenwise=False)
-    assert floor_plan([rerun_only], 1e12).placements == (Placement("checkpoint"),)
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_brute_force_agrees_when_some_placements_are_closed(seed):
-    rng = random.Random(500 + seed)
-    base = _block(rng)
-    block = BlockCost(
-        base.forward_s,
-        base.attention_s,
-        base.input_bytes,
-        base.attention_bytes,
-        base.local_bytes,
-        tokenwise=rng.random() < 0.5,
-        rerun=rng.random() < 0.5,
-    )
-    blocks, link = [block] * rng.randint(1, 4), rng.choice([5e9, 55e9])
-    budget = predict(blocks, [PLACEMENTS[0]] * len(blocks), link)[0] * rng.uniform(0.2, 1.0)
-    expected, actual = brute_force(blocks, link, budget), plan(blocks, link, budget)
-    assert (actual is None) == (expected is None)
-    if expected is not None:
-        assert actual.seconds == pytest.approx(expected.seconds, abs=1e-12)
-        assert all(p in allowed(block) for p in actual.placements)
+def test_a_streamed_block_holds_only_its_copy_window_in_forward_and_its_fetch_window_in_backward():
+    blocks = [BLOCK] * 3
+    stream = [Placement("stream")] * 3
+    assert moments(blocks, stream, 0, Windows()) == (0, 0, 0)
+    forward, head, backward = moments(blocks, stream, 0, Windows(fetch=20, copy=15))
+    assert (forward, head, backward) == (15, 15, 20)
+    # a copy window wider than the block: no more than the block is ever on its way out
+    assert moments(blocks, stream, 0, Windows(copy=500))[0] == 50
 
 
 def test_a_block_that_stores_and_recomputes_holds_its_stored_rows_twice_when_rebuilt():
     # Fetched packed, then scattered into the rebuilt tensors: the packed copy goes last.
-    block = BlockCost(0.01, 0.002, 10, 10, 100)
-    for stored, extra in ((0.0, 0), (0.5, 50), (1.0, 0)):
-        peak, _ = predict([block], [Placement("tokenwise", stored)], 1e9)
-        assert peak == block.saved_bytes + extra
+    for stored, extra in ((0.0, 0), (0.5, 15), (1.0, 0)):
+        _, _, backward = moments([BLOCK], [Placement("tokenwise", stored)], 0, Windows())
+        assert backward == BLOCK.saved_bytes + extra
 
 
-def test_the_memory_outside_the_blocks_is_each_moments_peak_less_the_blocks_share():
-    blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 3
-    placements = [Placement("tokenwise", 0.0)] * 3
-    # Forward: a block saving its 50 while the one before sends its 20 out. Head: the last
-    # block's 20 on their way out. Backward: one block back (50), the one before fetched (20).
-    assert outside_from((1000, 900, 800), blocks, placements) == Outside(930, 880, 730)
-    assert outside_from((10, 10, 10), blocks, placements) == Outside(0, 0, 0)  # never below nothing
-    outside = outside_from((1000, 900, 800), blocks, placements)
-    assert predict(blocks, placements, 1e9, outside_bytes=outside)[0] == 1000  # the peak it came from
+def test_a_tokenwise_blocks_copies_out_are_held_through_the_next_forward():
+    blocks = [BLOCK] * 2
+    forward, _, _ = moments(blocks, [Placement("tokenwise", 1.0), Placement("keep")], 0, Windows())
+    assert forward == 50 + 50  # the second block's saves while the first's 50 go out
+    forward, _, _ = moments(blocks, [Placement("tokenwise", 0.0), Placement("keep")], 0, Windows())
+    assert forward == 20 + 50  # input and attention only go out; the rest is dropped
 
 
 def test_kept_blocks_are_gone_before_offloaded_ones_come_back():
     # The last blocks are kept: their backward comes first. The head holds them all with the
     # logits; an offloaded block's backward holds only itself and what is fetched ahead.
-    blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4
-    placements = [Placement("checkpoint")] * 2 + [Placement("keep")] * 2
-    outside = Outside(forward=0, head=300, backward=100)
-    peak, _ = predict(blocks, placements, 1e9, outside_bytes=outside)
-    assert peak == 300 + 2 * 50  # the head: both kept blocks and the logits
+    blocks = [BLOCK] * 4
+    late = [Placement("checkpoint")] * 2 + [Placement("keep")] * 2
     early = [Placement("keep")] * 2 + [Placement("checkpoint")] * 2
-    assert predict(blocks, early, 1e9, outside_bytes=outside)[0] == 300 + 100 + 10  # (last input going out)
+    outside = Outside(forward=0, head=300, backward=100)
+    assert predict(blocks, late, 1e9, outside_bytes=outside)[0] == 300 + 2 * 50
     outside = Outside(forward=0, head=0, backward=100)
-    late_peak = predict(blocks, placements, 1e9, outside_bytes=outside)[0]
+    late_peak = predict(blocks, late, 1e9, outside_bytes=outside)[0]
     early_peak = predict(blocks, early, 1e9, outside_bytes=outside)[0]
     assert early_peak > late_peak  # kept early, they are still held when the rest come back
+
+
+def test_windows_hide_copies_behind_compute_up_to_two_blocks():
+    block = BlockCost(0.01, 0.002, 10**7, 10**7, 3 * 10**7)  # 50 MB: 50 ms over 1 GB/s
+    stream, seconds = Placement("stream"), []
+    for share in (0, 0.5, 1, 2, 4):
+        windows = Windows(fetch=share * 50e6, copy=share * 50e6)
+        seconds.append(added_seconds(block, stream, 1e9, windows))
+    # out: 50 ms less share x 10 ms of forward; back: 50 ms less share x 20 ms of backward
+    assert seconds == pytest.approx([0.1, 0.085, 0.07, 0.04, 0.04])
+    assert added_seconds(block, stream, 1e12, Windows(fetch=50e6, copy=50e6)) == 0.0
+
+
+def test_recompute_costs_its_share_of_the_forward_outside_attention():
+    block = BlockCost(0.01, 0.002, 10, 10, 30)
+    free = 1e18  # the link takes no time: only recompute is left
+    assert added_seconds(block, Placement("checkpoint"), free, Windows()) == pytest.approx(0.01)
+    assert added_seconds(block, Placement("tokenwise", 0.0), free, Windows()) == pytest.approx(0.008)
+    assert added_seconds(block, Placement("tokenwise", 0.75), free, Windows()) == pytest.approx(0.002)
+    assert added_seconds(block, Placement("keep"), 1.0, Windows()) == 0.0
+
+
+@pytest.mark.parametrize("windows", [Windows(), Windows(fetch=20, copy=40)])
+def test_the_memory_outside_the_blocks_is_each_moments_peak_less_the_blocks_share(windows):
+    blocks = [BLOCK] * 3
+    placements = [Placement("tokenwise", 0.0), Placement("stream"), Placement("keep")]
+    model = moments(blocks, placements, 0, windows)
+    assert outside_from((1000, 900, 800), blocks, placements, windows) == Outside(
+        1000 - model[0], 900 - model[1], 800 - model[2]
+    )
+    assert outside_from((0, 0, 0), blocks, placements, windows) == Outside()  # never below nothing
+    outside = outside_from((1000, 900, 800), blocks, placements, windows)
+    assert moments(blocks, placements, outside, windows) == (1000, 900, 800)  # what it came from
 
 
 def test_off_by_is_relative_to_the_prediction():

@@ -40,7 +40,8 @@ LAYERS = {  # rank: lower imports nothing above it
 TOP_LEVEL = {
     **dict.fromkeys(("__init__", "testing", "reference", "introspect"), "public"),
     **dict.fromkeys(
-        ("config", "policy", "budget", "units", "planner", "params", "owners", "figures"), "leaves"
+        ("config", "policy", "budget", "fitting", "units", "planner", "params", "owners", "figures"),
+        "leaves",
     ),
     **dict.fromkeys(("_version", "_C"), "leaves"),
 }

@@ -1,27 +1,26 @@
-"""The auto policy: measure the blocks, plan their placements under the device budget
-(actoff.budget), check every step against the plan's prediction, and replan when it is off.
+"""The auto policy: measure the blocks, plan their placements and the step's windows under the
+device budget (actoff.budget, actoff.fitting), check every step against the plan's prediction,
+and replan when it is off.
 
-Note [measuring at recompute]: a block the auto policy has not measured under its conditions
-(its module, input shapes, dtypes, autocast, training flags: Note [probes per module and
-conditions]) runs its first `MEASURE_STEPS` steps at the token-wise ``recompute`` placement:
-its inputs and what attention saves go to the host, and every token-local activation is
-recomputed in backward. That is safe for a budget (one block's activations come back at a
-time) and it sorts the bytes into the planner's classes, because the run knows which tensors
-are the block's inputs, which attention saved and which the probe could split by token. It costs
-those steps a token-local re-run of every block (about what the block's forward costs
-outside attention) and the copies of the inputs and attention's saves. The ``checkpoint``
-placement would hold less, but under it the forward saves nothing but the block's inputs: the
-classes, and so the token-wise placements' costs, could not be measured. A block not yet probed
-stores its first step whole and is probed in that step's backward (Note [probe in the first
-backward]; the probe shrinks its slice when short of memory: Note [a probe short of memory]);
-in that step a block's copies out finish before the next block runs
-(`ScopeRun.stored_whole_to_measure`), so it holds one block's saves at a time, not two;
-bytes by class come from the first step that splits, times from the second step on (the first
-is cold: the probe's re-run, allocators and kernels warming up). Measuring steps fetch
-nothing ahead in backward (prefetch depth 0): a block stored whole holds the most, and the
-measuring steps must fit wherever the plan will.
+Note [measuring at the floor]: a block the auto policy has not measured under its conditions (its
+module, input shapes, dtypes, autocast, training flags: Note [probes per module and conditions])
+runs its first `MEASURE_STEPS` steps at the least device memory any plan can reach: every saved
+tensor copied out as it is saved and fetched back at its own unpack (`MeasuringPlacement`: the
+``stream`` placement with windows of none, Note [copy out at pack], Note [fetch per saved
+tensor]). Those steps fit wherever a plan will, down to the floor of PyTorch's ``save_on_cpu``;
+they sort the bytes into the planner's classes (the run knows which tensors are the block's
+inputs and which its token mixers saved), watch the forward for collectives and inputs written
+in place (which close ``checkpoint``), and time the forward less its waits for copies. Times come
+from the second step on (the first is cold: allocators and kernels warming up).
 
-Then each step's blocks, in forward order, are planned together (`actoff.budget.plan`): the
+Token-wise recompute needs a probe (Note [probe in the first backward]), and a probe holds a
+block's saves whole in backward: so the first plan has no ``tokenwise`` placement, and where it
+offloads and the budget has room for a probe (a block's saves and half of them again, over the
+memory outside the blocks) the next step probes its blocks (`PROBE`: stored whole, probed in
+backward, each block's copies out finished before the next runs), after which the blocks are
+planned again with what the probes learned.
+
+Then each step's blocks, in forward order, are planned together (`actoff.fitting.plan`): the
 least added time whose predicted peak fits the budget, from each block's forward time and
 attention's share of it, its bytes by class, the host link (``ACTOFF_HOST_BANDWIDTH`` or the
 backend's measured copy rate) and the step's memory outside the blocks (Note [memory outside
@@ -52,14 +51,15 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from actoff.budget import Placement
-from actoff.owners import ByOwner
+from actoff.budget import Placement, Windows
+from actoff.owners import ByOwner, Recent
 
-from .measured import AutoRun, BlockKey, Measured, figures, input_bytes, observe
+from .lengths import Ahead, new_entry, plan_ahead
+from .measured import PROBE, AutoRun, BlockKey, Measured, figures, input_bytes, observe
 from .placements.base import Call
 from .placements.checkpoint import CheckpointPlacement
-from .placements.tokenwise import TokenwisePlacement
-from .placements.whole import KeptPlacement
+from .placements.tokenwise import MeasuringPlacement, TokenwisePlacement
+from .placements.whole import KeptPlacement, WholePlacement
 from .planning import AutoPlans, Ended, StepPlan
 
 if TYPE_CHECKING:
@@ -71,10 +71,8 @@ __all__ = ["MEASURE_STEPS", "AutoObserver", "StepPlan"]  # StepPlan: actoff.runt
 
 #: Steps a block runs at the measuring placement under new conditions: one cold, one warm.
 MEASURE_STEPS = 2
-#: The measuring placement (Note [measuring at recompute]).
-MEASURING = Placement("tokenwise", 0.0)
-#: What a measuring block that cannot be split runs: stored whole.
-STORED = Placement("tokenwise", 1.0)
+#: What the measuring steps run (Note [measuring at the floor]): the stream placement, no windows.
+MEASURING = Placement("stream")
 
 
 @dataclass
@@ -84,6 +82,8 @@ class AutoStep:
 
     seen: collections.Counter = field(default_factory=collections.Counter)
     peaks: list[int] = field(default_factory=lambda: [0, 0])
+    ahead: Ahead | None = None  # planned before it ran (Note [other lengths planned ahead])
+    ended: bool = False  # its first backward ended (a retained graph's next ones are not measured)
 
 
 class AutoObserver(AutoPlans):
@@ -91,7 +91,7 @@ class AutoObserver(AutoPlans):
     policy its placement (`placement_for`), measures the runs, and plans, checks and replans at
     the end of each step (`AutoPlans`). Its own state: measurements per block and conditions, the
     device's memory watch, and beside each run and step it observes, its part of them (Note
-    [measuring at recompute])."""
+    [measuring at the floor])."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,6 +99,8 @@ class AutoObserver(AutoPlans):
         self._steps: weakref.WeakKeyDictionary[Step, AutoStep] = weakref.WeakKeyDictionary()
         self.blocks: ByOwner[dict[tuple, Measured]] = ByOwner()
         self._watches: dict[Any, Any] = {}  # backend -> memory watch (None: not counted)
+        # The last measured step's blocks: owner ids and figures (Note [other lengths planned ahead]).
+        self.last_step: list[tuple[int, Measured]] = []
 
     def watch(self, run: ScopeRun) -> Any:
         """The memory watch of the run's device (created at its first run), or None."""
@@ -132,14 +134,13 @@ class AutoObserver(AutoPlans):
 
     def sealing(self, run: ScopeRun) -> None:
         """A run's placement decided what to place: its bytes by class are taken, and while it
-        measures stored whole its copies out finish before the next block runs, not alongside
-        it, so that step holds one block's saves at a time, as the checkpoint placement does
-        (Note [measuring at recompute])."""
+        probes (stored whole) its copies out finish before the next block runs, not alongside
+        it, so that step holds one block's saves at a time (Note [measuring at the floor])."""
         state = self._runs.get(run)
         if state is None:
             return
         state.classes = run.placement.saved_by_class(state.input_bytes)
-        if state.placement is None:
+        if state.placement is PROBE:
             run.placement.finish_copies_first = not run.placement.splits
 
     def sealed(self, run: ScopeRun) -> None:
@@ -179,29 +180,44 @@ class AutoObserver(AutoPlans):
         return moments if watch.counted() else None
 
     def placement_for(self, run: ScopeRun, call: Call) -> RunPlacement:
-        """A new run's placement: its plan's, measuring (token-wise, nothing stored: Note
-        [measuring at recompute]) while its block has none, or kept where no budget applies. The
-        step's first planned run sets its prefetch depth."""
+        """A new run's placement: its plan's, measuring (Note [measuring at the floor]) while its
+        block has none, probing where a probe is due, or kept where no budget applies. The step's
+        first planned run sets the step's windows."""
         self.sample(run)
         if self.budget(run) is None:
             return KeptPlacement(run)  # no budget: nothing to fit
         key = BlockKey(call.owner, call.flattened(run.device, run.config.token_dim).conditions)
-        by_conditions = self.blocks.setdefault(key.owner, dict)
+        by_conditions = self.blocks.setdefault(key.owner, Recent)
         entry = by_conditions.get(key.conditions)
-        if entry is None:
-            entry = by_conditions[key.conditions] = Measured(run.name)
+        if entry is None:  # another length's figures, scaled (Note [other lengths planned ahead])
+            entry = by_conditions[key.conditions] = new_entry(run, call, by_conditions)
         step = self._steps.setdefault(run.step, AutoStep())
-        if not step.seen:  # measuring: nothing fetched ahead (Note [measuring at recompute])
-            run.step.depth = entry.depth if entry.placements else 0
+        if not step.seen:  # measuring and probing: windows of none (Note [measuring at the floor])
+            windows = entry.windows if entry.placements and not entry.probe_next else Windows()
+            if not entry.placements and not entry.probe_next:
+                step.ahead = plan_ahead(self, run, call, entry, self.last_step)
+                windows = step.ahead.plan.windows if step.ahead is not None else windows
+            run.step.window, run.step.copy_window, run.step.depth = (
+                int(windows.fetch),
+                int(windows.copy),
+                None,
+            )
+        position = sum(step.seen.values())
         occurrence = step.seen[key.ident]
         step.seen[key.ident] += 1
         placement, fractions = None, None
-        if occurrence < len(entry.placements):
+        if entry.probe_next:
+            placement = PROBE
+        elif occurrence < len(entry.placements):
             placement, fractions = entry.placements[occurrence], entry.fractions[occurrence]
+        elif step.ahead is not None:
+            planned = step.ahead.placement_at(position, call.owner) if entry.ready else None
+            if planned is None:
+                step.ahead = None  # not the step it was taken for: the rest measures
+            else:
+                placement, fractions = planned
         self._runs[run] = AutoRun(weakref.ref(run), key, placement, fractions)
-        if placement is None or placement.kind == "tokenwise":
-            return TokenwisePlacement(run, planned=fractions)
-        return KeptPlacement(run) if placement.kind == "keep" else CheckpointPlacement(run)
+        return _placement(run, placement, fractions)
 
     # ------------------------------------------------------------------ end of a step
     def end_step(self, runtime: Runtime, step: Step) -> None:
@@ -209,16 +225,45 @@ class AutoObserver(AutoPlans):
         states = [self._runs[run] for run in step.runs if run in self._runs]
         if not states or step.aborted:
             return
-        ended = self._measured_step(states, step)
+        step.harvest(block=True)  # the copies' and stalls' times of this step, forward's waits too
+        moments = self._moments(states[0].run, step)
+        self._said(states, moments)
+        part = self._steps[step]
+        if part.ended:  # a retained graph's next backward: said, not measured again
+            return
+        part.ended = True
+        ended = self._measured_step(states, step, moments)
         if ended is None:
             figures(states, None)
             return  # still measuring
-        step.harvest(block=True)  # the copies' and stalls' times of this step
+        self.last_step = [
+            (id(state.key.owner), entry) for state, entry in zip(states, ended.entries, strict=True)
+        ]
         self.plan_step(runtime, ended)
 
-    def _measured_step(self, states: list[AutoRun], step: Step) -> Ended | None:
+    def _said(self, states: list[AutoRun], moments: tuple[int, int, int] | None) -> None:
+        """A step over the budget is counted and said (Note [every step over the budget is
+        said]), with its cause: measuring, probing, a plan at the floor, or a plan that was off."""
+        budget = self.budget(states[0].run)
+        if moments is None or budget is None:
+            return
+        placements = [state.placement for state in states]
+        if any(state.run.stats.over_budget_bytes for state in states):
+            cause = "host budget"
+        elif any(placement is None for placement in placements):
+            cause = "measuring"
+        elif any(placement is PROBE for placement in placements):
+            cause = "probing"
+        elif self.current is not None and "nothing fits" in self.current.reason:
+            cause = "floor"
+        else:
+            cause = "planned"
+        self.over.step(max(moments), budget, cause, stacklevel=6)
+
+    def _measured_step(
+        self, states: list[AutoRun], step: Step, moments: tuple[int, int, int] | None
+    ) -> Ended | None:
         """The step's measurements taken into its blocks'; None while a block still measures."""
-        moments = self._moments(states[0].run, step)
         entries = [self.blocks.get(state.key.owner)[state.key.conditions] for state in states]
         counted: set[int] = set()
         for state, entry in zip(states, entries, strict=True):
@@ -228,9 +273,22 @@ class AutoObserver(AutoPlans):
             observe(entry, state)
         if not all(entry.ready for entry in entries):
             return None
-        ran = tuple(
-            state.placement if state.placement is not None else MEASURING if entry.tokenwise else STORED
-            for state, entry in zip(states, entries, strict=True)
-        )
+        ran = tuple(MEASURING if state.placement is None else state.placement for state in states)
         keys = tuple(state.key.ident for state in states)
-        return Ended(states, entries, keys, ran, step.depth, moments)
+        windows = Windows(step.window or 0, step.copy_window or 0)
+        probing = any(state.placement is PROBE for state in states)
+        return Ended(states, entries, keys, ran, windows, None if probing else moments, probing)
+
+
+def _placement(
+    run: ScopeRun, placement: Placement | None, fractions: tuple[float, float] | None
+) -> RunPlacement:
+    """The placement object of a run the plan placed (``placement``; None: measuring; `PROBE`)."""
+    if placement is None:
+        return MeasuringPlacement(run)
+    if placement is PROBE:  # stored whole, probed in backward (Note [probe in the first backward])
+        return TokenwisePlacement(run, planned=(0.0, 0.0))
+    if placement.kind == "tokenwise":
+        return TokenwisePlacement(run, planned=fractions)
+    kinds = {"keep": KeptPlacement, "checkpoint": CheckpointPlacement, "stream": WholePlacement}
+    return kinds[placement.kind](run)

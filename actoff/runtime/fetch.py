@@ -112,11 +112,20 @@ class FetchQueue:
                 record.tier.settle(record)  # a staged write that has ended since: finish it
             if record.state is State.OFFLOADING and record.device_tensor is not None:
                 run.expect_device_buffer(record)
+                if record.tier is not None and record.tier.fetches:
+                    self._fetched(record)  # served from the device: in the window till let go
 
     @staticmethod
     def _needs_fetch(record: Record) -> bool:
         """Whether ``record`` is to be fetched: not if it is served from the device (still being
-        copied out, or its tensor alive elsewhere) or back already."""
+        copied out, or its tensor alive elsewhere) or back already.
+
+        Note [forward what is still on the device]: a record whose copy out is still under way
+        when the window reaches it (the last runs placed, or a streamed record whose copy has not
+        landed) keeps its device tensor and is served from it: finishing the copy only to copy it
+        back would cost a round trip. It also keeps the device arena's requests the same from
+        step to step, whenever the copies end.
+        """
         return record.state is State.OFFLOADED and record.live_source() is None
 
     def _fetched(self, record: Record) -> None:

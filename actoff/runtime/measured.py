@@ -1,6 +1,6 @@
 """What the auto policy measures of a block and of each run: its key (module and conditions), its
 bytes by class, its times (`forward_ms` and `attention_ms` are the one place measured times are
-read: tests replace them), and its placements (Note [measuring at recompute] in
+read: tests replace them), and its placements (Note [measuring at the floor] in
 actoff.runtime.auto). A run's part of it (`AutoRun`) is the auto policy's, kept beside the run,
 never on it."""
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from actoff.budget import BlockCost, Placement, added_seconds
+from actoff.budget import BlockCost, Placement, Windows, added_seconds
 from actoff.params import param_like
 from actoff.policy import AutoDecision
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .step import ScopeRun
 
 __all__ = [
+    "PROBE",
     "AutoRun",
     "BlockKey",
     "Measured",
@@ -33,6 +34,10 @@ __all__ = [
     "measured_s",
     "observe",
 ]
+
+
+#: The placement of a run that probes its block (Note [measuring at the floor] in actoff.runtime.auto).
+PROBE = Placement("probe")
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,8 @@ class AutoRun:
 
 
 def forward_ms(state: AutoRun) -> float:
-    """Measured forward time of a run's block, in milliseconds.
+    """Measured forward time of a run's block, in milliseconds: its compute, less the time it
+    waited for copies out (a copy window's waits, Note [copy out at pack]).
 
     One of the two places where the auto policy reads a measured time (with `attention_ms`):
     tests replace them to make decisions independent of the machine's load.
@@ -77,7 +83,7 @@ def forward_ms(state: AutoRun) -> float:
     if watch is None:
         return 0.0
     watch.synchronize()
-    return watch.elapsed_ms()
+    return max(watch.elapsed_ms() - state.run.stats.out_wait_ms, 0.0)
 
 
 def attention_ms(state: AutoRun) -> float | None:
@@ -96,18 +102,57 @@ class Measured:
     input_bytes: int | None = None  # bytes by class (None: not measured yet)
     attention_bytes: int = 0
     local_bytes: int = 0
-    tokenwise: bool = True  # recomputable token-wise (its probe passed)
-    rerun: bool = True  # its forward calls no collective outside a mixer
+    tokenwise: bool = False  # recomputable token-wise (its probe passed: Note [measuring at the floor])
+    probed: bool = False  # its probe ran (in a step of its own)
+    probe_next: bool = False  # the next step probes it
+    rerun: bool = True  # its forward calls no collective outside a mixer, writes no input in place
     forward_s: float | None = None  # the least warm forward time seen
     attention_share: float = 0.0  # attention's share of the forward, in the step of `forward_s`
     placements: list[Placement] = field(default_factory=list)
     fractions: list[tuple[float, float]] = field(default_factory=list)
     decisions: list[AutoDecision] = field(default_factory=list)
-    depth: int = 1  # the prefetch depth of the plan that placed it last
+    windows: Windows = field(default_factory=Windows)  # the windows of the plan that placed it last
+    # Note [other lengths planned ahead] (actoff.runtime.lengths): its key of every length, the
+    # length and elements of its first tensor input, and whether its figures were scaled from
+    # another length's (replaced by its own once measured).
+    any_length: tuple | None = None
+    tokens: int | None = None
+    numel: int = 0
+    scaled: bool = False
 
     @property
     def ready(self) -> bool:
         return self.input_bytes is not None and self.forward_s is not None
+
+    def scaled_to(self, tokens: int, numel: int) -> Measured:
+        """This block's figures at another length or batch (``tokens`` long, ``numel`` elements in
+        its first input): bytes by the elements, the forward outside attention by the elements,
+        attention's by the elements times the length (its work per query grows with the keys).
+
+        >>> seen = Measured("b", 2, 10, 20, 30, forward_s=0.01, attention_share=0.5, tokens=4, numel=8)
+        >>> twice = seen.scaled_to(8, 16)
+        >>> (twice.input_bytes, twice.local_bytes), round(twice.forward_s, 4), round(twice.attention_share, 3)
+        ((20, 60), 0.03, 0.667)
+        """
+        assert self.ready and self.tokens and self.numel
+        linear = numel / self.numel
+        attention_s = self.forward_s * self.attention_share * linear * tokens / self.tokens
+        local_s = self.forward_s * (1.0 - self.attention_share) * linear
+        return Measured(
+            self.name,
+            input_bytes=round(self.input_bytes * linear),
+            attention_bytes=round(self.attention_bytes * linear),
+            local_bytes=round(self.local_bytes * linear),
+            tokenwise=self.tokenwise,
+            probed=self.probed,
+            rerun=self.rerun,
+            forward_s=attention_s + local_s,
+            attention_share=attention_s / max(attention_s + local_s, 1e-12),
+            any_length=self.any_length,
+            tokens=tokens,
+            numel=numel,
+            scaled=True,
+        )
 
     def cost(self) -> BlockCost:
         forward_s = self.forward_s or 0.0
@@ -117,7 +162,7 @@ class Measured:
             self.input_bytes or 0,
             self.attention_bytes,
             self.local_bytes,
-            self.tokenwise,
+            self.tokenwise and self.probed,
             self.rerun,
         )
 
@@ -138,13 +183,19 @@ def input_bytes(run: ScopeRun, values: list[Any]) -> int:
 
 def observe(entry: Measured, state: AutoRun) -> None:
     """Take a run's measurements into its block's: bytes by class while it measures (the
-    token-wise placement sorts them), times from warm steps."""
+    token-wise placement sorts them), the probe's verdict, times from warm steps."""
     if state.placement is None and state.classes is not None:
-        entry.input_bytes, entry.attention_bytes, entry.local_bytes, entry.tokenwise = state.classes
+        entry.input_bytes, entry.attention_bytes, entry.local_bytes, _ = state.classes
+    if state.placement is PROBE:
+        entry.probed, entry.probe_next = True, False
+        entry.tokenwise = state.run.placement.probe_passed
+        return  # a step of its own: its times include the probe
     if state.run.placement.rerun_unsafe:
         entry.rerun = False  # a collective called again on one rank, or a changed input
     if entry.steps < 2:
         return  # cold: the probe's re-run, the allocators and kernels warming up
+    if entry.scaled:  # its own time replaces the one scaled from another length
+        entry.scaled, entry.forward_s = False, None
     # The least forward time seen, and attention's share in the step that gave it: figures
     # that only settle, so replans from them settle too (no plan flapping with the noise).
     forward_s = forward_ms(state) / 1e3
@@ -165,11 +216,14 @@ def figures(states: list[AutoRun], step_plan: StepPlan | None) -> None:
     """Each run's placement, measured time and, where a plan ran, its prediction (statistics)."""
     for index, state in enumerate(states):
         stats = state.run.stats
-        stats.placement = "measuring (recompute)" if state.placement is None else str(state.placement)
+        placement = state.placement
+        stats.placement = (
+            "measuring" if placement is None else "probing" if placement is PROBE else str(placement)
+        )
         stats.forward_ms = forward_ms(state)
         stats.measured_ms = measured_s(state) * 1e3
         if step_plan is not None:
             cost = step_plan.costs[index]
             placement = step_plan.plan.placements[index]
-            added = added_seconds(cost, placement, step_plan.link_bytes_per_s, step_plan.plan.depth)
+            added = added_seconds(cost, placement, step_plan.link_bytes_per_s, step_plan.plan.windows)
             stats.predicted_ms = (cost.forward_s + added) * 1e3

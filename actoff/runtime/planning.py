@@ -7,6 +7,7 @@ actoff.budget). What the plans report: `actoff.stats()`'s plan fields and the pe
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -15,26 +16,30 @@ from actoff.budget import (
     CALIBRATED_HEADROOM,
     PLAN_HEADROOM,
     BlockCost,
+    BudgetWarning,
     Outside,
     Placement,
     Plan,
-    floor_plan,
+    Windows,
     off_by,
     outside_from,
-    plan,
 )
 from actoff.config import format_bytes
+from actoff.fitting import floor_plan, plan
 from actoff.owners import ByOwner
 from actoff.policy import AutoDecision, budget_share, host_split
 
 from .distributed import local_world_size
 from .measured import AutoRun, Measured, figures, measured_s
+from .over_budget import OverBudget
 
 if TYPE_CHECKING:
+    from actoff.config import Config
+
     from .runtime import Runtime
     from .step import ScopeRun
 
-__all__ = ["AutoPlans", "Ended", "StepPlan"]
+__all__ = ["AutoPlans", "Ended", "StepPlan", "fit", "fractions", "host_room", "link_rate"]
 
 
 @dataclass
@@ -53,6 +58,8 @@ class StepPlan:
     calibrated: bool  # made from the peaks of a step of its own placements (Note [calibrated plans])
     measured_peak_bytes: int | None = None
     measured_s: float | None = None
+    #: A replan gave the same plan (Note [settled plans]): only a peak over the budget replans it.
+    settled: bool = False
 
     @property
     def predicted_s(self) -> float:
@@ -63,14 +70,16 @@ class StepPlan:
 @dataclass
 class Ended:
     """A step whose blocks are all measured: its runs' states and blocks, the placements they
-    ran, its prefetch depth and the device peaks at the moments of the budget model."""
+    ran, its windows and the device peaks at the moments of the budget model (None: not counted,
+    or a probe's step, whose placements the model does not describe)."""
 
     states: list[AutoRun]
     entries: list[Measured]
     keys: tuple
     ran: tuple[Placement, ...]
-    depth: int | None
+    windows: Windows
     moments: tuple | None
+    probing: bool = False
 
 
 def _decision(
@@ -86,7 +95,9 @@ def _decision(
         placement=str(placement),
         cpu_fraction=fractions[0],
         nvme_fraction=fractions[1],
-        prefetch_depth=step_plan.plan.depth,
+        prefetch_depth=0,
+        fetch_window=int(step_plan.plan.windows.fetch),
+        copy_window=int(step_plan.plan.windows.copy),
         bandwidth_gbps=step_plan.link_bytes_per_s / 1e9,
         t_layer_ms=cost.forward_s * 1e3,
         attention_ms=cost.attention_s * 1e3,
@@ -98,7 +109,7 @@ def _decision(
     )
 
 
-def _link(runtime: Runtime, run: ScopeRun) -> float:
+def link_rate(runtime: Runtime, run: ScopeRun) -> float:
     """The host link in bytes per second: ``ACTOFF_HOST_BANDWIDTH``, else measured once per
     device (ranks on one host copy at the same time: each gets its share)."""
     if run.config.host_bandwidth is not None:
@@ -106,6 +117,39 @@ def _link(runtime: Runtime, run: ScopeRun) -> float:
     if run.device not in runtime.bandwidths:
         runtime.bandwidths[run.device] = run.backend.host_bandwidth() / local_world_size()
     return runtime.bandwidths[run.device]
+
+
+def fit(
+    costs: tuple[BlockCost, ...], link: float, budget: float, outside: Outside, *, calibrated: bool
+) -> tuple[Plan, bool]:
+    """The plan of ``costs`` under ``budget`` less its headroom (Note [calibrated plans]), and
+    whether it is the floor's (nothing fits)."""
+    headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
+    chosen = plan(costs, link, budget * (1 - headroom), outside_bytes=outside)
+    if chosen is None:
+        return floor_plan(costs, link, outside_bytes=outside), True
+    return chosen, False
+
+
+def fractions(
+    placement: Placement, cost: BlockCost, config: Config, per_layer: float | None
+) -> tuple[float, float, str]:
+    """A placement's token fractions ``(cpu, nvme)`` and why (`actoff.policy.host_split`)."""
+    if placement.kind != "tokenwise":
+        return 0.0, 0.0, "planned"
+    return host_split(
+        placement.stored,
+        fixed_bytes=cost.input_bytes + cost.attention_bytes,
+        other_bytes=cost.local_bytes,
+        host_budget_per_layer=per_layer,
+        nvme_available=config.nvme_dir is not None,
+    )
+
+
+def host_room(config: Config, runs: int) -> float | None:
+    """A block's share of this process's host budget (MEMO's ``M_cpu / (n - 2)``), or None."""
+    budget = budget_share(config.host_budget, local_world_size())
+    return None if budget is None else budget / max(runs - 2, 1)
 
 
 class AutoPlans:
@@ -120,7 +164,8 @@ class AutoPlans:
         self.budget_bytes: int | None = None  # of the last step planned
         self.replan_allowed = True  # off under torch.distributed once ranks agreed
         self.reasons: collections.deque[str] = collections.deque(maxlen=16)  # why each plan, the last
-        self._warned: set[str] = set()
+        self._warned: set[tuple] = set()  # step keys told no plan fits
+        self.over = OverBudget()  # Note [every step over the budget is said]
 
     def budget(self, run: ScopeRun) -> int | None:
         """``ACTOFF_GPU_BUDGET``, else the device's own (None: no budget)."""
@@ -132,7 +177,10 @@ class AutoPlans:
         """A step whose blocks are measured ended: compare it with the plan it ran, give the
         blocks the plan made for them before, or plan them."""
         current = self.plans.setdefault(ended.states[0].key.owner, dict).get(ended.keys)
-        if current is not None and ended.ran == current.plan.placements:
+        if ended.probing and current is not None:  # Note [measuring at the floor]
+            self._plan(runtime, ended, "planned after the probes", outside=current.outside)
+            figures(ended.states, None)
+        elif current is not None and ended.ran == current.plan.placements:
             self._check(runtime, ended, current)
         elif current is not None:  # another plan placed these blocks since: this one again
             self._apply(ended, current)
@@ -152,37 +200,70 @@ class AutoPlans:
         if not current.calibrated:  # planned again from its own placements' peaks (Note [calibrated plans])
             self._plan(runtime, ended, "calibrated on its own step", calibrated=True)
             return
+        over = peak is not None and peak > current.budget_bytes
         what = []
-        if peak is not None and (off_by(peak, current.plan.peak_bytes) or peak > current.budget_bytes):
+        if over or (peak is not None and off_by(peak, current.plan.peak_bytes) and not current.settled):
             what.append(f"peak {format_bytes(peak)} vs {format_bytes(current.plan.peak_bytes)} predicted")
-        if off_by(seconds, current.predicted_s):
+        if off_by(seconds, current.predicted_s) and not current.settled:
             what.append(f"time {seconds * 1e3:.1f} ms vs {current.predicted_s * 1e3:.1f} ms predicted")
         if what:
-            self.replans += 1
-            self._plan(runtime, ended, "replanned: " + ", ".join(what), calibrated=True)
+            # The memory outside the blocks only grows from replan to replan: estimated from steps
+            # of other placements it can swing both ways, and two plans would take turns.
+            self._plan(
+                runtime, ended, "replanned: " + ", ".join(what), calibrated=True, at_least=current.outside
+            )
+            again = self.current
+            same = (
+                again.plan.placements == current.plan.placements
+                and again.plan.windows == current.plan.windows
+            )
+            # Note [settled plans]: a replan that gives the same plan again settles it: a step off
+            # its prediction in ways the model cannot tell from these figures (waits it does not
+            # predict, a peak below it) is not checked again, only a peak over the budget is.
+            again.settled = same
+            if not same:
+                self.replans += 1
 
-    def _plan(self, runtime: Runtime, ended: Ended, reason: str, *, calibrated: bool = False) -> None:
+    def _plan(
+        self,
+        runtime: Runtime,
+        ended: Ended,
+        reason: str,
+        *,
+        calibrated: bool = False,
+        outside: Outside | None = None,
+        at_least: Outside | None = None,
+    ) -> None:
         run = ended.states[0].run
-        costs = tuple(entry.cost() for entry in ended.entries)
-        link = _link(runtime, run)
+        room = host_room(run.config, len(ended.states))
+        costs = tuple(dataclasses.replace(entry.cost(), host_room=room) for entry in ended.entries)
+        link = link_rate(runtime, run)
         budget = self.budget(run)
-        moments = ended.moments
-        outside = Outside() if moments is None else outside_from(moments, costs, ended.ran, depth=ended.depth)
-        headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
-        chosen = plan(costs, link, budget * (1 - headroom), outside_bytes=outside)
-        if chosen is None:
-            chosen = floor_plan(costs, link, outside_bytes=outside)
+        if outside is None:
+            moments = ended.moments
+            outside = Outside() if moments is None else outside_from(moments, costs, ended.ran, ended.windows)
+        if at_least is not None:
+            outside = Outside(
+                *(
+                    max(a, b)
+                    for a, b in zip(dataclasses.astuple(outside), dataclasses.astuple(at_least), strict=True)
+                )
+            )
+        chosen, at_floor = fit(costs, link, budget, outside, calibrated=calibrated)
+        if at_floor:
             reason += "; nothing fits the budget: the least memory"
-            if "floor" not in self._warned:
-                self._warned.add("floor")
+            if ended.keys not in self._warned:  # once per step of blocks, before it runs
+                self._warned.add(ended.keys)
                 warnings.warn(
                     f"actoff: auto: no placement fits the device budget of {format_bytes(budget)} "
                     f"(predicted least {format_bytes(chosen.peak_bytes)}, of which "
-                    f"{format_bytes(outside.peak)} outside the blocks): every block runs at its least "
-                    "memory (checkpoint); the step may run out of memory",
-                    RuntimeWarning,
+                    f"{format_bytes(outside.peak)} outside the blocks): every block streams at its least "
+                    "memory (every saved tensor copied out as it is saved, fetched at its own unpack); "
+                    "the step may run out of memory",
+                    BudgetWarning,
                     stacklevel=3,
                 )
+        self._schedule_probes(ended, chosen, outside, budget)
         names = tuple(state.run.name for state in ended.states)
         step_plan = StepPlan(
             ended.keys, names, tuple(ended.entries), chosen, costs, budget, link, outside, reason, calibrated
@@ -192,27 +273,34 @@ class AutoPlans:
         self.budget_bytes = budget
         self._apply(ended, step_plan)
 
+    @staticmethod
+    def _schedule_probes(ended: Ended, chosen: Plan, outside: Outside, budget: float) -> None:
+        """Blocks not probed yet are probed in the next step where the plan offloads and a probe
+        fits: a block's saves, and half of them again for its re-run, over the memory outside the
+        blocks, and the block's saves in its share of the host budget (Note [measuring at the
+        floor])."""
+        unprobed = [entry for entry in ended.entries if not entry.probed]
+        if not unprobed or all(p.kind == "keep" for p in chosen.placements):
+            return
+        largest = max(entry.cost().saved_bytes for entry in unprobed)
+        run = ended.states[0].run
+        # A probe stores its block whole: in the host budget, unless nothing is copied (a host device).
+        room = None if run.backend.host_resident else host_room(run.config, len(ended.states))
+        if outside.peak + 1.5 * largest <= budget and (room is None or largest <= room):
+            for entry in unprobed:
+                entry.probe_next = True
+
     def _apply(self, ended: Ended, step_plan: StepPlan) -> None:
         """Give each block its placement (per occurrence in the step), token fractions and
         reported decision; the next steps run them."""
         config = ended.states[0].run.config
-        per_layer = budget_share(config.host_budget, local_world_size())
-        if per_layer is not None:
-            per_layer = per_layer / max(len(ended.states) - 2, 1)
+        per_layer = host_room(config, len(ended.states))
         occurrences: collections.Counter = collections.Counter()
         rows = zip(ended.entries, step_plan.plan.placements, step_plan.costs, strict=True)
         for entry, placement, cost in rows:
             index = occurrences[id(entry)]
             occurrences[id(entry)] += 1
-            cpu, nvme, why = 0.0, 0.0, "planned"
-            if placement.kind == "tokenwise":
-                cpu, nvme, why = host_split(
-                    placement.stored,
-                    fixed_bytes=cost.input_bytes + cost.attention_bytes,
-                    other_bytes=cost.local_bytes,
-                    host_budget_per_layer=per_layer,
-                    nvme_available=config.nvme_dir is not None,
-                )
+            cpu, nvme, why = fractions(placement, cost, config, per_layer)
             decision = _decision(placement, cost, step_plan, (cpu, nvme), per_layer, why)
             for listing, value in (
                 (entry.placements, placement),
@@ -221,7 +309,7 @@ class AutoPlans:
             ):
                 del listing[index:]
                 listing.append(value)
-            entry.depth = step_plan.plan.depth
+            entry.windows = step_plan.plan.windows
 
     # ------------------------------------------------------------------ reports and ranks
     def decisions(self) -> dict[str, AutoDecision]:
@@ -240,7 +328,7 @@ class AutoPlans:
             return None
         return {
             "placements": self.current.plan.placements,
-            "depth": self.current.plan.depth,
+            "windows": self.current.plan.windows,
             "decisions": [entry.decisions[0] for entry in self.current.entries],
         }
 
@@ -256,16 +344,17 @@ class AutoPlans:
             entry.placements[:] = [placement]
             entry.decisions[:] = [decision]
             entry.fractions[:] = [(decision.cpu_fraction, decision.nvme_fraction)]
-            entry.depth = shared["depth"]
+            entry.windows = shared["windows"]
         placements = tuple(shared["placements"])
-        current.plan = Plan(placements, shared["depth"], current.plan.peak_bytes, current.plan.seconds)
+        current.plan = Plan(placements, shared["windows"], current.plan.peak_bytes, current.plan.seconds)
 
     def summary(self) -> dict[str, Any]:
         """The `actoff.runtime.stats.Stats` fields of the current plan."""
         current = self.current
         if current is None:
-            return {}
+            return self.over.summary()
         return {
+            **self.over.summary(),
             "plan": current.plan.describe(),
             "plan_reason": current.reason,
             "budget_bytes": current.budget_bytes,

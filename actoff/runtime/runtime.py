@@ -137,15 +137,12 @@ class Runtime:
             self._seal(run)
 
     def passes_through(self, module: torch.nn.Module | None) -> bool:
-        """Nested scopes, ``no_offload()``, ``torch.no_grad()`` and eval mode run untouched; so
-        do scopes inside another saved-tensor hooks context (torch's checkpoint) or called during
-        backward, with one warning per kind (Note [under checkpointing])."""
-        if (
-            self.thread.stack
-            or self.thread.disabled
-            or not torch.is_grad_enabled()
-            or (module is not None and not module.training)
-        ):
+        """Nested scopes, ``no_offload()`` and ``torch.no_grad()`` run untouched; so do scopes
+        inside another saved-tensor hooks context (torch's checkpoint) or called during backward,
+        with one warning per kind (Note [under checkpointing]). Eval mode with gradients on is
+        placed as training is: RL and distillation loops train in eval mode (dropout off), and
+        what autograd saves there needs the same room."""
+        if self.thread.stack or self.thread.disabled or not torch.is_grad_enabled():
             return True
         context = enclosing()
         if context is None:
@@ -181,7 +178,12 @@ class Runtime:
         forward, or when a module scope comes round again (a forward without backward between)."""
         step = self.step
         module_id = id(module) if module is not None else None
-        if step is None or step.backward_started or step.aborted or module_id in step.modules:
+        if (
+            step is None
+            or step.backward_started
+            or step.aborted
+            or (module_id in step.modules and step.live == 0)
+        ):
             if step is not None:  # finish its copies: their sources can go now
                 self.last_runs = len(step.runs)
                 step.last_placed = None

@@ -62,6 +62,11 @@ class Stats:
     measured_peak_bytes: int | None = None
     measured_predicted_step_ms: float = 0.0
     measured_step_ms: float | None = None
+    #: Steps whose measured device peak exceeded the auto policy's budget, per cause, and the
+    #: largest such peak (Note [every step over the budget is said]).
+    steps_over_budget: int = 0
+    over_budget_causes: dict = field(default_factory=dict)
+    over_budget_peak_bytes: int = 0
     host_layout: str = "none"  # the host arena's layout: "greedy:...", "mip", "cache", "rank 0 (...)"
     #: The device arena (actoff.memory.device_arena; none on a plain CPU device or with the planner
     #: off): most bytes of its buffers alive at once in the last step (those of the step before
@@ -172,6 +177,12 @@ class Stats:
                 f"{format_bytes(self.measured_predicted_peak_bytes)}), blocks' time {self.measured_step_ms:.2f} ms "
                 f"(predicted {self.measured_predicted_step_ms:.2f} ms)"
             )
+        if self.steps_over_budget:
+            causes = ", ".join(f"{n} {cause}" for cause, n in self.over_budget_causes.items())
+            lines.append(
+                f"auto: {self.steps_over_budget} step(s) over the budget ({causes}), the largest peak "
+                f"{format_bytes(self.over_budget_peak_bytes)}"
+            )
         for name, decision in self.auto.items():
             lines.append(
                 f"auto {name}: {decision.placement}, cpu {decision.cpu_fraction:.2f}, nvme "
@@ -207,7 +218,7 @@ def _plan_cells(block: BlockStats) -> tuple[str, str, str]:
 _SUMMED = (
     "tensors", "bytes_saved", "dedup_hits", "skipped_param_bytes", "skipped_small_bytes",
     "skipped_other_bytes", "over_budget_bytes", "write_fallback_bytes", "forwarded", "copy_ms",
-    "fetch_ms", "wait_ms", "recompute_ms", "probes", "forward_ms", "predicted_ms", "measured_ms",
+    "fetch_ms", "wait_ms", "out_wait_ms", "recompute_ms", "probes", "forward_ms", "predicted_ms", "measured_ms",
 )  # fmt: skip
 
 

@@ -46,8 +46,8 @@ class Step:
         self.pending: collections.deque[ScopeRun] = collections.deque()  # sealed, not placed
         self.modules: set[int] = set()  # ids of module scopes entered (re-entry: new step)
         self.in_flight: list[ScopeRun] = []  # placed runs with copies out not yet finished
-        # Note [copy out at pack]: records whose copy out started at pack and still holds their
-        # device tensor, oldest first; the most bytes they held at once.
+        # Records whose copy out started at pack and still hold their device tensor, oldest
+        # first (Note [copy out at pack]); the most bytes they held at once.
         self.outbound: list[Record] = []
         self.outbound_peak = 0
         self.last_placed: ScopeRun | None = None
@@ -104,9 +104,10 @@ class Step:
     # forward slower instead of the step larger. Double buffering still holds as a bound: a run's
     # copies are finished (stream-side) when the run after it is placed. Not for the last
     # ``keep_last`` runs, which stay where they are.
-    def copies_out(self, window: int | None) -> None:
-        """Note [copy out at pack]: records whose copy has landed let go of their device tensor
-        (no wait); past ``window`` bytes still held, the oldest are waited for, stream-side."""
+    def copies_out(self, window: int | None, waiting: ScopeRun | None = None) -> None:
+        """Records whose copy has landed let go of their device tensor (no wait); past ``window``
+        bytes still held, the oldest are waited for, stream-side (the wait timed into
+        ``waiting``'s figures: the run whose forward it holds up)."""
         held, still = 0, []
         for record in self.outbound:
             if record.state is not State.OFFLOADING or record.device_tensor is None:
@@ -122,6 +123,8 @@ class Step:
             for record in still:
                 if held <= window:
                     break
+                if waiting is not None and record.copy_ticket is not None:
+                    waiting.account("out_wait_ms", waiting.backend.stall(record.copy_ticket))
                 record.tier.advance(record, force=True)  # the compute stream waits for its copy
                 if record.state is not State.OFFLOADING or record.device_tensor is None:
                     held -= record.geometry.nbytes
@@ -186,7 +189,7 @@ class ScopeRun(PackHook):
             self.placement.reached()
 
     def stream_out(self, record: Record) -> None:
-        """Note [copy out at pack]: ``record``'s copy out starts now, not at the scope's exit."""
+        """``record``'s copy out starts now, not at the scope's exit (Note [copy out at pack])."""
         with self.runtime.lock:
             step = self.step
             self.placement.tier.place(record)
@@ -196,7 +199,8 @@ class ScopeRun(PackHook):
             if record.state is State.OFFLOADING and record.device_tensor is not None:
                 step.outbound.append(record)
             window = step.copy_window if step.copy_window is not None else self.config.copy_window
-            step.copies_out(window)
+            # A token mixer's saves wait for its end: its time is attention's, not the copies'.
+            step.copies_out(None if self.placement.in_mixer else window, waiting=self)
 
     def fetch_limits(self) -> tuple[int, int | None]:
         """How far backward fetches ahead from this run: ``(depth, None)`` in runs, or ``(0, bytes)``

@@ -25,6 +25,13 @@ class CpuTier(Tier):
         slot = run.arena().alloc(geometry.nbytes, tag=run.index)
         if slot is None:
             run.stats.over_budget_bytes += geometry.nbytes
+            run.warn_once(
+                "host budget full",
+                f"actoff: the host budget (ACTOFF_HOST_BUDGET) is full: saved tensors of block "
+                f"{run.name!r} and any after it that do not fit stay on the device "
+                "(actoff.stats().blocks[...].over_budget_bytes counts them); raise the budget, or "
+                "store the rest on NVMe (ACTOFF_NVME_DIR with the nvme, tokenwise or auto policy)",
+            )
             return  # stays resident: the host budget is full
         source = geometry.flat(record.device_tensor)
         record.host_slot = slot

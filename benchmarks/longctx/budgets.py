@@ -31,7 +31,7 @@ KEEP_FITS_TARGET = 1.03
 #: The simulated device of the first pass: counted as the capped ones are, never full.
 UNCAPPED_BYTES = 2**40
 #: Warm-up steps of every policy in a sweep: ``auto`` measures this many before its plan runs
-#: (Note [measuring at recompute] in actoff.runtime.auto), so its timed steps run the plan.
+#: (Note [measuring at the floor] in actoff.runtime.auto), so its timed steps run the plan.
 AUTO_WARMUP = 2
 
 

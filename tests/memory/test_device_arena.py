@@ -200,10 +200,11 @@ def test_an_overlap_would_be_caught(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["cpu", "tokenwise"])
 def test_an_older_steps_graph_freed_in_backward_leaves_the_current_buffer(policy, monkeypatch):
-    """A graph kept from an earlier forward, freed in the middle of the current backward (inside
-    a block's backward: its rebuilds are under way), brings back the older step's records: that
-    must not give back the buffers the current backward is using, those of the runs at the same
-    places included (their next requests would take second ones)."""
+    """A graph kept from an earlier step (its backward ran with ``retain_graph``), freed in the
+    middle of the current backward (inside a block's backward: its rebuilds are under way),
+    brings back the older step's records: that must not give back the buffers the current
+    backward is using, those of the runs at the same places included (their next requests would
+    take second ones)."""
     model = make_model(num_layers=4)
     actoff.offload_(model, block_cls=Block, min_bytes=0, **POLICIES[policy])
     made = _device_allocations(monkeypatch)
@@ -214,9 +215,11 @@ def test_an_older_steps_graph_freed_in_backward_leaves_the_current_buffer(policy
         # Copies held during forward as in the planned steps (`_steps`): which records backward
         # finds still on the device must not depend on the machine's load (CI failed on it).
         with device.hold(copies=True):
-            kept = [model.loss(tokens)]  # a step whose backward never comes
-            model.layers[2].attn.register_full_backward_pre_hook(lambda *_: kept.clear())
-            loss = model.loss(tokens)  # the module comes round again: a new step
+            kept = [model.loss(tokens)]
+        kept[0].backward(retain_graph=True)  # a step whose graph is kept
+        model.layers[2].attn.register_full_backward_pre_hook(lambda *_: kept.clear())
+        with device.hold(copies=True):
+            loss = model.loss(tokens)  # its backward began: a new step
         before = len(made)
         loss.backward()
         assert not kept

@@ -97,39 +97,65 @@ def _auto(capacity: int, link: str, steps: int = 5, **settings):
 def test_keep_where_it_fits(keep_peak):
     capacity = int(keep_peak * 1.1 / (1 - PLAN_HEADROOM))
     steps, stats = _auto(capacity, "10GB")
-    for placements, _, pairs in steps[:2]:  # measuring: every block at recompute
-        assert placements == ["measuring (recompute)"] * 4
-        _compare(pairs, exact=False)
+    for placements, _, pairs in steps[:2]:  # measuring: every block streamed, nothing recomputed
+        assert placements == ["measuring"] * 4
+        _compare(pairs, exact=True)
     for placements, peak, pairs in steps[2:]:  # the plan: everything kept, as keep would
         assert placements == ["keep"] * 4
         assert peak == keep_peak
         _compare(pairs, exact=True)
-    assert stats.plan == "4 keep; prefetch depth 1" and stats.budget_bytes == capacity
+    assert stats.plan == "4 keep; fetch window 0 MiB, copy window 0 MiB" and stats.budget_bytes == capacity
 
 
-def test_tokenwise_in_between_when_the_link_hides_the_copies(keep_peak):
+def test_the_measuring_steps_hold_the_least_any_plan_can(keep_peak):
+    """The measuring steps stream every saved tensor, windows of none (Note [measuring at
+    the floor]), so they fit under a budget far below keep's peak (the first step used to store every
+    block whole, to probe it: about a block's saves and a half in backward)."""
+    steps, _ = _auto(int(keep_peak * 0.3), "10GB", steps=2)
+    for placements, peak, pairs in steps:
+        assert placements == ["measuring"] * 4
+        assert peak <= keep_peak * 0.3
+        _compare(pairs, exact=True)
+
+
+def test_streaming_in_between_when_the_link_hides_the_copies(keep_peak):
     capacity = int(keep_peak * 0.55)
     steps, stats = _auto(capacity, "10GB")
-    for placements, peak, pairs in steps[2:]:
+    assert steps[2][0] == ["probing"] * 4  # a probe fits: the next plan may recompute token-wise
+    for placements, peak, pairs in steps[3:]:
         # The last block may be kept: its backward comes first and lets it go.
-        assert all(p.startswith("tokenwise:") for p in placements[:-1]), placements
-        assert placements[-1].startswith("tokenwise:") or placements[-1] == "keep"
+        assert all(p == "stream" for p in placements[:-1]), placements
+        assert placements[-1] in ("stream", "keep")
         assert peak <= capacity
-        # Rows stored and recomputed: within float32 reassociation; stored whole or kept: exact.
-        _compare(pairs, exact=all(p in ("tokenwise:1", "keep") for p in placements))
-    assert any(p not in ("tokenwise:1", "keep") for p in steps[-1][0])  # some rows recomputed to fit
+        _compare(pairs, exact=True)  # stored whole, one saved tensor at a time: exact
     assert stats.measured_peak_bytes == steps[-1][1]
     assert stats.measured_peak_bytes <= stats.budget_bytes
 
 
-def test_checkpoint_at_the_floor_when_the_link_is_slow(keep_peak):
+def test_tokenwise_in_between_when_attention_dominates_and_the_link_is_slow(keep_peak, monkeypatch):
+    # Attention 80% of the forward: re-running the block (checkpoint) costs four times what
+    # recomputing its token-local rest does; a 1 GB/s link makes storing everything stall.
+    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.8)
+    capacity = int(keep_peak * 0.6)
+    steps, stats = _auto(capacity, "1GB")
+    assert steps[2][0] == ["probing"] * 4
+    for placements, peak, pairs in steps[3:]:
+        assert all(p.startswith("tokenwise:") for p in placements[:-1]), placements
+        assert placements[-1].startswith("tokenwise:") or placements[-1] == "keep"
+        assert peak <= capacity
+        _compare(pairs, exact=False)  # rows recomputed: within float32 reassociation
+    assert stats.measured_peak_bytes <= stats.budget_bytes
+
+
+def test_checkpoint_when_the_link_is_slow(keep_peak):
     # 100 MB/s: a block's copy takes many times its forward; re-running it costs one forward.
     capacity = int(keep_peak * 0.45)
-    steps, _ = _auto(capacity, "100MB")
-    for placements, peak, pairs in steps[2:]:
-        assert placements[:-1] == ["checkpoint"] * 3 and placements[-1] in ("checkpoint", "keep")
+    steps, _ = _auto(capacity, "100MB", steps=6)
+    for _placements, peak, pairs in steps:
         assert peak <= capacity
-        _compare(pairs, exact=True)
+        _compare(pairs, exact=True)  # nothing recomputed token-wise: exact
+    for placements, _, _ in steps[-2:]:
+        assert placements[:-1] == ["checkpoint"] * 3 and placements[-1] in ("checkpoint", "keep")
 
 
 def test_a_peak_off_its_prediction_replans(keep_peak, monkeypatch):
@@ -145,11 +171,15 @@ def test_a_peak_off_its_prediction_replans(keep_peak, monkeypatch):
         return Outside() if len(calls) <= 2 else calls[-1]
 
     monkeypatch.setattr(actoff.runtime.planning, "outside_from", forgetful)
-    _, stats = _auto(keep_peak * 2, "10GB", steps=5, gpu_budget=int(keep_peak * 0.55))
+    with pytest.warns(actoff.BudgetWarning, match="over the device budget") as said:
+        _, stats = _auto(keep_peak * 2, "10GB", steps=5, gpu_budget=int(keep_peak * 0.55))
     assert stats.replans >= 1
+    over = stats.over_budget_causes["planned"]
+    assert stats.steps_over_budget == over >= 1 and len(said) == 1  # counted; the first of its cause said
     auto = get_runtime().auto
-    assert list(auto.reasons)[:2] == ["planned after measuring", "calibrated on its own step"]
-    assert auto.reasons[2].startswith("replanned: peak"), auto.reasons
+    reasons = [reason for reason in auto.reasons if reason != "planned after the probes"]
+    assert reasons[:2] == ["planned after measuring", "calibrated on its own step"], auto.reasons
+    assert reasons[2].startswith("replanned: peak"), auto.reasons
     assert auto.current.outside.peak > 0
     assert stats.predicted_peak_bytes <= stats.budget_bytes
 
@@ -160,7 +190,7 @@ def test_the_stats_show_plan_prediction_and_measurement(keep_peak):
     assert "placement" in text and "pred ms" in text and "meas ms" in text
     assert "auto plan: " in text and "auto last step ran " in text
     for block in stats.blocks.values():
-        assert block.placement.startswith("tokenwise:") or block.placement == "keep"
+        assert block.placement in ("stream", "keep") or block.placement.startswith("tokenwise:")
         assert block.predicted_ms > 0 and block.measured_ms > 0 and block.forward_ms == 1.0
     decision = stats.auto["layers.0"]
     assert decision.placement == stats.blocks["layers.0"].placement
@@ -218,11 +248,11 @@ def test_a_deeper_prefetch_brings_back_two_runs_ahead():
 
 
 def test_the_step_stored_whole_lets_a_blocks_saves_go_before_the_next_block_runs(keep_peak):
-    """Found in the budget sweep: auto's first step stores every block whole to probe it in
-    backward (Note [measuring at recompute]), and its copies out ran alongside the next block's
-    forward, as ``cpu``'s do, so it held about two blocks' saves at once and ran out of memory at
-    budgets the checkpoint placement fits. Now that step's copies finish first; later steps
-    still overlap them."""
+    """Found in the budget sweep: auto's first step stored every block whole to probe it in
+    backward, and its copies out ran alongside the next block's forward, as ``cpu``'s do, so it
+    held about two blocks' saves at once and ran out of memory at budgets the checkpoint
+    placement fits. Its measuring steps now stream every saved tensor with windows of none (Note
+    [measuring at the floor]): nothing of a block is still copying when the next one runs."""
     model = make_model(num_layers=4)
     reference = copy.deepcopy(model)
     actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="100MB")
@@ -241,6 +271,6 @@ def test_the_step_stored_whole_lets_a_blocks_saves_go_before_the_next_block_runs
     # out take many times its forward, so only a wait lets them finish before the next block.
     with simulated_device(seed=0, capacity=int(keep_peak * 0.45), bandwidth="100MB/s") as device:
         steps = _steps(model, reference, 1, device)
-    assert steps[0][0] == ["measuring (recompute)"] * 4
+    assert steps[0][0] == ["measuring"] * 4
     assert in_flight == [0, 0, 0], in_flight
     _compare(steps[0][2], exact=True)  # stored whole: bit for bit

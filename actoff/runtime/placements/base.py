@@ -95,7 +95,7 @@ class Placement:
         # The pack hook calls `note_save` and `classify` (a token-wise run's order of saves).
         self.notes_saves = False
         # Its copies out finish before the next block runs, not alongside it (auto's measuring
-        # steps: Note [measuring at recompute] in actoff.runtime.auto).
+        # steps: Note [measuring at the floor] in actoff.runtime.auto).
         self.finish_copies_first = False
         # Each record's copy out starts at pack (Note [copy out at pack]); the runtime turns it off
         # for the runs ``keep_last`` keeps and where nothing leaves the device.
@@ -146,6 +146,11 @@ class Placement:
 
     def aborted(self) -> None:
         """An exception inside the block: nothing will be placed."""
+
+    @property
+    def in_mixer(self) -> bool:
+        """Whether the block is inside a token mixer's call now (its saves are the mixer's)."""
+        return False
 
     # ------------------------------------------------------------------ for the auto policy
     @property

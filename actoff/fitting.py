@@ -1,0 +1,157 @@
+"""The plan that fits a device budget at the least step time: a placement per block and the step's
+windows, searched over the model of actoff.budget (Note [the budget model]).
+
+Pure functions on numbers, tested against brute force.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .budget import (
+    PLACEMENTS,
+    BlockCost,
+    Outside,
+    Placement,
+    Plan,
+    Windows,
+    _forward_bytes,
+    _leaving,
+    _streaming,
+    _working_bytes,
+    added_seconds,
+    allowed,
+    least,
+    moments,
+    predict,
+)
+
+__all__ = ["WINDOW_SHARES", "floor_plan", "plan", "window_choices"]
+
+#: The windows a plan may choose, in shares of the step's largest block's saved bytes: none (one
+#: saved tensor at a time, as ``save_on_cpu``), a quarter of a block, one block, two.
+WINDOW_SHARES = (0.0, 0.25, 1.0, 2.0)
+
+
+def window_choices(blocks: Sequence[BlockCost]) -> list[Windows]:
+    """Every pair of windows a plan of ``blocks`` may choose (`WINDOW_SHARES`).
+
+    >>> len(window_choices([BlockCost(0.01, 0.0, 10, 10, 10)]))
+    16
+    """
+    unit = max(block.saved_bytes for block in blocks)
+    values = sorted({share * unit for share in WINDOW_SHARES})
+    return [Windows(fetch, copy) for fetch in values for copy in values]
+
+
+def plan(
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    budget_bytes: float,
+    *,
+    outside_bytes: Outside | float = 0,
+    choices: Sequence[Windows] | None = None,
+) -> Plan | None:
+    """The least added time whose predicted peak fits ``budget_bytes``, or None if nothing does.
+
+    Keeping is free in time, so each count of kept blocks is tried (the last ones: their
+    backward comes first and lets them go before an offloaded block comes back), with every
+    pair of windows (``choices``, else `window_choices`); the offloaded blocks get placements by
+    dynamic programming over the blocks in order, the state being the last placement (what is
+    still copying out while a block runs). Exact: the moments depend on neighbours only, and on
+    the last offloaded block for the head and the kept blocks.
+
+    >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4  # 50 bytes each: copies take no time
+    >>> plan(blocks, 1e9, 200).describe()  # keep fits: keep
+    '4 keep; fetch window 0 MiB, copy window 0 MiB'
+    >>> plan(blocks, 1e9, 150).placements[-1], plan(blocks, 1e9, 0).describe()
+    (Placement(kind='keep', stored=1.0), '4 stream; fetch window 0 MiB, copy window 0 MiB')
+    >>> plan(blocks, 1e9, -1) is None
+    True
+    """
+    outside = outside_bytes if isinstance(outside_bytes, Outside) else Outside.flat(outside_bytes)
+    count = len(blocks)
+    best: Plan | None = None
+    for kept in range(count, -1, -1):
+        keeps = (PLACEMENTS[0],) * kept
+        if outside.head + sum(b.saved_bytes for b in blocks[count - kept :]) > budget_bytes:
+            continue
+        for windows in [Windows()] if kept == count else (choices or window_choices(blocks)):
+
+            def fits(
+                offloaded: tuple[Placement, ...], windows: Windows = windows, keeps: tuple = keeps
+            ) -> bool:
+                return max(moments(blocks, (*offloaded, *keeps), outside, windows)) <= budget_bytes
+
+            offloaded = _cheapest(
+                blocks[: count - kept], link_bytes_per_s, windows, outside, budget_bytes, fits
+            )
+            if offloaded is None:
+                continue
+            placements = (*offloaded, *keeps)
+            peak, seconds = predict(
+                blocks, placements, link_bytes_per_s, outside_bytes=outside, windows=windows
+            )
+            if (
+                best is None
+                or seconds < best.seconds - 1e-12
+                or (seconds <= best.seconds + 1e-12 and peak < best.peak_bytes)
+            ):
+                best = Plan(placements, windows, peak, seconds)
+        if best is not None and best.seconds == 0.0:
+            break  # nothing is faster than adding no time: keeping more only holds more
+    return best
+
+
+def _cheapest(
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    windows: Windows,
+    outside: Outside,
+    budget_bytes: float,
+    fits: Callable[[tuple[Placement, ...]], bool],
+) -> tuple[Placement, ...] | None:
+    """Offloaded placements for ``blocks`` (in forward order) with the least added time such
+    that each block's forward and backward moments stay within the budget, and the whole plan
+    ``fits`` (which depends on the last placement only)."""
+    # state: the last placement (None at the start) -> (seconds, placements so far)
+    states: dict[Placement | None, tuple[float, tuple[Placement, ...]]] = {None: (0.0, ())}
+    for index, block in enumerate(blocks):
+        following: dict[Placement | None, tuple[float, tuple[Placement, ...]]] = {}
+        before = blocks[index - 1] if index else None
+        for previous, (seconds, chosen) in states.items():
+            leaving = _leaving(before, previous) if previous is not None else 0.0
+            streamed = _streaming(before, previous, windows) if previous is not None else 0.0
+            for placement in allowed(block)[1:]:
+                forward = (
+                    leaving
+                    + _forward_bytes(block, placement)
+                    + max(streamed, _streaming(block, placement, windows))
+                )
+                backward = _working_bytes(block, placement) + (windows.fetch if index else 0.0)
+                if outside.forward + forward > budget_bytes or outside.backward + backward > budget_bytes:
+                    continue
+                total = seconds + added_seconds(block, placement, link_bytes_per_s, windows)
+                if placement not in following or total < following[placement][0] - 1e-15:
+                    following[placement] = (total, (*chosen, placement))
+        states = following
+        if not states:
+            return None
+    valid = [state for state in states.values() if fits(state[1])]
+    return min(valid, key=lambda state: state[0])[1] if valid else None
+
+
+def floor_plan(
+    blocks: Sequence[BlockCost], link_bytes_per_s: float, *, outside_bytes: Outside | float = 0
+) -> Plan:
+    """Every block at the least device memory open to it (`actoff.budget.least`), windows of
+    none: what runs when no plan fits the budget (it may still fit: the model errs both ways).
+
+    >>> floor_plan([BlockCost(0.01, 0.002, 10, 10, 30)] * 2, 1e9).describe()
+    '2 stream; fetch window 0 MiB, copy window 0 MiB'
+    """
+    placements = tuple(least(block) for block in blocks)
+    peak, seconds = predict(
+        blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, windows=Windows()
+    )
+    return Plan(placements, Windows(), peak, seconds)
