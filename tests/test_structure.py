@@ -11,7 +11,7 @@ layer or the layers below it, ``TYPE_CHECKING`` imports for types included):
     rerun           what every placement that runs a block again needs
     memory          arenas and their layouts, the replay allocator
     device          device backends: base, cuda, sim/
-    leaves          config, policy, budget, planner, params, owners, figures, units, _version:
+    leaves          config, policy, budget, planner, params, owners, figures, units, module_classes, _version:
                     pure, import only each other
 """
 
@@ -40,7 +40,8 @@ LAYERS = {  # rank: lower imports nothing above it
 TOP_LEVEL = {
     **dict.fromkeys(("__init__", "testing", "reference", "introspect"), "public"),
     **dict.fromkeys(
-        ("config", "policy", "budget", "units", "planner", "params", "owners", "figures"), "leaves"
+        ("config", "policy", "budget", "units", "planner", "params", "owners", "figures", "module_classes"),
+        "leaves",
     ),
     **dict.fromkeys(("_version", "_C"), "leaves"),
 }
