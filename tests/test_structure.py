@@ -3,7 +3,7 @@
 The layers, from the user's call down to the device (a module may import only from its own
 layer or the layers below it, ``TYPE_CHECKING`` imports for types included):
 
-    public surface  actoff (__init__), testing, reference, introspect
+    public surface  actoff (__init__), testing, reference, introspect, reporting, integrations/
     scope           where offload scopes begin: offload, offload_, no_offload, compile
     tiling          tile_ and the chunked loss (beside scope: neither imports the other)
     runtime         one step: hooks, scope runs, placements, the runtime, auto, stats, ranks
@@ -28,6 +28,7 @@ ROOT = PACKAGE.parent
 
 LAYERS = {  # rank: lower imports nothing above it
     "public": 0,
+    "integrations": 0,  # adapters to other libraries (Hugging Face's Trainer): public surface
     "scope": 1,
     "tiling": 1,
     "runtime": 2,
@@ -38,7 +39,7 @@ LAYERS = {  # rank: lower imports nothing above it
     "leaves": 7,
 }
 TOP_LEVEL = {
-    **dict.fromkeys(("__init__", "testing", "reference", "introspect"), "public"),
+    **dict.fromkeys(("__init__", "testing", "reference", "introspect", "reporting"), "public"),
     **dict.fromkeys(
         ("config", "policy", "budget", "units", "planner", "params", "owners", "figures", "module_classes"),
         "leaves",
