@@ -16,13 +16,15 @@ pytestmark = [  # the Trainer still sets the old name of activation checkpointin
 
 
 class _Recorder(transformers.TrainerCallback):
-    """A callback after the report's: the logs as the callbacks after it see them."""
+    """A callback after the report's: the logs as the callbacks after it see them, and the bytes
+    actoff sent to the host in that step."""
 
     def __init__(self):
         self.logs = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append(dict(logs))
+        placed = sum(block.bytes_per_tier["cpu"] for block in actoff.stats().blocks.values())
+        self.logs.append((dict(logs), placed))
 
 
 def test_the_trainers_logs_carry_the_report(tmp_path):
@@ -41,9 +43,8 @@ def test_the_trainers_logs_carry_the_report(tmp_path):
         trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in logged] == [2, 4]
-    placed = actoff.stats().blocks["model.layers.0"].bytes_per_tier["cpu"] * 2  # two layers alike
-    seen_after = [logs for logs in recorder.logs if "loss" in logs]
-    for entry, seen in zip(logged, seen_after, strict=True):
+    seen_after = [(logs, placed) for logs, placed in recorder.logs if "loss" in logs]
+    for entry, (seen, placed) in zip(logged, seen_after, strict=True):
         assert seen["actoff/host_bytes"] == entry["actoff/host_bytes"] == placed > 0
         assert entry["actoff/offloaded_bytes"] == placed and entry["actoff/nvme_bytes"] == 0
         assert 0 < entry["actoff/device_peak_bytes"] < entry["actoff/kept_peak_bytes"]
