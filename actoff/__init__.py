@@ -24,6 +24,7 @@ from .memory import replay_allocator
 from .memory.replay_allocator import AllocatorStats
 from .memory.replay_allocator import install as install_replay_allocator
 from .memory.replay_allocator import stats as replay_allocator_stats
+from .reporting import Report, report
 from .runtime.runtime import get_runtime, reset_runtimes
 from .runtime.stats import BlockStats, Stats
 from .scope.offload import no_offload, offload, offload_
@@ -52,6 +53,7 @@ __all__ = [
     "BlockStats",
     "BudgetWarning",
     "Config",
+    "Report",
     "Stats",
     "__version__",
     "check_kvikio",
@@ -69,6 +71,7 @@ __all__ = [
     "parse_size",
     "register_token_mixer",
     "replay_allocator_stats",
+    "report",
     "reset",
     "set_config",
     "stats",

@@ -22,6 +22,8 @@ MODULES = sorted(
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    if name == "actoff.integrations.huggingface":  # the adapter imports the library it adapts to
+        pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"

@@ -90,3 +90,64 @@ def test_llama_gradient_checkpointing_offloads_the_layer_inputs(reentrant, polic
         assert block.bytes_offloaded == block.bytes_per_tier["cpu"] == hidden_states
     messages = [str(w.message) for w in caught if str(w.message).startswith("actoff")]
     assert len(messages) == (0 if policy == "cpu" else 1), messages
+
+
+def _hf_offload(model, every_n_layers, monkeypatch):
+    """Hugging Face's own offloaded checkpointing (transformers 5: ``save_on_cpu(pin_memory=True)``
+    around a non-reentrant checkpoint of every ``every_n_layers``-th layer's forward)."""
+    import inspect
+
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None or "offload" not in inspect.signature(enable).parameters:
+        pytest.skip(
+            f"transformers {transformers.__version__} has no activation_checkpointing_enable(offload=)"
+        )
+    if not torch.accelerator.is_available():
+        # Without an accelerator it still asks save_on_cpu to pin, and pinning raises ("requires a
+        # CUDA or other accelerator backend"); pinning alone is left out, its code path kept.
+        import transformers.modeling_utils as modeling_utils
+
+        unpinned = torch.autograd.graph.save_on_cpu
+        monkeypatch.setattr(
+            modeling_utils, "save_on_cpu", lambda **kw: unpinned(device_type=kw["device_type"])
+        )
+    enable(offload=True, every_n_layers=every_n_layers)
+
+
+@pytest.mark.parametrize(
+    ("block_cls", "placed", "warned"),
+    [
+        # actoff around Hugging Face's checkpointing: each layer is actoff's scope, and in the
+        # checkpointed ones (0, 2) save_on_cpu, inside the scope, takes checkpoint's inputs.
+        ("LlamaDecoderLayer", {"model.layers.1", "model.layers.3"}, None),
+        # Hugging Face's offload enclosing actoff's scopes: the MLPs of layers 0 and 2 run inside
+        # its checkpoint, which gets their saves (Note [under checkpointing]), with one warning.
+        ("LlamaMLP", {"model.layers.1.mlp", "model.layers.3.mlp"}, "inside torch.utils.checkpoint"),
+    ],
+    ids=["actoff_around_hf", "hf_around_actoff"],
+)
+def test_hugging_faces_offloaded_checkpointing_composes_both_ways(block_cls, placed, warned, monkeypatch):
+    """Issue 38 (item 5): ``activation_checkpointing_enable(offload=True, every_n_layers=2)``
+    checkpoints layers 0 and 2 with their inputs on the host; actoff places what is left to it,
+    bit for bit, and `actoff.stats` shows only what actoff placed."""
+    model = tiny_llama(num_hidden_layers=4, **NO_CACHE)
+    reference = copy.deepcopy(model)
+    for net in (model, reference):
+        _hf_offload(net, every_n_layers=2, monkeypatch=monkeypatch)
+    expected = _train(reference)
+    actoff.offload_(model, block_cls=block_cls, policy="cpu", min_bytes=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = _train(model)
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(expected, actual, strict=True):
+        torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
+        for name in grads_a:
+            torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0)
+    messages = [str(w.message) for w in caught if str(w.message).startswith("actoff")]
+    assert len(messages) == (0 if warned is None else 1), messages
+    assert warned is None or warned in messages[0]
+    stats = actoff.stats()
+    offloaded = {name for name, block in stats.blocks.items() if block.bytes_offloaded}
+    assert offloaded == placed
+    for name in placed:
+        assert stats.blocks[name].bytes_per_tier["cpu"] == stats.blocks[name].bytes_saved > 0

@@ -3,7 +3,7 @@
 The layers, from the user's call down to the device (a module may import only from its own
 layer or the layers below it, ``TYPE_CHECKING`` imports for types included):
 
-    public surface  actoff (__init__), testing, reference, introspect
+    public surface  actoff (__init__), testing, reference, introspect, reporting, integrations/
     scope           where offload scopes begin: offload, offload_, no_offload, compile
     tiling          tile_ and the chunked loss (beside scope: neither imports the other)
     runtime         one step: hooks, scope runs, placements, the runtime, auto, stats, ranks
@@ -11,7 +11,7 @@ layer or the layers below it, ``TYPE_CHECKING`` imports for types included):
     rerun           what every placement that runs a block again needs
     memory          arenas and their layouts, the replay allocator
     device          device backends: base, cuda, sim/
-    leaves          config, policy, budget, planner, params, owners, figures, units, _version:
+    leaves          config, policy, budget, planner, params, owners, figures, units, module_classes, _version:
                     pure, import only each other
 """
 
@@ -28,6 +28,7 @@ ROOT = PACKAGE.parent
 
 LAYERS = {  # rank: lower imports nothing above it
     "public": 0,
+    "integrations": 0,  # adapters to other libraries (Hugging Face's Trainer): public surface
     "scope": 1,
     "tiling": 1,
     "runtime": 2,
@@ -38,9 +39,20 @@ LAYERS = {  # rank: lower imports nothing above it
     "leaves": 7,
 }
 TOP_LEVEL = {
-    **dict.fromkeys(("__init__", "testing", "reference", "introspect"), "public"),
+    **dict.fromkeys(("__init__", "testing", "reference", "introspect", "reporting"), "public"),
     **dict.fromkeys(
-        ("config", "policy", "budget", "fitting", "units", "planner", "params", "owners", "figures"),
+        (
+            "config",
+            "policy",
+            "budget",
+            "fitting",
+            "units",
+            "planner",
+            "params",
+            "owners",
+            "figures",
+            "module_classes",
+        ),
         "leaves",
     ),
     **dict.fromkeys(("_version", "_C"), "leaves"),

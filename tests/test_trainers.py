@@ -1,6 +1,7 @@
 """actoff under the trainers people use: the Hugging Face Trainer (with and without gradient
 checkpointing), PEFT (LoRA with dropout, prefix and prompt tuning), TRL's SFT and DPO trainers
-(gradient checkpointing on, their default) and an accelerate loop.
+(gradient checkpointing on, their default), TRL's GRPO (generation between steps) and an
+accelerate loop.
 
 Each run is the same run without actoff, from the same initial tiny random Llama (nothing is
 downloaded; the tokenizer is built here): whole-tensor tiers bit for bit, token-wise recompute
@@ -273,6 +274,74 @@ def test_trl_dpo_trainer(overrides, tmp_path):
     _assert_same_parameters(expected, actual, exact=True)  # checkpointing on: inputs only, exact
     assert len(messages) == int(overrides["policy"] == "tokenwise"), messages
     assert actoff.stats().steps == 2
+
+
+# ---------------------------------------------------------------------------------- TRL GRPO
+def _says_w1(prompts, completions, **kwargs):
+    """GRPO's reward: completions that say ``w1``, and a little for every word; rewards that differ
+    within a group, so each step has advantages to learn from."""
+    return [completion.count("w1") + 0.1 * len(completion.split()) for completion in completions]
+
+
+def _calls_per_step(log):
+    """A Trainer callback that notes, at each step's end, each block's scope calls in the step."""
+
+    class Log(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            log.append([block.calls for block in actoff.stats().blocks.values()])
+
+    return Log()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"policy": "cpu"},
+        {"policy": "tokenwise", "cpu_fraction": 0.5},
+        # A budget under the blocks' bytes (2 x 257 KiB) forces a plan that moves some; on the plain
+        # CPU device, whose memory is not counted, the budget is for the blocks' bytes alone.
+        pytest.param({"policy": "auto", "gpu_budget": "400KiB"}, marks=pytest.mark.no_sim_device),
+    ],
+    ids=["cpu", "tokenwise", "auto"],
+)
+def test_trl_grpo_trainer(overrides, tmp_path):
+    """TRL's GRPO (issue 38, item 8): completions generated between steps (``model.generate``
+    under ``no_grad``, with a KV cache, no vLLM), rewarded by a function, then one training step.
+    Generation passes through actoff's scopes, so the same completions come out (the same rewards
+    every step: nothing actoff did moved the random stream) and each block runs one scope a step.
+    Checkpointing off (on by default in GRPO): the policies place the activations themselves
+    (under checkpointing they place its inputs only, as the SFT test shows)."""
+    trl = pytest.importorskip("trl", reason="TRL is not installed")
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    data = datasets.Dataset.from_dict({"prompt": _sentences(8, 6, seed=0)})
+    calls: list[list] = []
+
+    def train(offload):
+        model = offload(_model())
+        args = _arguments(
+            trl.GRPOConfig, tmp_path, max_steps=4, per_device_train_batch_size=4, num_generations=4,
+            max_completion_length=8, generation_kwargs={"min_new_tokens": 8}, bf16=False,
+            gradient_checkpointing=False, logging_steps=1,
+        )  # fmt: skip
+        calls.append([])
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=_says_w1, args=args, train_dataset=data, processing_class=_tokenizer(),
+            callbacks=[_calls_per_step(calls[-1])],
+        )  # fmt: skip
+        trainer.train()
+        return _parameters(model), [
+            entry["reward"] for entry in trainer.state.log_history if "reward" in entry
+        ]
+
+    (expected, expected_rewards), (actual, rewards), messages = _run(train, overrides)
+    assert len(rewards) == 4 and rewards == expected_rewards  # the same completions, step by step
+    _assert_same_parameters(expected, actual, exact=overrides["policy"] == "cpu")
+    assert messages == []
+    assert calls[1] == [[1, 1]] * 4  # the training forward only: generation passed through
+    stats = actoff.stats()
+    moved = [b.bytes_offloaded + b.bytes_per_tier["recompute"] for b in stats.blocks.values()]
+    assert all(moved) if overrides["policy"] != "auto" else any(moved) and stats.plan != "none"
+    assert _recomputed() == (overrides["policy"] == "tokenwise")
 
 
 # ---------------------------------------------------------------------------------- accelerate

@@ -167,6 +167,14 @@ class DeviceBackend:
         ``None`` where the device's memory is not counted (a plain CPU device)."""
         return None
 
+    def memory_peak(self, reset: bool = False) -> int | None:
+        """The most bytes the device held at once since its own peak counter was last reset
+        (CUDA's ``max_memory_allocated``, the simulated device's ``memory.peak``: the program's
+        counter, which `memory_watch` leaves alone), the counter then reset if ``reset``;
+        ``None`` where the device's memory is not counted (a plain CPU device). `actoff.report`
+        reads it."""
+        return None
+
     def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
         """Measured device-to-host copy bandwidth in bytes per second (memcpy on the CPU), on
         ``nbytes`` or, on a device short of memory (the auto policy measures at the end of a
@@ -294,7 +302,7 @@ class StreamBackend(DeviceBackend):
 
     ``streams`` is the stream API: ``current()``, ``new_stream()``, ``event()``,
     ``copy(stream, dst, src, what)``, ``device_empty(numel, dtype)``, ``host_empty(nbytes, pinned=True)``,
-    ``check_host_reuse(buffer, action)``, ``default_budget()`` and ``memory_watch()``; its streams have ``wait_stream`` and
+    ``check_host_reuse(buffer, action)``, ``default_budget()``, ``memory_watch()`` and ``memory_peak(reset)``; its streams have ``wait_stream`` and
     ``wait_event``, its events ``record``, ``query``, ``synchronize`` and ``elapsed_time``,
     as ``torch.cuda``'s do. Optional: ``pinned`` (host buffers from torch's caching pinned
     allocator) and ``release_host_cache()``.
@@ -373,6 +381,9 @@ class StreamBackend(DeviceBackend):
 
     def memory_watch(self) -> Any | None:
         return self.streams.memory_watch()
+
+    def memory_peak(self, reset: bool = False) -> int | None:
+        return self.streams.memory_peak(reset)
 
 
 _backends: dict[tuple, DeviceBackend] = {}

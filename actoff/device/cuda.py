@@ -56,6 +56,15 @@ class CudaStreams:
     def memory_watch(self) -> SampledPeak:
         return SampledPeak(self.device)
 
+    def memory_peak(self, reset: bool = False) -> int | None:
+        try:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            if reset:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        except RuntimeError:  # a custom allocator (ACTOFF_ALLOCATOR=replay) keeps no statistics
+            return None
+        return peak
+
 
 class SampledPeak:
     """The most bytes torch's allocator held at the moments sampled since `reset` (the

@@ -8,12 +8,13 @@ import functools
 import itertools
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
 from actoff.config import Config, get_config, keywords_of
+from actoff.module_classes import ModuleClasses, class_matcher, nothing_matched
 from actoff.owners import ByOwner
 from actoff.policy import OPTIONAL_SETTINGS, ignored_settings, read_by
 from actoff.runtime.runtime import get_runtime
@@ -207,7 +208,7 @@ def _entry_points() -> tuple[Callable[..., Any], Callable[..., Any]]:
 def offload_(
     model: torch.nn.Module,
     *,
-    block_cls: type[torch.nn.Module] | str | Sequence[type[torch.nn.Module] | str] | None = None,
+    block_cls: ModuleClasses | None = None,
     filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
     config: Config | None = None,
     **overrides: object,
@@ -233,7 +234,7 @@ def offload_(
     if (block_cls is None) == (filter_fn is None):
         raise TypeError("offload_() needs exactly one of block_cls=... or filter_fn=(module, name) -> bool")
     _ScopeSpec(config, overrides, None, caller="offload_")  # validated and warned once, here
-    matches = _block_matcher(block_cls) if block_cls is not None else filter_fn
+    matches = class_matcher(block_cls, "offload_(block_cls=...)") if block_cls is not None else filter_fn
     matched = 0
     for qualified, module in model.named_modules():
         if matches(module, qualified):  # type: ignore[misc]
@@ -244,35 +245,8 @@ def offload_(
             raise ValueError(
                 f"offload_(): no submodule of {type(model).__name__} matched filter_fn; nothing would be offloaded"
             )
-        classes = sorted({type(module).__name__ for module in model.modules()})
-        raise ValueError(
-            f"offload_(): no submodule of {type(model).__name__} matched block_cls={block_cls!r}; nothing "
-            f"would be offloaded. Its module classes: {', '.join(classes)}"
-        )
+        raise nothing_matched("offload_", model, f"block_cls={block_cls!r}", "offloaded")
     return model
-
-
-def _block_matcher(block_cls: object) -> Callable[[torch.nn.Module, str], bool]:
-    """``offload_``'s ``block_cls`` as a test of a module: classes by ``isinstance``, names by
-    the names of the module's class and its bases."""
-    items = list(block_cls) if isinstance(block_cls, (list, tuple, set, frozenset)) else [block_cls]
-    classes, names = [], set()
-    for item in items:
-        if isinstance(item, str):
-            names.add(item)
-        elif isinstance(item, type) and issubclass(item, torch.nn.Module):
-            classes.append(item)
-        else:
-            raise TypeError(
-                "offload_(block_cls=...) takes an nn.Module subclass, a class name or a list of them (as "
-                f"a Hugging Face model's _no_split_modules); got {item!r} ({type(item).__name__})"
-            )
-    kinds = tuple(classes)
-
-    def matches(module: torch.nn.Module, qualified: str) -> bool:
-        return isinstance(module, kinds) or any(kind.__name__ in names for kind in type(module).__mro__)
-
-    return matches
 
 
 @contextlib.contextmanager

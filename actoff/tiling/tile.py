@@ -33,6 +33,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from actoff.config import Config, get_config
+from actoff.module_classes import ModuleClasses, class_matcher, nothing_matched
 
 from .chunking import AutocastState, RngState, check_chunking, chunk_bounds
 
@@ -285,7 +286,7 @@ def _resolve(chunks: int | None, max_tokens: int | None, config: Config) -> tupl
 def tile_(
     model: torch.nn.Module,
     *,
-    module_cls: type[torch.nn.Module] | tuple[type[torch.nn.Module], ...] | None = None,
+    module_cls: ModuleClasses | None = None,
     filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
     chunks: int | None = None,
     max_tokens: int | None = None,
@@ -295,8 +296,9 @@ def tile_(
     """Run every matching token-local submodule of ``model`` chunk by chunk along the tokens,
     in place; return ``model``.
 
-    Give exactly one of ``module_cls`` (e.g. ``LlamaMLP``) or ``filter_fn(module,
-    qualified_name) -> bool``, and one of ``chunks`` (split the tokens into N nearly equal
+    Give exactly one of ``module_cls`` or ``filter_fn(module, qualified_name) -> bool``.
+    ``module_cls`` is a class (``LlamaMLP``), a class name (``"LlamaMLP"``) or a list of them, as
+    `offload_`'s ``block_cls``. Give one of ``chunks`` (split the tokens into N nearly equal
     parts) or ``max_tokens`` (at most N positions along ``token_dim`` per chunk; with a batch
     of B that is B × N rows); without either, ``ACTOFF_TILE_CHUNKS`` /
     ``ACTOFF_TILE_MAX_TOKENS`` from ``config`` (default: `actoff.get_config`) apply.
@@ -327,12 +329,12 @@ def tile_(
         raise TypeError(f"tile_(config=...) expects an actoff.Config, got {type(config).__name__}")
     chunks, max_tokens = _resolve(chunks, max_tokens, config)
     token_dim = config.token_dim if token_dim is None else config.replace(token_dim=token_dim).token_dim
+    matches = class_matcher(module_cls, "tile_(module_cls=...)") if module_cls is not None else filter_fn
     tiled: list[str] = []
     for qualified, module in model.named_modules():
         if any(qualified.startswith(prefix + ".") or prefix == "" for prefix in tiled):
             continue  # inside a tiled module: its chunks are small already
-        hit = isinstance(module, module_cls) if module_cls is not None else bool(filter_fn(module, qualified))  # type: ignore[misc,arg-type]
-        if not hit:
+        if not matches(module, qualified):  # type: ignore[misc]
             continue
         previous = module.__dict__.get(_SPEC_ATTR)
         inner = previous.inner if previous is not None else module.__dict__.get("forward")
@@ -342,9 +344,7 @@ def tile_(
         tiled.append(qualified)
     if not tiled:
         what = f"module_cls={module_cls!r}" if module_cls is not None else "filter_fn"
-        raise ValueError(
-            f"tile_(): no submodule of {type(model).__name__} matched {what}; nothing would be tiled"
-        )
+        raise nothing_matched("tile_", model, what, "tiled")
     return model
 
 

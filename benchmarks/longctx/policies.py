@@ -168,7 +168,10 @@ def _checkpoint_blocks(model, *, offload_input: bool = False) -> None:
     """Every block of ``model`` under PyTorch's activation checkpointing: non-reentrant, or
     with ``offload_input`` the offloaded checkpoint that Unsloth and ALST ship: reentrant
     checkpointing (which saves the block's inputs with ``save_for_backward``) under
-    ``save_on_cpu(pin_memory=True)``, so only the inputs are stored, on the host."""
+    ``save_on_cpu(pin_memory=True)``, so only the inputs are stored, on the host. Hugging Face's
+    ``activation_checkpointing_enable(offload=True)`` is this with a non-reentrant checkpoint; it
+    is a method of Hugging Face models and this is the reference model, so it has no policy here
+    (tests/test_huggingface.py runs it with actoff)."""
     import torch
     import torch.utils.checkpoint
 

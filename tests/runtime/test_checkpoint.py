@@ -231,23 +231,61 @@ def test_the_run_again_in_backward_leaves_buffers_attributes_and_hooks_as_the_fo
     assert calls["actoff"] == calls["reference"] == 3
 
 
-def test_a_block_given_a_cache_is_placed_whole_with_one_warning():
-    model = tiny_llama()
+def _llama_pair():
+    model = tiny_llama()  # its default use_cache=True: every forward gets a fresh, empty cache
     reference = copy.deepcopy(model)
-    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
-    expected = reference(input_ids=tokens, labels=tokens, use_cache=True)
-    expected.loss.backward()
     actoff.offload_(model, block_cls=type(model.model.layers[0]), policy="checkpoint", min_bytes=0)
-    with pytest.warns(RuntimeWarning, match="given a key/value cache") as caught:
-        out = model(input_ids=tokens, labels=tokens, use_cache=True)
-        out.loss.backward()
-    assert sum("key/value cache" in str(w.message) for w in caught) == 1
-    torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
+    return model, reference
+
+
+def _assert_same_gradients(model, reference):
     for actual, wanted in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(actual.grad, wanted.grad, rtol=0, atol=0)
-    for layer, other in zip(out.past_key_values.layers, expected.past_key_values.layers, strict=True):
-        assert layer.keys.shape == other.keys.shape  # 32 positions, written once
-    assert actoff.stats().blocks["model.layers.0"].bytes_per_tier["cpu"] > 0
+
+
+def test_hugging_faces_fresh_cache_in_training_is_checkpointed_and_written_once():
+    """Issue 38 (item 6): the empty cache a training forward gets was refused, every block placed
+    whole (Note [a cache in checkpointed training]). The run again gets no cache: it saves the
+    same tensors, so every gradient is exact, and the caller's cache holds each row once."""
+    model, reference = _llama_pair()
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    expected = reference(input_ids=tokens, labels=tokens)
+    expected.loss.backward()
+    out = model(input_ids=tokens, labels=tokens)  # a warning would be an error here
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
+    _assert_same_gradients(model, reference)
+    assert len(out.cache.layers) == 2
+    for layer, other in zip(out.cache.layers, expected.cache.layers, strict=True):
+        assert layer.keys.shape[-2] == 32  # as long as the input: written once, not again in backward
+        torch.testing.assert_close(layer.keys, other.keys, rtol=0, atol=0)
+    for block in actoff.stats().blocks.values():
+        assert block.tensors == 4  # its inputs (hidden states, cos, sin, positions), none of the body
+
+
+def test_a_cache_holding_rows_is_placed_whole_with_one_warning():
+    """A second chunk fed the first chunk's cache: run again, its blocks would write the first
+    chunk's rows a second time or lose them, so they are placed whole; the first chunk's blocks,
+    given the empty cache, are checkpointed."""
+    model, reference = _llama_pair()
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
+    first, second = tokens[:, :32], tokens[:, 32:]
+
+    def two_chunks(net):
+        out1 = net(input_ids=first, labels=first)
+        out2 = net(input_ids=second, labels=second, cache=out1.cache)
+        (out1.loss + out2.loss).backward()
+        return out1.loss + out2.loss, out2.cache
+
+    expected_loss, expected_cache = two_chunks(reference)
+    with pytest.warns(RuntimeWarning, match="already holds rows it reads") as caught:
+        loss, cache = two_chunks(model)
+    assert sum("key/value cache" in str(w.message) for w in caught) == 1
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    _assert_same_gradients(model, reference)
+    for layer, other in zip(cache.layers, expected_cache.layers, strict=True):
+        assert layer.keys.shape[-2] == 48  # each chunk's rows once
+        torch.testing.assert_close(layer.keys, other.keys, rtol=0, atol=0)
 
 
 # ------------------------------------------------- any output structure (issue 35: the reentrant checkpoint

@@ -409,6 +409,41 @@ def test_tile_without_a_chunking_says_how_to_give_one():
         actoff.tile_(make_model(), module_cls=torch.nn.Conv1d, chunks=2)
 
 
+@pytest.mark.parametrize("module_cls", ["MLP", ["MLP"], MLP, ("RMSNorm", MLP), [RMSNorm, "MLP"]])
+def test_module_cls_takes_classes_class_names_and_lists_of_them(module_cls):
+    """Issue 38 (item 7): ``offload_``'s convention; a name was a bare ``isinstance`` TypeError."""
+    model = actoff.tile_(make_model(), module_cls=module_cls, chunks=2)
+    tiled = {name for name, module in model.named_modules() if tiled_chunk_count(module, 8)}
+    mlps = {f"layers.{index}.mlp" for index in range(2)}
+    norms = {f"layers.{index}.{norm}" for index in range(2) for norm in ("input_norm", "post_norm")} | {
+        "norm"
+    }
+    assert tiled == (mlps if module_cls in ("MLP", ["MLP"], MLP) else mlps | norms)
+    train(model, 1)
+
+
+@pytest.mark.parametrize(
+    ("module_cls", "error", "message"),
+    [
+        (
+            "LlamaMLP",
+            ValueError,
+            "matched module_cls='LlamaMLP'; nothing would be tiled. Its module classes: ",
+        ),
+        (
+            [MLP, 3],
+            TypeError,
+            "tile_\\(module_cls=...\\) takes an nn.Module subclass, a class name or a list",
+        ),
+    ],
+)
+def test_a_module_cls_that_matches_nothing_names_the_models_classes(module_cls, error, message):
+    with pytest.raises(error, match=message) as caught:
+        actoff.tile_(make_model(), module_cls=module_cls, chunks=2)
+    if error is ValueError:
+        assert "Attention, Block, Embedding" in str(caught.value)
+
+
 def test_hugging_face_llama_mlp_trains_tiled_as_untiled():
     pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
     from transformers.models.llama.modeling_llama import LlamaMLP

@@ -199,6 +199,14 @@ class SimStreams:
     def memory_watch(self) -> PeakWatch:
         return self.memory.watch()
 
+    def memory_peak(self, reset: bool = False) -> int | None:
+        peak = self.memory.peak
+        if self.memory.entered == 0 and peak == 0:
+            return None  # never counted (track_memory=False, or outside device_memory())
+        if reset:
+            self.memory.reset_peak()
+        return peak
+
     def host_empty(self, nbytes: int, *, pinned: bool = True) -> torch.Tensor:
         """A host buffer: pinned, or pageable (its copies block the host) unless ``pinned``."""
         with no_dispatch():  # host memory: not the device's

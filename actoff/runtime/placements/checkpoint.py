@@ -18,11 +18,21 @@ closure until backward, which would keep them on the device.
 The run again in backward leaves the block's modules as the forward left them (Note [re-runs
 leave no trace] in actoff.rerun.isolation): forward hooks do not fire, and buffers and attributes it
 changes are given back as soon as it ends, before the next block's run again (blocks sharing a
-module each give back their own changes, in turn). A block given a key/value cache is not
-checkpointed: run again with the cache it would write its rows into the cache once more, and
-without it attention would see other keys (PyTorch's checkpoint has the same limit, which is why
-Hugging Face turns the cache off under gradient checkpointing). Such a block is placed whole,
-with one warning.
+module each give back their own changes, in turn).
+
+Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
+so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
+the caller's cache and writes its rows into it once, as without actoff. The run again in
+backward gets no cache (the skeleton's caches are dropped once the forward has run): with an
+empty cache, attention's keys are the block's own rows either way, so it saves the same tensors
+(``tests/runtime/test_checkpoint.py`` compares every gradient bit for bit), the caller's cache is
+not written twice, and the graph does not hold the caller's cache until backward. A cache that
+already holds rows the block reads (a second chunk fed the first chunk's cache) is another
+matter: run again without them attention would see other keys, and with them it would write
+them once more (PyTorch's checkpoint has the same limit, which is why Hugging Face turns the
+cache off under gradient checkpointing). Such a block is placed whole, with one warning. The
+rows a block reads are those of its cache layers, named by its submodules' ``layer_idx`` (as
+Hugging Face's attention modules name theirs); a block that names none reads the whole cache.
 
 Note [inputs changed in place]: the run again starts from the inputs as the forward got them. A
 block that writes into one of its inputs (``x.mul_(2)``) leaves the stored input changed: run
@@ -42,7 +52,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-from actoff.rerun.isolation import forward_hooks_off, is_cache, left_as_found
+from actoff.rerun.isolation import forward_hooks_off, is_cache, left_as_found, without_caches
 
 from .base import Call, Placement
 
@@ -74,12 +84,13 @@ def run_checkpointed(
     (Note [offloaded checkpoint]) as ``run``; the caller has installed the scope's saved-tensor
     hooks. The run again in backward is timed (the run's ``recompute_ms``)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    if any(is_cache(leaf) for leaf in leaves):
+    if any(is_cache(leaf) and _holds_rows_read(leaf, module) for leaf in leaves):
         run.runtime.warn_once(
             "checkpoint:cache",
-            f"actoff: block {run.name!r} (and others like it) is given a key/value cache: run again "
-            "in backward it would write the cache a second time, so it is not checkpointed; its "
-            "activations are placed whole instead (pass use_cache=False in training to checkpoint it).",
+            f"actoff: block {run.name!r} (and others like it) is given a key/value cache that already "
+            "holds rows it reads: run again in backward it would write them a second time, so it is "
+            "not checkpointed; its activations are placed whole instead (a cache that is empty when "
+            "the block begins is checkpointed; Note [a cache in checkpointed training]).",
         )
         return fn(*args, **kwargs)
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -103,6 +114,9 @@ def run_checkpointed(
     output = torch.utils.checkpoint.checkpoint(
         body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
     )
+    # The forward wrote the caller's caches; the run again gets none (Note [a cache in
+    # checkpointed training]), and the graph stops holding them.
+    skeleton[:] = without_caches(skeleton)
     changed = [tensor for tensor, version in zip(inputs, versions, strict=True) if tensor._version != version]
     if changed:  # Note [inputs changed in place]
         tensor = changed[0]
@@ -114,6 +128,26 @@ def run_checkpointed(
             "policy that stores what it saves (cpu)."
         )
     return output
+
+
+def _holds_rows_read(cache: Any, module: torch.nn.Module | None) -> bool:
+    """Whether ``cache`` holds rows the block of ``module`` reads (Note [a cache in checkpointed
+    training]): rows in the cache layers its submodules name by ``layer_idx``, or in any layer
+    when it names none. A cache without Hugging Face's ``layers`` counts as holding rows."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return True
+    subs = module.modules() if module is not None else ()
+    named = {sub.layer_idx for sub in subs if isinstance(getattr(sub, "layer_idx", None), int)}
+    read = [layers[index] for index in sorted(named) if index < len(layers)] if named else layers
+    return any(_layer_holds_rows(layer) for layer in read)
+
+
+def _layer_holds_rows(layer: Any) -> bool:
+    if not getattr(layer, "is_initialized", False):
+        return False  # created lazily at the first write: nothing written yet
+    length = getattr(layer, "get_seq_length", None)
+    return length is None or length() > 0  # a layer with a state but no length: rows all the same
 
 
 class _RunAgain:
