@@ -798,7 +798,7 @@ def test_a_memory_snapshot_is_summarized_by_where_its_blocks_were_allocated():
     assert done.returncode != 0 and "--memory-snapshot reads CUDA's caching allocator" in done.stderr
 
 
-@pytest.mark.parametrize("name", ["emulate", "lora", "maxseq", "policies", "snapshot", "calibrate"])
+@pytest.mark.parametrize("name", ["emulate", "lora", "maxseq", "policies", "snapshot", "calibrate", "tunnel"])
 def test_benchmark_docstring_examples(name):
     """The examples in the long-context benchmark's docstrings run and print what they say."""
     import doctest
@@ -838,3 +838,42 @@ def test_a_budget_sweep_records_every_policy_under_every_budget(tmp_path):
     assert "keep" in at_top["auto"]["auto_plan"]  # everything fits: kept
     assert {line["budget_bytes"] for line in data["summary"]} == {top, floor}
     assert "vs the fastest that fits" in done.stdout
+
+
+def _longctx(name: str):
+    """A module of benchmarks/longctx (loaded through the script, which puts it on the path)."""
+    _load_benchmark("long_context")
+    return importlib.import_module(f"longctx.{name}")
+
+
+def test_the_calibration_fits_on_one_row_and_judges_the_others_on_their_overhead():
+    calibrate = _longctx("calibrate")
+
+    # A GPU run: none 100 ms, save_on_cpu +300%, cpu +100%; a tunnel at share 1 whose save_on_cpu
+    # step is 150 ms of compute and 200 ms of synchronous copies.
+    measured = {("none", 8192): {"step_ms": 100.0}, ("torch_save_on_cpu", 8192): {"step_ms": 400.0},
+                ("cpu", 8192): {"step_ms": 200.0}, ("none", 32768): {"step_ms": 500.0},
+                ("cpu", 32768): {"step_ms": 1500.0}}  # fmt: skip
+    fitted_target = {"status": "ok", "step_ms": {"none": [100.0, 100.0, 100.0], "torch_save_on_cpu": [350.0] * 3,
+                     "cpu": [190.0, 200.0, 230.0]}, "link_ms": {"torch_save_on_cpu": [200.0] * 3},
+                     "activation_peak_bytes": {}}  # fmt: skip
+    share = calibrate.fit_share(fitted_target, 3.0)
+    assert share == pytest.approx(200 / 250)  # 150 + 200 / share = 400
+    fitted = calibrate.with_share(fitted_target, share)
+    other = {"status": "ok", "step_ms": {"none": [10.0, 10.0, 10.0], "cpu": [25.0, 26.0, 40.0]},
+             "activation_peak_bytes": {}}  # fmt: skip
+    rows = calibrate.calibration_rows(measured, {"h100:7b@8k": (8192, fitted), "h100:7b@32k": (32768, other)})
+    by = {(row["target"], row["policy"]): row for row in rows}
+    assert by[("h100:7b@8k", "torch_save_on_cpu")]["verdict"] == "fitted"
+    assert by[("h100:7b@8k", "torch_save_on_cpu")]["tunnel"] == pytest.approx(3.0)
+    assert by[("h100:7b@8k", "cpu")]["verdict"] == "yes"  # +100% against +100%
+    # at 32k the GPU's overhead is +200%, the tunnel's median +160%: -20% on the overhead (the
+    # ratio alone would say 2.6 against 3.0, -13%)
+    row = by[("h100:7b@32k", "cpu")]
+    assert row["error"] == pytest.approx(-0.2) and row["verdict"] == "yes"
+    assert (row["low"], row["high"]) == pytest.approx((1.5, 3.0))
+    assert [r["verdict"] for r in rows].count("fitted") == 1
+    # judged on the spread: all of it outside the bar is NO; part of it, "within spread"
+    assert calibrate.judge(0.2, 0.3, 0.28, 0.32, fitted=False)[1] == "NO"
+    assert calibrate.judge(0.2, 0.3, 0.24, 0.32, fitted=False)[1] == "within spread"
+    assert calibrate.judge(-0.02, 0.01, 0.0, 0.02, fitted=False)[1] == "yes"  # within the GPU's noise

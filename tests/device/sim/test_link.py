@@ -144,9 +144,9 @@ def test_oversleeping_is_remembered_and_a_fresh_timeline_waits_in_full():
 
 
 def test_the_device_times_its_link_and_events_by_the_clock_it_is_given():
-    # Note [the device's clock]: a clock at half the wall's speed (as the tunnel's is while
-    # another process takes half the CPU) makes a copy last twice its modelled time on the wall,
-    # and the events' elapsed time is in that clock's seconds.
+    # A clock at half the wall's speed (as the tunnel's is while another process takes half the
+    # CPU: Note [the device's clock]) makes a copy last twice its modelled time on the wall, and
+    # the events' elapsed time is in that clock's seconds.
     started = time.perf_counter()
 
     def half_speed() -> float:
