@@ -301,6 +301,18 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
         "auto": {name: vars(d) for name, d in list(stats.auto.items())[:1]},
         "auto_plan": None if stats.plan == "none" else stats.plan,
         "auto_replans": stats.replans,
+        # auto's own figures of the last plan a step ran: the budget it planned under, the device
+        # peak it measured, the blocks' time it predicted and measured (the budget sweep prints them)
+        **(
+            {
+                "auto_budget_bytes": stats.budget_bytes,
+                "auto_measured_peak_bytes": stats.measured_peak_bytes,
+                "auto_predicted_step_ms": stats.measured_predicted_step_ms,
+                "auto_measured_step_ms": stats.measured_step_ms,
+            }
+            if stats.measured_plan != "none"
+            else {}
+        ),
         "host_arena_bytes": stats.host_capacity,
         # actoff's device arena: its planned size and the lower bound no layout undercuts
         "device_layout_bytes": stats.device_layout_bytes,
