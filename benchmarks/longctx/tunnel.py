@@ -67,8 +67,8 @@ class Gpu:
 #: are those of the quiet calibration of benchmarks/results/cpu-2026-11-28-calibrate/. H200:
 #: the same compute and link with 141 GiB. Add a target here with the same figures.
 GPUS = {
-    "h100": Gpu("H100", 790e12, 0.572, 55e9, 0.9, 80 * 2**30),
-    "h200": Gpu("H200", 790e12, 0.572, 55e9, 0.9, 141 * 2**30),
+    "h100": Gpu("H100", 790e12, 0.572, 55e9, 0.88, 80 * 2**30),
+    "h200": Gpu("H200", 790e12, 0.572, 55e9, 0.88, 141 * 2**30),
 }
 #: Target models: presets of `actoff.reference.ModelConfig`.
 MODELS = ("1b", "7b", "8b")
