@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -51,6 +52,7 @@ def simulated_device(
     bandwidth: int | str | None = None,
     pageable_rate: float = 0.5,
     memory: DeviceMemory | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[SimStreams]:
     """Run the scopes on a CPU device inside the block on a fresh simulated device.
 
@@ -66,8 +68,9 @@ def simulated_device(
     from pageable memory (`SimStreams.transfer`) runs at ``pageable_rate`` of it. ``memory``: the
     device's memory is that `DeviceMemory` (its capacity and counts; the caller counts with it),
     e.g. a capped `device_memory` the program runs in, given a link for a while (the
-    long-context benchmark's budget sweep). On leaving, the device is drained, and a race not
-    yet raised in the block raises `RaceError`.
+    long-context benchmark's budget sweep). ``clock``: what the link, copies and events are
+    timed by (Note [the device's clock] in actoff.device.sim.link). On leaving, the device is
+    drained, and a race not yet raised in the block raises `RaceError`.
 
     Example:
         >>> import torch, actoff
@@ -100,6 +103,7 @@ def simulated_device(
         capacity=limit,
         bandwidth=rate,
         pageable_rate=pageable_rate,
+        clock=clock,
         generation=next(_generations),
     )
     cpu = torch.device("cpu")

@@ -11,11 +11,20 @@ from actoff.fitting import WINDOW_SHARES, floor_plan, plan, window_choices
 
 
 def brute_force(
-    blocks: Sequence[BlockCost], link_bytes_per_s: float, budget_bytes: float, *, outside_bytes=0
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    budget_bytes: float,
+    *,
+    outside_bytes=0,
+    kept_last: bool = False,
 ) -> Plan | None:
-    """Every combination of placements and windows: the reference `plan` is held to."""
+    """Every combination of placements and windows: the reference `plan` is held to. With
+    ``kept_last`` only those whose kept blocks are the last ones (the plans `plan` searches)."""
     best: Plan | None = None
     for placements in itertools.product(*(allowed(block) for block in blocks)):
+        kept = [p.kind == "keep" for p in placements]
+        if kept_last and kept != sorted(kept):  # a kept block before an offloaded one
+            continue
         for windows in window_choices(blocks):
             peak, seconds = predict(
                 blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, windows=windows
@@ -63,7 +72,8 @@ def test_alike_blocks_get_the_least_time_that_fits(seed):
 @pytest.mark.parametrize("seed", range(12))
 def test_any_blocks_get_a_plan_that_fits_whenever_one_exists(seed):
     # Kept blocks are taken from the end: with blocks of different sizes keeping a small one in
-    # the middle can cost less, so the fitter may add time, never memory.
+    # the middle can cost less, so the fitter may add time, never memory; among the plans that
+    # keep the last blocks it is exact.
     rng = random.Random(1000 + seed)
     blocks = [_block(rng) for _ in range(rng.randint(1, 3))]
     link = rng.choice([5e9, 55e9])
@@ -73,6 +83,8 @@ def test_any_blocks_get_a_plan_that_fits_whenever_one_exists(seed):
     expected, actual = brute_force(blocks, link, budget), plan(blocks, link, budget)
     assert expected is not None and actual is not None
     assert actual.peak_bytes <= budget and actual.seconds >= expected.seconds - 1e-12
+    among_kept_last = brute_force(blocks, link, budget, kept_last=True)  # exact among those
+    assert actual.seconds == pytest.approx(among_kept_last.seconds, abs=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -33,7 +33,7 @@ def test_the_peak_moved_and_keeps_peak_is_within_the_estimate(model):
     assert placed.device_peak_bytes < keep.device_peak_bytes
     assert placed.host_bytes == placed.offloaded_bytes == actoff.stats().total_bytes_offloaded > 0
     assert placed.nvme_bytes == placed.recomputed_bytes == 0
-    # Note [the peak kept]: at most peak + bytes placed off; the measured peak falls in backward here.
+    # At most peak + bytes placed off (Note [the peak kept]); the measured peak falls in backward here.
     assert keep.device_peak_bytes <= placed.kept_peak_bytes <= 1.5 * keep.device_peak_bytes
     text = str(placed)
     assert "\n" not in text and text.startswith("actoff, step 2: device peak ")

@@ -83,7 +83,12 @@ def forward_ms(state: AutoRun) -> float:
     if watch is None:
         return 0.0
     watch.synchronize()
-    return max(watch.elapsed_ms() - state.run.stats.out_wait_ms, 0.0)
+    elapsed = watch.elapsed_ms()
+    compute = elapsed - state.run.stats.out_wait_ms
+    # Waits timed as the whole forward (events that trail the host, as the simulated device's
+    # do) leave no compute to tell: the elapsed time then stands for it, an upper bound, rather
+    # than none (a block with no forward time is never planned).
+    return compute if compute > 0.1 * elapsed else elapsed
 
 
 def attention_ms(state: AutoRun) -> float | None:

@@ -8,13 +8,20 @@ are spaced evenly between them. Each budget then runs every policy again: on a C
 simulated device with that capacity (the wind tunnel's link with it), on CUDA under
 ``ACTOFF_GPU_BUDGET`` with the process held to that much of the GPU
 (``torch.cuda.set_per_process_memory_fraction``). A policy that does not fit is recorded ``oom``,
-never dropped; every record carries ``budget_bytes``. Every policy warms up `AUTO_WARMUP`
-steps. The targets: ``auto``'s step time is at
-most the fastest of the `RIVALS` that fit under each budget, and at most `KEEP_FITS_TARGET`
-times ``none``'s where ``keep`` fits.
+never dropped; every record carries ``budget_bytes`` and its ``round``. Every policy warms up
+`AUTO_WARMUP` steps. The capped runs go in `SWEEP_ROUNDS` rounds (each a process per budget and
+policy, in an order rotated each round), so each cell has a median and a spread (least .. most).
+The targets: ``auto``'s step time is at most the fastest of the `RIVALS` that fit under each
+budget, and at most `KEEP_FITS_TARGET` times ``none``'s where ``keep`` fits; a verdict is given
+only where the difference is larger than the spreads (their ranges do not overlap), else it is
+``within noise``. Under each budget the sweep also prints what ``auto`` planned against what
+it measured (`actoff.stats()`): the budget it was asked, the device peak it measured, and the
+blocks' time it predicted and measured; a peak over the budget is said.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 from _common import format_table
@@ -33,6 +40,8 @@ UNCAPPED_BYTES = 2**40
 #: Warm-up steps of every policy in a sweep: ``auto`` measures this many before its plan runs
 #: (Note [measuring at the floor] in actoff.runtime.auto), so its timed steps run the plan.
 AUTO_WARMUP = 2
+#: Rounds of the capped runs: a median and a spread per policy and budget.
+SWEEP_ROUNDS = 3
 
 
 def budgets_between(top: int, floor: int, count: int) -> list[int]:
@@ -49,10 +58,10 @@ def budgets_between(top: int, floor: int, count: int) -> list[int]:
 
 
 def sweep(
-    policies: list[str], base: dict, seq: int, count: int, time_left, out
+    policies: list[str], base: dict, seq: int, count: int, time_left, out, rounds: int = SWEEP_ROUNDS
 ) -> tuple[list[dict], list[dict], list[int]]:
-    """The uncapped pass, then every policy under each budget (Note [a budget sweep]). Returns
-    the uncapped records, the capped ones and the budgets."""
+    """The uncapped pass, then every policy under each budget in ``rounds`` rounds (Note [a
+    budget sweep]). Returns the uncapped records, the capped ones and the budgets."""
     uncapped = []
     for policy in policies:
         if policy.startswith("auto"):
@@ -67,112 +76,247 @@ def sweep(
     floor = min(peak for peak in peaks.values() if peak)
     budgets = budgets_between(peaks["keep"], floor, count)
     capped = []
-    for budget in budgets:
-        for policy in policies:
-            spec = {**base, "policy": policy, "seq": seq, "budget_bytes": budget}
-            if not torch.cuda.is_available():
-                spec["sim_memory"] = budget  # Note [a capped device on a CPU]
-            if time_left() <= 0:
-                record = {**spec, "status": "not run", "error": "--time-budget spent"}
-                out.write(record)
-                capped.append(record)
-                continue
-            capped.extend(run_one(spec, time_left(), out.write))
+    for round_index in range(rounds):
+        shift = round_index % len(policies)
+        for budget in budgets:
+            for policy in policies[shift:] + policies[:shift]:
+                spec = {**base, "policy": policy, "seq": seq, "budget_bytes": budget}
+                if not torch.cuda.is_available():
+                    spec["sim_memory"] = budget  # Note [a capped device on a CPU]
+                if time_left() <= 0:
+                    made = [{**spec, "status": "not run", "error": "--time-budget spent"}]
+                    out.write(made[0])
+                else:
+                    made = run_one(spec, time_left(), out.write)
+                capped.extend({**record, "round": round_index} for record in made)
     return uncapped, capped, budgets
 
 
-def verdicts(records: list[dict], budgets: list[int]) -> list[dict]:
-    """Per budget: the rivals that fit, the fastest of them, ``auto``'s step time against it and,
-    where ``keep`` fits, against ``none``'s; each against its target.
+def cells(records: list[dict], budgets: list[int], policies: list[str]) -> dict[tuple[int, str], dict]:
+    """``(budget, policy) -> its rounds``: ``status`` (``ok`` where every round ran, else the
+    first other status and how many rounds had it), and over the ok rounds the step time's
+    ``median``, ``low`` and ``high``.
 
-    >>> records = [{"policy": "none", "budget_bytes": 10, "status": "ok", "step_ms": 100.0},
-    ...            {"policy": "keep", "budget_bytes": 10, "status": "ok", "step_ms": 101.0},
-    ...            {"policy": "checkpoint", "budget_bytes": 10, "status": "ok", "step_ms": 130.0},
-    ...            {"policy": "auto", "budget_bytes": 10, "status": "ok", "step_ms": 102.0}]
+    >>> records = [{"policy": "cpu", "budget_bytes": 8, "status": "ok", "step_ms": ms} for ms in (12.0, 10.0, 11.0)]
+    >>> cells(records + [{"policy": "auto", "budget_bytes": 8, "status": "oom"}], [8], ["cpu", "auto"])
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {(8, 'cpu'): {'status': 'ok', 'rounds': 3, 'median': 11.0, 'low': 10.0, 'high': 12.0},
+     (8, 'auto'): {'status': 'oom 1/1', 'rounds': 1, 'median': None, 'low': None, 'high': None}}
+    """
+    out = {}
+    for budget in budgets:
+        for policy in policies:
+            mine = [r for r in records if r["policy"] == policy and r.get("budget_bytes") == budget]
+            times = sorted(r["step_ms"] for r in mine if r.get("status") == "ok")
+            failed = [r.get("status", "not run") for r in mine if r.get("status") != "ok"]
+            status = "not run" if not mine else f"{failed[0]} {len(failed)}/{len(mine)}" if failed else "ok"
+            out[(budget, policy)] = {
+                "status": status,
+                "rounds": len(mine),
+                "median": statistics.median(times) if times else None,
+                "low": times[0] if times else None,
+                "high": times[-1] if times else None,
+            }
+    return out
+
+
+def compare(mine: dict, other: dict, target: float = 1.0) -> str:
+    """``mine`` against ``other`` times ``target`` (cells): ``faster`` or ``slower`` only where
+    their spreads do not overlap, else ``within noise``.
+
+    >>> compare({"low": 9.0, "high": 9.5}, {"low": 10.0, "high": 11.0})
+    'faster'
+    >>> compare({"low": 9.0, "high": 10.5}, {"low": 10.0, "high": 11.0}), compare({"low": 12.0, "high": 13.0}, {"low": 10.0, "high": 11.0})
+    ('within noise', 'slower')
+    """
+    if mine["high"] < other["low"] * target:
+        return "faster"
+    if mine["low"] > other["high"] * target:
+        return "slower"
+    return "within noise"
+
+
+def _spread(cell: dict, unit: str = " ms") -> str:
+    return f"{cell['median']:.1f}{unit} ({cell['low']:.1f} .. {cell['high']:.1f})"
+
+
+def verdicts(records: list[dict], budgets: list[int]) -> list[dict]:
+    """Per budget: the rivals that fit in every round, the fastest of them by median, ``auto``'s
+    step time against it and, where ``keep`` fits, against ``none``'s times `KEEP_FITS_TARGET`;
+    ``met`` is False only where ``auto`` is slower beyond the spreads (`compare`).
+
+    >>> records = [{"policy": p, "budget_bytes": 10, "status": "ok", "step_ms": ms}
+    ...            for p, times in {"none": (100.0, 99.0, 103.0), "keep": (101.0, 100.0, 102.0),
+    ...                             "checkpoint": (130.0, 128.0, 133.0), "auto": (102.0, 101.0, 104.0)}.items()
+    ...            for ms in times]
     >>> [line["text"] for line in verdicts(records, [10])]  # doctest: +NORMALIZE_WHITESPACE
-    ['budget 10 B: auto 102.0 ms vs the fastest that fits, none 100.0 ms: 1.02x (target <= 1x: NOT met)',
-     'budget 10 B: keep fits: auto 102.0 ms vs none 100.0 ms: 1.02x (target <= 1.03x: met)']
+    ['budget 10 B: auto 102.0 ms (101.0 .. 104.0) vs the fastest that fits, none 100.0 ms (99.0 .. 103.0): 1.02x,
+      within noise (target <= 1x: met within the spread)',
+     'budget 10 B: keep fits: auto 102.0 ms (101.0 .. 104.0) vs none 100.0 ms (99.0 .. 103.0): 1.02x,
+      within noise (target <= 1.03x: met within the spread)']
     """
     import actoff
 
+    table = cells(records, budgets, sorted({r["policy"] for r in records}))
     lines = []
     for budget in budgets:
-        at = {r["policy"]: r for r in records if r.get("budget_bytes") == budget}
-        fits = [at[name] for name in RIVALS if at.get(name, {}).get("status") == "ok"]
-        auto = at.get("auto", {})
         where = f"budget {actoff.format_bytes(budget)}"
-        if auto.get("status") != "ok":
+        auto = table.get((budget, "auto"), {"status": "not run"})
+        if auto["status"] != "ok":
+            text = f"{where}: auto {auto['status']} (target: fits in every round: NOT met)"
             lines.append(
                 {
                     "budget_bytes": budget,
                     "met": False,
                     "target": None,
-                    "text": f"{where}: auto {auto.get('status', 'not run')} (target: fits: NOT met)",
+                    "verdict": "does not fit",
+                    "text": text,
                 }
             )
             continue
-        if fits:
-            best = min(fits, key=lambda r: r["step_ms"])
-            ratio = auto["step_ms"] / best["step_ms"]
-            lines.append(
-                {
-                    "budget_bytes": budget,
-                    "vs": best["policy"],
-                    "ratio": ratio,
-                    "target": 1.0,
-                    "met": ratio <= 1.0,
-                    "text": f"{where}: auto {auto['step_ms']:.1f} ms vs the fastest that fits, {best['policy']} "
-                    f"{best['step_ms']:.1f} ms: {ratio:.2f}x (target <= 1x: {'met' if ratio <= 1.0 else 'NOT met'})",
-                }
-            )
-        else:
+        fits = [
+            (name, table[(budget, name)])
+            for name in RIVALS
+            if table.get((budget, name), {}).get("status") == "ok"
+        ]
+        if not fits:
+            text = f"{where}: auto {_spread(auto)}; none of the others fits"
             lines.append(
                 {
                     "budget_bytes": budget,
                     "met": True,
                     "target": None,
-                    "text": f"{where}: auto {auto['step_ms']:.1f} ms; none of the others fits",
+                    "verdict": "only auto fits",
+                    "text": text,
                 }
             )
-        none = at.get("none", {})
-        if at.get("keep", {}).get("status") == "ok" and none.get("status") == "ok":
-            ratio = auto["step_ms"] / none["step_ms"]
-            met = ratio <= KEEP_FITS_TARGET
+        else:
+            name, best = min(fits, key=lambda item: item[1]["median"])
+            lines.append(_line(where, budget, auto, name, best, 1.0))
+        if (
+            table.get((budget, "keep"), {}).get("status") == "ok"
+            and table.get((budget, "none"), {}).get("status") == "ok"
+        ):
             lines.append(
-                {
-                    "budget_bytes": budget,
-                    "vs": "none",
-                    "ratio": ratio,
-                    "target": KEEP_FITS_TARGET,
-                    "met": met,
-                    "text": f"{where}: keep fits: auto {auto['step_ms']:.1f} ms vs none {none['step_ms']:.1f} ms: "
-                    f"{ratio:.2f}x (target <= {KEEP_FITS_TARGET:g}x: {'met' if met else 'NOT met'})",
-                }
+                _line(f"{where}: keep fits", budget, auto, "none", table[(budget, "none")], KEEP_FITS_TARGET)
             )
     return lines
 
 
-def print_sweep(records: list[dict], budgets: list[int], policies: list[str]) -> list[dict]:
-    """A row per budget, a column per policy (step ms, or why not), then the verdict lines."""
+def _line(where: str, budget: int, auto: dict, name: str, other: dict, target: float) -> dict:
+    """One verdict line: ``auto`` against ``other`` (``name``) times ``target`` (1: the fastest
+    rival that fits)."""
+    ratio = auto["median"] / other["median"]
+    verdict = compare(auto, other, target)
+    said = {"faster": "auto fastest", "slower": "auto slower", "within noise": "within noise"}[verdict]
+    if target != 1.0:
+        said = {
+            "faster": f"faster than {name} x {target:g}",
+            "slower": f"slower than {name} x {target:g}",
+        }.get(verdict, verdict)
+    met = verdict != "slower"
+    how = "met within the spread" if verdict == "within noise" else "met" if met else "NOT met"
+    return {
+        "budget_bytes": budget,
+        "vs": name,
+        "ratio": ratio,
+        "target": target,
+        "verdict": verdict,
+        "met": met,
+        "text": f"{where}: auto {_spread(auto)} vs {'' if target != 1.0 else 'the fastest that fits, '}{name} "
+        f"{_spread(other)}: {ratio:.2f}x, {said} "
+        f"(target <= {target:g}x: {how})",
+    }
+
+
+def auto_figures(records: list[dict], budgets: list[int]) -> list[dict]:
+    """Per budget, what ``auto`` planned against what it measured, over its ok rounds (from
+    `actoff.stats()`, in the records' ``auto_*`` fields): the budget it was asked, the most
+    device peak it measured, and the medians of the blocks' time it predicted and measured;
+    ``over`` where a measured peak is over the budget asked.
+
+    >>> records = [{"policy": "auto", "budget_bytes": 100, "status": "ok", "auto_budget_bytes": 100,
+    ...             "auto_measured_peak_bytes": peak, "auto_predicted_step_ms": 5.0, "auto_measured_step_ms": ms}
+    ...            for peak, ms in ((90, 6.0), (104, 7.0), (95, 6.5))]
+    >>> auto_figures(records, [100])  # doctest: +NORMALIZE_WHITESPACE
+    [{'budget': '100 B', 'asked': 100, 'measured_peak': 104, 'predicted_ms': 5.0, 'measured_ms': 6.5,
+      'over': 'peak over the budget asked by 4 B'}]
+    """
     import actoff
 
     rows = []
     for budget in budgets:
+        mine = [
+            r
+            for r in records
+            if r["policy"] == "auto" and r.get("budget_bytes") == budget and r.get("status") == "ok"
+        ]
+        if not mine:
+            continue
+        asked = max(r.get("auto_budget_bytes") or 0 for r in mine) or None
+        peaks = [r["auto_measured_peak_bytes"] for r in mine if r.get("auto_measured_peak_bytes") is not None]
+        peak = max(peaks) if peaks else None
+        predicted = [r["auto_predicted_step_ms"] for r in mine if r.get("auto_predicted_step_ms")]
+        measured = [r["auto_measured_step_ms"] for r in mine if r.get("auto_measured_step_ms") is not None]
+        over = None
+        if peak is not None and asked is not None and peak > asked:
+            over = f"peak over the budget asked by {actoff.format_bytes(peak - asked)}"
+        rows.append(
+            {
+                "budget": actoff.format_bytes(budget),
+                "asked": asked,
+                "measured_peak": peak,
+                "predicted_ms": statistics.median(predicted) if predicted else None,
+                "measured_ms": statistics.median(measured) if measured else None,
+                "over": over,
+            }
+        )
+    return rows
+
+
+def print_sweep(records: list[dict], budgets: list[int], policies: list[str]) -> list[dict]:
+    """A row per budget, a column per policy (median step ms and spread, or why not), what auto
+    planned against what it measured, then the verdict lines."""
+    import actoff
+
+    table = cells(records, budgets, policies)
+    rows = []
+    for budget in budgets:
         row = {"budget": actoff.format_bytes(budget)}
         for policy in policies:
-            record = next(
-                (r for r in records if r["policy"] == policy and r.get("budget_bytes") == budget), {}
-            )
-            status = record.get("status", "not run")
-            row[policy] = f"{record['step_ms']:.1f}" if status == "ok" else status
-            if policy == "auto" and status == "ok":
-                row["auto plan"] = record.get("auto_plan") or "-"
+            cell = table[(budget, policy)]
+            row[policy] = _spread(cell, unit="") if cell["status"] == "ok" else cell["status"]
+        plans = {
+            r.get("auto_plan") for r in records if r["policy"] == "auto" and r.get("budget_bytes") == budget
+        }
+        row["auto plan"] = " | ".join(sorted(p for p in plans if p)) or "-"
         rows.append(row)
     print(format_table(rows, [("budget", "budget"), *((p, p) for p in policies), ("auto plan", "auto plan")]))
+    rounds = max((r.get("round", 0) + 1 for r in records), default=0)
     print(
-        "\nstep ms under each device budget (the simulated device's capacity on a CPU; ACTOFF_GPU_BUDGET "
-        "and a cap on CUDA); oom: the policy does not fit. auto plan: the placements auto chose.\n"
+        f"\nstep ms under each device budget, median (least .. most) of {rounds} round(s) (the simulated "
+        "device's capacity on a CPU; ACTOFF_GPU_BUDGET and a cap on CUDA); oom N/M: the policy did not fit in "
+        "N of M rounds. auto plan: the placements auto chose.\n"
     )
+    figures = auto_figures(records, budgets)
+    if figures:
+        shown = [
+            {
+                **row,
+                **{
+                    key: actoff.format_bytes(row[key]) if row[key] is not None else None
+                    for key in ("asked", "measured_peak")
+                },
+            }
+            for row in figures
+        ]
+        columns = [("budget", "budget"), ("asked", "auto asked"), ("measured_peak", "measured peak"),
+                   ("predicted_ms", "predicted ms"), ("measured_ms", "measured ms"), ("over", "")]  # fmt: skip
+        print(format_table(shown, columns))
+        print(
+            "\nauto's own figures (actoff.stats()): the budget it planned under, the most device peak it "
+            "measured over the rounds, the blocks' time it predicted and measured (medians).\n"
+        )
     lines = verdicts(records, budgets)
     for line in lines:
         print(f"   {line['text']}")

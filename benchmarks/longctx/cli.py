@@ -17,6 +17,7 @@ one step and tokens/s and peak memory against sequence length.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -48,9 +49,10 @@ from .policies import (
     check_policies,
     split_variants,
 )
+from .rounds import ROUNDS, rounds_worker
 from .table import add_derived, report, run_policies
 from .tunnel import matching_length, parse_like, scale
-from .worker import worker
+from .worker import run_one, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             return find_max(policies, base, lengths[0], max_seq, time_left, header, args, out)
         lengths.sort()  # shortest first: a failure skips the longer ones
         if tunnel is not None:
-            base["tunnel"] = {"bandwidth": {str(seq): scaled["bandwidth"] for seq, scaled in tunnel.items()},
-                              "pageable_rate": like.gpu.pageable}  # fmt: skip
+            base["tunnel"] = _tunnel_spec(like, tunnel)
         records, interleaved = run_policies(policies, base, lengths, launch, time_left, out, lead)
         if launch is not None:
             records = gather_to_rank0(records, launch)
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    """``--calibrate``: each target of the GPU run through the tunnel, then the side-by-side table."""
+    """``--calibrate``: each target of the GPU run through the tunnel in interleaved rounds, the
+    fitted target first (Note [fitting the tunnel]), then the table of overheads."""
     if torch.cuda.is_available():
         raise SystemExit(
             "--calibrate runs the tunnel, on a CPU; on a GPU run --preset 7b --seq 8k,32k --layers 4"
@@ -133,34 +135,60 @@ def _calibrate(args: argparse.Namespace) -> int:
     header = system_header(nvme_dir)
     print_header("actoff wind tunnel calibration", header)
     time_left = _time_left(args)
+    measured = calibrate.measured_records()
+    fit_like = parse_like(calibrate.FIT_TARGET)
+    fit = {"none_ms": measured[("none", fit_like.seq)]["step_ms"], "share": 1.0, "rounds": ROUNDS}
+    fit["mfu"] = calibrate.fit_mfu(fit_like, calibrate.LAYERS, fit["none_ms"])
     runs, tunnels = {}, {}
     out = JsonLines(args.jsonl, header)
     try:
-        for text in calibrate.TARGETS:
+        for text in sorted(calibrate.TARGETS, key=lambda target: target != calibrate.FIT_TARGET):
             args.like, args.seq, args.layers = text, None, calibrate.LAYERS
             like = _like(args, False, PRESETS["cpu"])
+            gpu = calibrate.fitted_gpu(like.gpu, mfu=fit["mfu"], save_on_cpu_share=fit["share"])
+            like = dataclasses.replace(like, gpu=gpu)
             base = _base_spec(args, PRESETS["cpu"], nvme_dir, capped=False)
             seq = int(args.seq)
             tunnel = _scale_tunnel(like, base, [seq], header)
-            base["tunnel"] = {
-                "bandwidth": {str(seq): tunnel[seq]["bandwidth"]},
-                "pageable_rate": like.gpu.pageable,
+            print(f"{text}: CPU model at {seq} tokens, {header['tunnel']}", flush=True)
+            spec = {
+                **base,
+                "policy": "rounds",
+                "policies": list(calibrate.POLICIES),
+                "seqs": [seq],
+                "rounds": ROUNDS,
+                "tunnel": _tunnel_spec(like, tunnel),
             }
-            print(f"{text}: CPU model at {seq} tokens, {header['tunnel']}")
-            records, _ = run_policies(
-                list(calibrate.POLICIES), {**base, "interleave": False}, [seq], None, time_left, out, True
-            )
-            add_derived(records)
-            runs[text], tunnels[text] = (like.seq, records), tunnel[seq]
+            record = run_one(spec, time_left(), out.write)[0]
+            if text == calibrate.FIT_TARGET and record.get("status") == "ok":
+                gpu_fit = {p: measured[(p, like.seq)]["step_ms"] for p in ("none", calibrate.FIT_POLICY)}
+                fit["share"] = calibrate.fit_share(
+                    record, gpu_fit[calibrate.FIT_POLICY] / gpu_fit["none"] - 1
+                )
+                record = calibrate.with_share(record, fit["share"])
+            runs[text], tunnels[text] = (like.seq, record), tunnel[seq]
     finally:
         out.close()
         shutil.rmtree(nvme_dir, ignore_errors=True)
-    rows = calibrate.calibration_rows(calibrate.measured_records(), runs)
-    calibrate.print_calibration(rows)
+    done = [record for _, record in runs.values() if record.get("status") == "ok"]
+    for text, (_, record) in runs.items():
+        if record.get("status") != "ok":
+            print(f"{text}: the rounds failed: {record.get('status')}: {record.get('error')}")
+    wall = sum(sum(times) for record in done for times in record["wall_ms"].values())
+    stolen = sum(sum(times) for record in done for times in record["stolen_ms"].values())
+    fit.update(link=fit_like.gpu.link, stolen_pct=100 * stolen / wall if wall else 0.0)
+    rows = calibrate.calibration_rows(measured, runs)
+    calibrate.print_calibration(rows, fit)
     if args.json:
-        records = [r for _, recs in runs.values() for r in recs]
-        write_json(args.json, header, records, calibration=rows, tunnel=tunnels)
-    return 0 if all(row["within"] for row in rows) else 1
+        write_json(
+            args.json,
+            header,
+            [record for _, record in runs.values()],
+            calibration=rows,
+            tunnel=tunnels,
+            fit=fit,
+        )
+    return 0 if len(done) == len(runs) and all(row["verdict"] in ("yes", "fitted") for row in rows) else 1
 
 
 def _budgets(args: argparse.Namespace) -> int:
@@ -183,11 +211,7 @@ def _budgets(args: argparse.Namespace) -> int:
     header = system_header(nvme_dir)
     header.update(_describe(base, preset_name, None))
     if like is not None:
-        tunnel = _scale_tunnel(like, base, [seq], header)
-        base["tunnel"] = {
-            "bandwidth": {str(seq): tunnel[seq]["bandwidth"]},
-            "pageable_rate": like.gpu.pageable,
-        }
+        base["tunnel"] = _tunnel_spec(like, _scale_tunnel(like, base, [seq], header))
     header["budgets"] = (
         f"{args.budgets} from keep's peak down to the floor at seq {seq} (Note [a budget sweep])"
     )
@@ -221,7 +245,8 @@ def _budgets(args: argparse.Namespace) -> int:
 
 def _serve_worker(spec: dict) -> int:
     """``--worker SPEC``: measure as the spec says, a JSON record a line on stdout."""
-    for record in paired_worker(spec) if spec.get("policy") == "interleaved" else worker(spec):
+    serve = {"interleaved": paired_worker, "rounds": rounds_worker}.get(spec.get("policy"), worker)
+    for record in serve(spec):
         print(json.dumps(record), flush=True)
     if spec.get("ddp") is not None:
         # A gloo work freed by its thread during interpreter finalisation aborts the process
@@ -349,6 +374,14 @@ def _scale_tunnel(like, base: dict, lengths: list[int], header: dict) -> dict:
         f"(link {rates}; Note [scaling the tunnel])"
     )
     return tunnel
+
+
+def _tunnel_spec(like, tunnel: dict) -> dict:
+    """The workers' ``tunnel``: the link rate per length, the share PyTorch's save_on_cpu gets."""
+    return {
+        "bandwidth": {str(seq): scaled["bandwidth"] for seq, scaled in tunnel.items()},
+        "save_on_cpu_share": like.gpu.save_on_cpu_share,
+    }
 
 
 def _time_left(args: argparse.Namespace):

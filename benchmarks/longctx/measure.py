@@ -17,6 +17,7 @@ import torch
 import actoff
 
 from .policies import LOSS_TOKENS, split_variants
+from .tunnel import tunnel_device
 
 # Dense bf16 peak FLOP/s for MFU (datasheet values).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -86,6 +87,8 @@ class Step:
         self.loss_tokens = spec.get("loss_tokens") or LOSS_TOKENS
         self.phases: list[tuple[str, int, int]] = []  # (phase, device bytes live after it, peak during it)
         self.cpu_times: list[float] = []  # process CPU seconds per timed step
+        # What timed steps are timed by: in the tunnel its `UnstolenClock` (the link's too)
+        self.clock = time.perf_counter
 
     def mark(self, phase: str) -> None:
         """The end of a phase of the step on the capped device: its peak, then a new one."""
@@ -130,15 +133,15 @@ class Step:
         return hidden, logits, loss
 
     def timed(self) -> float:
-        """One step; its wall seconds (its process CPU seconds go to `cpu_times`)."""
+        """One step; its seconds on `clock` (its process CPU seconds go to `cpu_times`)."""
         if self.cuda:
             torch.cuda.synchronize()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start = self.clock(), time.process_time()
         self()
         if self.cuda:
             torch.cuda.synchronize()
         self.cpu_times.append(time.process_time() - cpu_start)
-        return time.perf_counter() - start
+        return self.clock() - start
 
 
 def measure(
@@ -158,7 +161,9 @@ def measure(
     hooks = timeline.watch(model.layers)
     extra: dict = {}
     try:
-        with _tunnel(spec, seq, capped):
+        with tunnel_device(spec, seq, capped) as device:
+            if device is not None:  # the tunnel: its clock times the steps
+                step.clock = device.settings.clock
             static_bytes, times, peaks = _run_steps(spec, step, model, cuda, capped, ballast, seq, extra)
         stats = actoff.stats()  # of the timed steps
         memory_fields = _memory_fields(spec, step, model, tokens, static_bytes, stats, ballast)
@@ -199,30 +204,6 @@ def measure(
         if spec.get("ddp") is None:
             record.update(memory_fields)
     return record
-
-
-def _tunnel(spec: dict, seq: int, capped=None):
-    """The warm-up and timed steps' device: under ``--like``, the simulated device with the link
-    rate scaled for this length (Note [scaling the tunnel]), copies without random delays, and
-    on a capped device (``capped``: Note [a capped device on a CPU]) that device's memory, so
-    that its capacity and counts are the tunnel's (auto plans under them); else the worker's own."""
-    import contextlib
-
-    from actoff.testing import simulated_device
-
-    tunnel = spec.get("tunnel") or {}
-    rate = tunnel.get("bandwidth", {}).get(str(seq))
-    if rate is None:
-        return contextlib.nullcontext()
-    return simulated_device(
-        seed=0,
-        max_delay_s=0.0,
-        max_lag_s=0.0,
-        bandwidth=rate,
-        track_memory=False,
-        pageable_rate=tunnel["pageable_rate"],
-        memory=capped,
-    )
 
 
 def _run_steps(
@@ -320,6 +301,18 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
         "auto": {name: vars(d) for name, d in list(stats.auto.items())[:1]},
         "auto_plan": None if stats.plan == "none" else stats.plan,
         "auto_replans": stats.replans,
+        # auto's own figures of the last plan a step ran: the budget it planned under, the device
+        # peak it measured, the blocks' time it predicted and measured (the budget sweep prints them)
+        **(
+            {
+                "auto_budget_bytes": stats.budget_bytes,
+                "auto_measured_peak_bytes": stats.measured_peak_bytes,
+                "auto_predicted_step_ms": stats.measured_predicted_step_ms,
+                "auto_measured_step_ms": stats.measured_step_ms,
+            }
+            if stats.measured_plan != "none"
+            else {}
+        ),
         "host_arena_bytes": stats.host_capacity,
         # actoff's device arena: its planned size and the lower bound no layout undercuts
         "device_layout_bytes": stats.device_layout_bytes,

@@ -218,17 +218,19 @@ def save_on_host(*, pinned: bool):
     device = actoff.testing.active_device()
     if device is None:
         return torch.autograd.graph.save_on_cpu(pin_memory=pinned and torch.cuda.is_available())
-    return _save_on_simulated_host(device, pinned)
+    return _save_on_simulated_host(device)
 
 
-def _save_on_simulated_host(device, pinned: bool):
+def _save_on_simulated_host(device):
     """Note [save_on_cpu on the simulated device]: on a CPU ``torch.autograd.graph.save_on_cpu``
     keeps each saved tensor as it is (``tensor.cpu()`` of a CPU tensor is the tensor), so on the
     simulated device it would cost what ``keep`` costs. This is what it does on a GPU: pack
     copies every saved tensor, parameters' views included, into host memory (allocated outside
     the device's count, as pinned memory is) and unpack copies it back into a new device
-    tensor, both synchronously: under a link model each copy blocks for its time on the link,
-    at the pageable rate unless ``pinned`` (`actoff.testing.SimStreams.transfer`)."""
+    tensor, both synchronously: under a link model each copy blocks for its time on the link.
+    Pinned or not, it runs at the device's ``pageable_rate`` of the link (the synchronous
+    copy's): the wind tunnel sets that to the share PyTorch's tool reached on the target, which
+    copied into pinned buffers (``Gpu.save_on_cpu_share``, fitted: Note [fitting the tunnel])."""
     import torch
     from torch.utils._mode_utils import no_dispatch
 
@@ -236,11 +238,11 @@ def _save_on_simulated_host(device, pinned: bool):
         with no_dispatch():  # host memory: not the device's
             host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout)
             host.copy_(tensor)
-        device.transfer(host.numel() * host.element_size(), "device-to-host", pageable=not pinned)
+        device.transfer(host.numel() * host.element_size(), "device-to-host", pageable=True)
         return host
 
     def unpack(host: torch.Tensor) -> torch.Tensor:
-        device.transfer(host.numel() * host.element_size(), "host-to-device", pageable=not pinned)
+        device.transfer(host.numel() * host.element_size(), "host-to-device", pageable=True)
         return host.clone()  # a device allocation, as ``.to(device)`` is
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

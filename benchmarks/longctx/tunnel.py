@@ -13,14 +13,22 @@ forward time of the CPU model's blocks and the bytes they save; the simulated de
 is then set to ``bytes / (R * time)``, so its copies take the share of a step they would take
 on the GPU. Compute, recompute included, runs at the CPU's own speed: ratios of step times
 are what carry over, not the times. The tunnel does not model what differs beyond that
-ratio: kernel launch overheads, memory-bound kernels, the allocator, the share of the head.
+ratio: kernel launch overheads, memory-bound kernels, the allocator, the share of the head,
+how a step's compute splits between forward and backward (what recompute costs: Note [what
+the tunnel cannot carry] in calibrate).
+
+Compute is timed by `UnstolenClock`: wall time less what other processes took from the training
+thread, and the simulated device's link runs on the same clock (Note [the device's clock] in
+actoff.device.sim.link), so a busy machine gives the ratios of a quiet one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
+import threading
 import time
 
 import torch
@@ -37,26 +45,30 @@ _SCALE = {"k": 1024, "m": 1024 * 1024}
 class Gpu:
     """What a target GPU's side of the ratio needs: its dense bf16 FLOP/s (``flops``), the
     share of it a transformer block's forward reaches (``mfu``), the pinned host link in bytes
-    per second each way (``link``), the share of the link a synchronous copy from pageable
-    memory gets (``pageable``), and its memory."""
+    per second each way (``link``), the share of that link PyTorch's ``save_on_cpu`` reaches
+    (``save_on_cpu_share``), and its memory."""
 
     name: str
     flops: float
     mfu: float
     link: float
-    pageable: float
+    save_on_cpu_share: float
     memory: int
 
 
-#: The targets. H100: 790 TFLOP/s measured on random 8192-cubed bf16 products, a 55 GB/s
-#: pinned link, and two figures fitted to the H100 run of benchmarks/results/h100-2026-11-23/:
-#: block utilisation 0.58 (no offload: 117 ms at 8k and 628 ms at 32k for four 7B-shaped
-#: blocks and the head, 0.57 and 0.58 of 790 TFLOP/s) and the pageable share 0.9 (save_on_cpu's
-#: 488 ms over no offload at 8k for about 12 GB copied each way, synchronously). H200: the same
-#: compute and link with 141 GiB. Add a target here with the same figures.
+#: The targets. H100: 790 TFLOP/s measured on random 8192-cubed bf16 products and a 55 GB/s
+#: pinned link (54.4 / 54.9 GB/s measured each way, benchmarks/results/h100-2026-11-23/io.log);
+#: two constants are fitted, on one length of that run (Note [fitting the tunnel] in calibrate):
+#: the block utilisation ``mfu`` to no offload's step time at 8k (117 ms), and
+#: ``save_on_cpu_share`` to ``torch_save_on_cpu``'s overhead at 8k. That share is not a pageable
+#: copy's: the H100 run's save_on_cpu used pinned memory (``pin_memory=True``). It is what PyTorch's
+#: tool reaches of the pinned link: each saved tensor copied synchronously (the host waits for
+#: it) into a pinned buffer of its own from the caching host allocator, and back. The values
+#: are those of the quiet calibration of benchmarks/results/cpu-2026-11-28-calibrate/. H200:
+#: the same compute and link with 141 GiB. Add a target here with the same figures.
 GPUS = {
-    "h100": Gpu("H100", 790e12, 0.58, 55e9, 0.9, 80 * 2**30),
-    "h200": Gpu("H200", 790e12, 0.58, 55e9, 0.9, 141 * 2**30),
+    "h100": Gpu("H100", 790e12, 0.572, 55e9, 0.88, 80 * 2**30),
+    "h200": Gpu("H200", 790e12, 0.572, 55e9, 0.88, 141 * 2**30),
 }
 #: Target models: presets of `actoff.reference.ModelConfig`.
 MODELS = ("1b", "7b", "8b")
@@ -180,12 +192,88 @@ def target_ratio(like: Like) -> dict:
     }
 
 
+class UnstolenClock:
+    """Seconds of ``time.perf_counter`` less the time the thread that made the clock (the
+    training thread) waited for a CPU while it could run: what other processes took from it.
+
+    Linux counts that wait per thread (``run_delay``, the second figure of
+    ``/proc/self/task/TID/schedstat``), adding each wait when the thread runs again; read from
+    another thread while the training thread is still waiting, the clock would run ahead and
+    then back, so it never goes back (it stands still instead). ``available`` is False where the
+    count cannot be read: the clock is then ``perf_counter`` itself.
+
+    >>> clock = UnstolenClock()
+    >>> first = clock(); second = clock()
+    >>> second >= first and clock.stolen_s() >= 0
+    True
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open(
+                f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY
+            )
+        except OSError:
+            self._fd = None
+        self.available = self._fd is not None
+        self._last = float("-inf")
+
+    def stolen_s(self) -> float:
+        """Seconds the thread has waited, runnable, for a CPU since it started."""
+        if self._fd is None:
+            return 0.0
+        return int(os.pread(self._fd, 64, 0).split()[1]) / 1e9
+
+    def __call__(self) -> float:
+        now = time.perf_counter() - self.stolen_s()
+        if now < self._last:
+            now = self._last
+        self._last = now
+        return now
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def tunnel_device(spec: dict, seq: int, capped=None, clock=None):
+    """A worker's device for its warm-up and timed steps: under ``--like``, the simulated device with the link
+    rate scaled for this length (Note [scaling the tunnel]), copies without random delays, timed
+    by ``clock`` (a new `tunnel.UnstolenClock` of the calling thread by default), and on a capped
+    device (``capped``: Note [a capped device on a CPU]) that device's memory, so that its
+    capacity and counts are the tunnel's (auto plans under them); else the worker's own (None
+    is entered)."""
+    import contextlib
+
+    from actoff.testing import simulated_device
+
+    tunnel = spec.get("tunnel") or {}
+    rate = tunnel.get("bandwidth", {}).get(str(seq))
+    if rate is None:
+        return contextlib.nullcontext()
+    return simulated_device(
+        seed=0,
+        max_delay_s=0.0,
+        max_lag_s=0.0,
+        bandwidth=rate,
+        track_memory=False,
+        # PyTorch's save_on_cpu copies at this share (Note [save_on_cpu on the simulated device])
+        pageable_rate=tunnel["save_on_cpu_share"],
+        memory=capped,
+        clock=clock or UnstolenClock(),
+    )
+
+
 def measure_cpu_block(
     model: str, layers: int, seq: int, dtype: torch.dtype, batch: int = 1, steps: int = 3
 ) -> dict:
-    """The CPU's side: the forward time of the CPU model's blocks on ``seq`` tokens (the least
-    of each step's median over the blocks, after one warm-up: what other processes add to a
-    step on a shared machine is noise, not the block's cost) and the bytes a block saves."""
+    """The CPU's side: the forward time of the CPU model's blocks on ``seq`` tokens, on
+    `UnstolenClock` (the least of each step's median over the blocks, after one warm-up) and the
+    bytes a block saves."""
     from actoff.reference import ModelConfig, Transformer, rope_tables
 
     torch.manual_seed(0)
@@ -198,12 +286,13 @@ def measure_cpu_block(
         torch.set_default_dtype(previous)
     times: list[float] = []
     started: dict[int, float] = {}
+    clock = UnstolenClock()
 
     def before(module, args):
-        started[id(module)] = time.perf_counter()
+        started[id(module)] = clock()
 
     def after(module, args, output):
-        times.append(time.perf_counter() - started.pop(id(module)))
+        times.append(clock() - started.pop(id(module)))
 
     hooks = [
         h
@@ -222,6 +311,7 @@ def measure_cpu_block(
                 medians.append(statistics.median(times))
     finally:
         torch.set_num_threads(threads)
+        clock.close()
         for hook in hooks:
             hook.remove()
     x = net.embed(tokens[:, :-1])

@@ -7,7 +7,9 @@ subscriptable`` in ``scatter_rows``) in 2 to 3 runs of 3 (Note [a runtime per th
 thread's losses and gradients must equal those of the same training run alone, bit for bit;
 ``auto`` picks its stored fraction from timings measured in the first step, so runs alone and
 side by side may pick others and are compared with the no-actoff run within float32
-reassociation instead (Note [reassociation tolerance] in _helpers).
+reassociation instead (Note [reassociation tolerance] in _helpers). Without a budget ``auto``
+keeps every block and never plans; under a budget below keep's peak each thread's runtime
+plans its own blocks (`test_auto_plans_under_a_budget_in_each_thread`).
 """
 
 import threading
@@ -19,6 +21,7 @@ from _helpers import assert_close_history, assert_same_history, make_model, trai
 import actoff
 from actoff.reference import Block
 from actoff.runtime.runtime import get_runtime
+from actoff.testing import simulated_device
 
 POLICIES = ["keep", "cpu", "nvme", "tokenwise", "recompute", "auto"]
 DEVICES = [
@@ -46,13 +49,14 @@ def _offloaded(seed: int, policy: str, nvme_dir: str, device: str = "cpu") -> to
     return model
 
 
-def _side_by_side(models: list[torch.nn.Module]) -> list:
+def _side_by_side(models: list[torch.nn.Module], run=lambda model: train(model, 2)) -> list:
+    """``run(model)`` of each model in a thread of its own, at once; their results in order."""
     histories: list = [None] * len(models)
     errors: list[BaseException] = []
 
     def work(index: int) -> None:
         try:
-            histories[index] = train(models[index], 2)
+            histories[index] = run(models[index])
         except BaseException as error:  # re-raised in the test's thread
             errors.append(error)
 
@@ -85,6 +89,37 @@ def test_two_threads_train_as_each_would_alone(nvme_dir, one_intra_op_thread, de
                 assert_close_history(alone, beside)
             else:
                 assert_same_history(alone, beside)
+
+
+@pytest.mark.sim_device
+@pytest.mark.no_sim_memory
+def test_auto_plans_under_a_budget_in_each_thread(one_intra_op_thread):
+    # Half of one model's device peak under keep: keep does not fit, so each thread's planner
+    # must place its blocks (the first two steps measure, the next ones run the plan). The
+    # shared device does not count memory: counted, each thread's peaks would hold the other's
+    # activations too, as on one GPU, and what the other holds at a moment is timing.
+    seq, steps = 257, 4
+    model = make_model(0)
+    actoff.offload_(model, block_cls=Block, policy="keep", min_bytes=0)
+    with simulated_device(seed=0) as device:
+        train(model, 1, seq=seq)
+    budget = device.memory.peak // 2
+    actoff.reset()
+    expected = [train(make_model(seed), steps, seq=seq) for seed in SEEDS]  # without actoff
+    models = [make_model(seed) for seed in SEEDS]
+    for model in models:
+        actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, gpu_budget=budget)
+
+    def run(model: torch.nn.Module) -> tuple:
+        history = train(model, steps, seq=seq)
+        stats = actoff.stats()  # this thread's runtime
+        return history, stats, [block.placement for block in stats.blocks.values()]
+
+    for alone, (beside, stats, placements) in zip(expected, _side_by_side(models, run), strict=True):
+        assert_close_history(alone, beside)
+        assert stats.plan != "none" and stats.budget_bytes == budget, stats.plan
+        assert stats.predicted_peak_bytes <= budget
+        assert placements != ["keep"] * len(placements) and "measuring (recompute)" not in placements
 
 
 def test_each_thread_has_its_own_runtime_and_reset_closes_them_all(nvme_dir):

@@ -27,8 +27,9 @@ import atexit
 import contextlib
 import os
 import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,9 @@ class SimSettings:
     #: pageable host buffer) runs at this share of the link: the driver stages it through a
     #: pinned bounce buffer.
     pageable_rate: float = 0.5
+    #: What the link, the copies' ends and the events are timed by (Note [the device's clock]
+    #: in actoff.device.sim.link).
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
     #: Tells apart the devices of two `actoff.testing.simulated_device` blocks.
     generation: int = field(default=0, repr=False)
 
@@ -147,7 +151,10 @@ class SimStreams:
         #: The host link's two directions when the settings give it a rate, else ``None``.
         self.links: dict[str, Link] | None = None
         if settings.bandwidth is not None:
-            self.links = {d: Link(d, settings.bandwidth) for d in ("device-to-host", "host-to-device")}
+            self.links = {
+                d: Link(d, settings.bandwidth, clock=settings.clock)
+                for d in ("device-to-host", "host-to-device")
+            }
         _running.add(self)
 
     # ------------------------------------------------------------------ the stream API
@@ -183,7 +190,7 @@ class SimStreams:
             return 0.0
         rate = self.settings.pageable_rate if pageable else 1.0
         moved = self.links[direction].reserve(nbytes, rate=rate)
-        sleep_until(moved.end)
+        sleep_until(moved.end, self.settings.clock)
         return moved.end - moved.start
 
     def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -86,7 +86,7 @@ class SideStream:
                 if kind == "wait":
                     self.streams.reach(payload, by="stream")
                 elif kind == "record":
-                    payload.time = time.perf_counter()
+                    payload.time = self.streams.settings.clock()
                     payload.done.set()
                 else:
                     links = self.streams.links
@@ -98,7 +98,7 @@ class SideStream:
                             rate=self.streams.settings.pageable_rate if payload.pageable else 1.0,
                         )
                         payload.dst.copy_(payload.src)
-                        sleep_until(moved.end)
+                        sleep_until(moved.end, self.streams.settings.clock)
                     with self.streams.lock:
                         payload.dst = payload.src = None  # the device alias alone stays
                         payload.ran = True
@@ -155,8 +155,7 @@ class ComputeStream:
             if event is None:
                 return
             self.streams.compute_gate.open.wait()
-            delay = due - time.perf_counter()
-            if delay > 0:
+            while (delay := due - self.streams.settings.clock()) > 0:
                 time.sleep(delay)
             for other in after:
                 other.done.wait()
@@ -173,11 +172,10 @@ class ComputeStream:
             event.done.clear()
             event.stream, event.seq, event.time = self, -1, None
             # In order: an event completes after every event recorded before it.
-            self.last_due = max(
-                self.last_due, time.perf_counter() + self.rng.uniform(0, self.streams.settings.max_lag_s)
-            )
+            now = self.streams.settings.clock()
+            self.last_due = max(self.last_due, now + self.rng.uniform(0, self.streams.settings.max_lag_s))
             self.waited = [other for other in self.waited if not other.done.is_set()]
-            self.lagging.put((event, self.last_due, tuple(self.waited), time.perf_counter()))
+            self.lagging.put((event, self.last_due, tuple(self.waited), now))
 
     def wait_event(self, event: SimEvent) -> None:
         """Compute waits for ``event``: in stream order, every copy before it is ordered for

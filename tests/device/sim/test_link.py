@@ -141,3 +141,26 @@ def test_oversleeping_is_remembered_and_a_fresh_timeline_waits_in_full():
     began = time.perf_counter()
     sleep_until(began + 0.01)
     assert time.perf_counter() - began >= 0.01  # afresh: the whole wait
+
+
+def test_the_device_times_its_link_and_events_by_the_clock_it_is_given():
+    # A clock at half the wall's speed (as the tunnel's is while another process takes half the
+    # CPU: Note [the device's clock]) makes a copy last twice its modelled time on the wall, and
+    # the events' elapsed time is in that clock's seconds.
+    started = time.perf_counter()
+
+    def half_speed() -> float:
+        return (time.perf_counter() - started) / 2
+
+    forget_lateness()
+    with simulated_device(
+        seed=0, bandwidth=RATE, max_delay_s=0, max_lag_s=0, track_memory=False, clock=half_speed
+    ) as device:
+        wall = time.perf_counter()
+        assert device.transfer(NBYTES, "device-to-host") == pytest.approx(MODELLED_S)
+        assert time.perf_counter() - wall >= 2 * MODELLED_S
+        host, data = _host_and_device(device)
+        start, end = _copy_timed(device, device.new_stream(), host, data)
+        device.current().wait_event(end)
+        assert start.elapsed_time(end) >= MODELLED_S * 1e3
+        assert device.links["device-to-host"].transfers[-1].end <= half_speed()

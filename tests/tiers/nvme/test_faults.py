@@ -100,7 +100,9 @@ def test_a_record_changed_on_disk_raises_before_backward_uses_it(nvme_dir, devic
     [
         pytest.param("compat", marks=pytest.mark.no_sim_device, id="compat-plain"),  # host buffers
         pytest.param("compat", marks=pytest.mark.sim_device, id="compat-sim"),  # staged host slots
-        pytest.param("gds", marks=pytest.mark.sim_device, id="gds-sim"),  # device buffers: device_seal
+        # device buffers, but sealed on the host: the simulated device's are CPU tensors
+        # (`test_the_simulated_gds_path_seals_on_the_device`)
+        pytest.param("gds", marks=pytest.mark.sim_device, id="gds-sim"),
     ],
 )
 def test_a_record_changed_on_disk_raises_on_kvikio(nvme_dir, monkeypatch, mode):
@@ -116,6 +118,39 @@ def test_a_record_changed_on_disk_raises_on_kvikio(nvme_dir, monkeypatch, mode):
     os.close(fd)
     with pytest.raises(RuntimeError, match=_sealed_error(nvme_dir)):
         loss.backward()
+
+
+@pytest.mark.sim_device
+@pytest.mark.xfail(
+    strict=True,
+    reason="KvikioEngine._seal_of (actoff/tiers/nvme/kvikio.py) picks the seal by buffer.device.type: the "
+    "simulated device's buffers are CPU tensors, so its GDS path seals with host_seal and device_seal never "
+    "runs end to end off a GPU; the engine must choose by the path the buffer came through (issue 37 item 5d)",
+)
+def test_the_simulated_gds_path_seals_on_the_device(nvme_dir, monkeypatch):
+    # With GDS the engine is handed device buffers (`pread_device`/`pwrite_device`), whose seal
+    # is computed where they live (`seals.device_seal`); a changed record must fail that seal.
+    import _fake_kvikio
+
+    import actoff.tiers.nvme.kvikio as engine
+
+    monkeypatch.setenv("KVIKIO_COMPAT_MODE", "OFF")
+    _fake_kvikio.install(monkeypatch)
+    used = []
+    for name in ("device_seal", "host_seal"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(
+            engine, name, lambda *a, _real=real, _name=name, **k: (used.append(_name), _real(*a, **k))[1]
+        )
+    loss, runtime = _forward(nvme_dir, io_backend="kvikio")
+    assert actoff.stats().io_backend == "kvikio (GDS)"
+    victim = _written(runtime)[0]
+    fd = _spill_fd(nvme_dir)
+    os.pwrite(fd, bytes(victim.geometry.nbytes), victim.extent.offset)
+    os.close(fd)
+    with pytest.raises(RuntimeError, match=_sealed_error(nvme_dir)):
+        loss.backward()
+    assert used and set(used) == {"device_seal"}, sorted(set(used))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,6 +18,7 @@ import torch
 from _helpers import ROOT, TESTS, assert_history_as_placed, assert_same_history, baseline_and_offloaded
 
 import actoff
+from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
 from actoff.tiers.nvme.kvikio import KvikioEngine, check_kvikio
 from actoff.tiers.nvme.store import open_engine
@@ -231,7 +232,10 @@ def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(
     """On the simulated device (a device with DMA, on the CPU): with GDS active the engine is
     handed the device tensors, off the training thread, and a slow read is waited for; in
     compat mode every request goes through host staging slots. Both bit-exact under ``nvme``;
-    ``tokenwise`` recomputes rows on fewer tokens: within float32 reassociation."""
+    ``tokenwise`` recomputes rows on fewer tokens: within float32 reassociation. Every step
+    finishes its writes before backward (`Runtime.flush`): a record is then read back from its
+    file unless its original tensor is still alive (forwarding), which the blocks'
+    intermediates are not, so kvikio must be asked for a pread."""
     monkeypatch.setenv("KVIKIO_COMPAT_MODE", "OFF" if mode == "gds" else "ON")
     kvikio._reset()
     kvikio.io_delay_s = 0.002  # a slow disk: a read not waited for would leave garbage
@@ -250,18 +254,20 @@ def test_on_a_device_with_dma_gds_takes_device_buffers_and_compat_stages(
         # first backward]).
         steps = 3 if policy == "tokenwise" else 2
         expected, actual = baseline_and_offloaded(
-            steps, policy=policy, nvme_dir=nvme_dir, min_bytes=0, io_backend="kvikio", **fractions
+            steps,
+            policy=policy,
+            nvme_dir=nvme_dir,
+            min_bytes=0,
+            io_backend="kvikio",
+            train_kwargs={"before_backward": lambda: get_runtime().flush()},
+            **fractions,
         )
     assert_history_as_placed(expected, actual, recomputed=policy == "tokenwise")
     stats = actoff.stats()
     assert stats.io_backend == ("kvikio (GDS)" if mode == "gds" else "kvikio (compat)")
     assert sum(block.bytes_per_tier["nvme"] for block in stats.blocks.values()) > 0
-    ops = {op for op, _, _, _ in kvikio.calls}
-    # A record is read back from its file unless its write was still running when backward
-    # reached it: then the live tensor serves it (forwarding). Under load that can be every one
-    # of the last step's records, so a pread is asked for only where not all were forwarded.
-    forwarded = sum(block.forwarded for block in stats.blocks.values())
-    assert ops <= {"pwrite", "pread"} and "pwrite" in ops and ("pread" in ops or forwarded > 0)
+    ops = [op for op, _, _, _ in kvikio.calls]
+    assert set(ops) == {"pwrite", "pread"}, set(ops)  # the writes finished: backward reads back
     assert len(staged) == len(kvikio.calls)
     threads = {thread.split("_")[0] for _, thread, _, _ in kvikio.calls}
     if mode == "gds":

@@ -1,0 +1,69 @@
+"""The auto policy's real timing readers (actoff.runtime.measured): `forward_ms` and
+`attention_ms` on a run of the simulated device, read as auto reads them.
+
+Every other auto test replaces the two readers with fixed times (a loaded machine moves measured
+times, and the plans with them). Here they run for real: values are asserted by what must hold
+whatever the machine's load (a forward takes time, attention runs inside the forward), never
+against wall-clock figures.
+"""
+
+import pytest
+from _helpers import make_model, train
+
+import actoff
+import actoff.runtime.measured as measured
+from actoff.reference import Block
+from actoff.testing import simulated_device
+
+SEQ = 257
+
+
+@pytest.fixture
+def readings(monkeypatch):
+    """What the real readers returned, per run state read: ``id -> {"forward": ms, "attention": ms}``."""
+    read: dict[int, dict[str, float | None]] = {}
+    real_forward, real_attention = measured.forward_ms, measured.attention_ms
+
+    def read_forward(state):
+        value = real_forward(state)
+        read.setdefault(id(state), {})["forward"] = value
+        return value
+
+    def read_attention(state):
+        value = real_attention(state)
+        read.setdefault(id(state), {})["attention"] = value
+        return value
+
+    monkeypatch.setattr(measured, "forward_ms", read_forward)
+    monkeypatch.setattr(measured, "attention_ms", read_attention)
+    return read
+
+
+@pytest.mark.no_sim_device
+def test_auto_reads_a_forward_time_and_attention_inside_it_on_the_simulated_device(readings):
+    # A budget of half keep's peak: auto measures at the floor (Note [measuring at the floor]
+    # in actoff.runtime.auto), probes, then plans; a token-wise run times the attention calls.
+    # Its device does not count memory: the plan places the blocks' bytes alone. The measuring
+    # steps wait for every copy out: on this device those waits are timed as most of the
+    # forward, which must still leave auto a forward time (it planned nothing, ever).
+    model = make_model(0, num_layers=2)
+    actoff.offload_(model, block_cls=Block, policy="keep", min_bytes=0)
+    with simulated_device(seed=0) as device:
+        train(model, 1, seq=SEQ)
+    budget = device.memory.peak // 2
+    actoff.reset()
+    model = make_model(0, num_layers=2)
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, gpu_budget=budget)
+    with simulated_device(seed=0, track_memory=False):
+        train(model, 4, seq=SEQ)
+    stats = actoff.stats()
+    assert stats.plan != "none", "the plan never ran: the readers gave auto no forward time"
+    assert readings and all(read["forward"] > 0 for read in readings.values()), readings
+    timed = [read for read in readings.values() if read.get("attention") is not None]
+    assert timed, "attention was never timed"
+    for read in timed:  # attention's calls run inside the forward: a share in (0, 1]
+        assert 0 < read["attention"] <= read["forward"], read
+    for decision in stats.auto.values():  # what auto kept of them
+        assert decision.t_layer_ms > 0 and 0 < decision.attention_ms <= decision.t_layer_ms
+    for block in stats.blocks.values():
+        assert block.forward_ms > 0 and block.measured_ms >= block.forward_ms
