@@ -793,6 +793,20 @@ def test_a_memory_snapshot_is_summarized_by_where_its_blocks_were_allocated():
     assert summary["reserved_bytes"] == 3 << 30 and summary["live_bytes"] == (1 << 30) + (1 << 29)
     assert summary["top"][0] == {"origin": "cpu.py:30 place", "bytes": 1 << 30, "blocks": 1}
     assert summary["top"][1]["origin"].startswith("no Python frame")
+    # CUDA's history puts C++ frames first (the H200 run of 2026-11-28 grouped all 81 live blocks
+    # under `??:0 torch::unwind::unwind()`); a backward's allocations have C++ frames only.
+    cpp = [{"filename": "??", "line": 0, "name": "torch::unwind::unwind()"},
+           {"filename": "RegisterCUDA_0.cpp", "line": 0, "name": "at::_ops::mm::call(at::Tensor const&)"}]  # fmt: skip
+    engine = {"filename": "??", "line": 0, "name": "torch::autograd::Engine::thread_main()"}
+    blocks = [
+        {"size": 1 << 20, "state": "active_allocated", "frames": [*cpp, *frames]},
+        {"size": 1 << 21, "state": "active_allocated", "frames": [*cpp, engine]},
+    ]
+    mixed = snapshot.summarize_snapshot({"segments": [{"total_size": 1 << 30, "blocks": blocks}]})
+    assert [(g["origin"], g["bytes"]) for g in mixed["top"]] == [
+        ("C++ mm (backward)", 1 << 21),
+        ("cpu.py:30 place", 1 << 20),
+    ]
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--memory-snapshot", "x"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--memory-snapshot reads CUDA's caching allocator" in done.stderr

@@ -43,12 +43,28 @@ def take_snapshot(directory: str, policy: str, seq: int) -> dict:
 
 
 def _origin(frames: list[dict]) -> str:
-    """``file:line function`` of the first frame outside torch and Python's own libraries."""
+    """``file:line function`` of the first Python frame outside torch and Python's own libraries;
+    where a block has C++ frames only (CUDA's history records both, C++ first, and a backward's
+    allocations have no Python frame: autograd's engine thread runs them), the operator that
+    allocated it, and whether autograd's engine ran it.
+
+    >>> _origin([{"filename": "??", "name": "torch::unwind::unwind()", "line": 0},
+    ...          {"filename": "/w/actoff/reference.py", "name": "forward", "line": 7}])
+    'reference.py:7 forward'
+    >>> _origin([{"filename": "??", "name": "at::_ops::mm::call(at::Tensor const&)", "line": 0},
+    ...          {"filename": "??", "name": "torch::autograd::Engine::thread_main()", "line": 0}])
+    'C++ mm (backward)'
+    """
     for frame in frames:
         name = frame.get("filename", "")
-        if "/torch/" not in name and "/lib/python" not in name and not name.startswith("<"):
+        if name.endswith(".py") and "/torch/" not in name and "/lib/python" not in name:
             return f"{os.path.basename(name)}:{frame.get('line')} {frame.get('name')}"
-    return "no Python frame (allocated in C++, or before the history started)"
+    names = [frame.get("name", "") for frame in frames]
+    op = next((n.split("at::_ops::", 1)[1].split("::", 1)[0] for n in names if "at::_ops::" in n), None)
+    if op is None:
+        return "no Python frame (allocated in C++, or before the history started)"
+    backward = any("autograd::Engine" in n for n in names)
+    return f"C++ {op}" + (" (backward)" if backward else "")
 
 
 def summarize_snapshot(snapshot: dict) -> dict:
