@@ -656,7 +656,7 @@ def test_the_8b_preset_with_a_frozen_base_and_emulated_layers_runs_on_the_cpu(tm
     out_json = tmp_path / "lora.json"
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--preset", "8b", "--shrink", "32",
                "--layers", "2", "--seq", "128", "--steps", "1", "--warmup", "1", "--lora", "4",
-               "--emulate-layers", "8", "--sim-memory", "256MiB", "--policies", "torch_checkpoint+tile+loss,cpu+tile+loss",
+               "--emulate-layers", "8", "--sim-memory", "256MiB", "--policies", "torch_checkpoint+tile+loss,cpu+tile+loss,auto+tile+loss",
                "--json", str(out_json)]  # fmt: skip
     env = {**os.environ, "ACTOFF_HOST_BUDGET": "64MiB", "ACTOFF_MIN_BYTES": "0"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -664,7 +664,7 @@ def test_the_8b_preset_with_a_frozen_base_and_emulated_layers_runs_on_the_cpu(tm
     assert "widths / 32" in done.stdout and "rank 4 adapters on a frozen base" in done.stdout
     assert "host budget 16.00 MiB (ACTOFF_HOST_BUDGET x 2/8" in done.stdout
     records = {r["policy"]: r for r in json.loads(out_json.read_text())["records"]}
-    assert set(records) == {"torch_checkpoint+tile+loss", "cpu+tile+loss"}
+    assert set(records) == {"torch_checkpoint+tile+loss", "cpu+tile+loss", "auto+tile+loss"}
     hidden, dtype_bytes = 4096 // 32, 2
     # A block's static bytes: its frozen weights (bf16) and its adapters' weights and gradients.
     from actoff.reference import Block, ModelConfig
@@ -682,6 +682,12 @@ def test_the_8b_preset_with_a_frozen_base_and_emulated_layers_runs_on_the_cpu(tm
     checkpoint, offloaded = records["torch_checkpoint+tile+loss"], records["cpu+tile+loss"]
     assert checkpoint["ballast_held_bytes"] == 6 * 128 * hidden * dtype_bytes  # each block's input
     assert offloaded["act_cpu_bytes"] > 0  # the adapters' saved tensors went to the host
+    # auto plans the share of the device its 2 blocks would get among 8, not the whole device:
+    # what is in use with the model and the static ballast, and 2/8 of the rest.
+    auto = records["auto+tile+loss"]
+    assert auto["auto_budget_bytes"] == auto["emulated_auto_budget_bytes"]
+    in_use = (8 * auto["auto_budget_bytes"] - 2 * 256 * 2**20) / 6  # budget = in_use + (cap - in_use) * 2/8
+    assert auto["ballast_static_bytes"] < in_use <= auto["static_bytes"]
 
 
 def test_lora_freezes_the_base_and_trains_only_adapters():

@@ -21,6 +21,14 @@ among L, and run out of it at the same length. Not emulated: the time of the mis
 (step times are N blocks'), which blocks run out of host budget first (the total is the
 same), the allocator's fragmentation across L - N blocks' tensors (the ballast is one
 tensor), and `none`, whose per-block bytes nothing counts (use keep).
+
+`auto` decides what stays on the device from its budget, so it must see the share of the device
+its N blocks would get among L, as the host budget is scaled: what is in use once the model and
+the static ballast are there, plus N / L of the device's budget left over (`auto_budget`). Given
+the whole device, auto keeps everything its N blocks save, and the ballast then charges L - N
+blocks as much: the H200 run of 2026-11-28 (benchmarks/results/h200-2026-11-28) measured that
+and not auto. The share is conservative: the working set (one block's backward, the loss) is
+paid out of N / L of the room, where L blocks would share one.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from .policies import is_actoff_policy, split_variants
 __all__ = [
     "HELD_BY_POLICY",
     "Ballast",
+    "auto_budget",
     "block_static_bytes",
     "check_emulation",
     "held_per_block",
@@ -95,6 +104,19 @@ def scaled_budget(total_bytes: int, real_layers: int, target_layers: int) -> int
     return total_bytes * real_layers // target_layers
 
 
+def auto_budget(device_budget: int, in_use: int, real_layers: int, target_layers: int) -> int:
+    """``auto``'s device budget for ``real_layers`` blocks standing for ``target_layers``: the
+    bytes in use with the model and the static ballast there, and the blocks' share of the rest
+    (Note [emulated layers]).
+
+    >>> auto_budget(100 * 2**30, 36 * 2**30, 4, 32) / 2**30  # 64 GiB left; 4 of 32 blocks get 8
+    44.0
+    """
+    if device_budget <= in_use:
+        return device_budget  # nothing left: auto plans its floor and says it is over
+    return in_use + (device_budget - in_use) * real_layers // target_layers
+
+
 class Ballast:
     """The device bytes of the blocks not built (Note [emulated layers]): their static part,
     allocated with the model and kept, and per length the part they would hold through the
@@ -109,6 +131,7 @@ class Ballast:
         self.static_bytes = self.missing * block_static_bytes(model.layers[0])
         self._static = torch.empty(self.static_bytes, dtype=torch.uint8, device=device)
         self._held = None
+        self.auto_budget_bytes: int | None = None  # set for auto (Note [emulated layers])
         self.total_bytes = (
             self.static_bytes
         )  # the ballast now: its static part, and the held part while a length runs
@@ -132,6 +155,7 @@ class Ballast:
             "ballast_static_bytes": self.static_bytes,
             "ballast_held_bytes": self.missing * per_block,
             "held_per_block_bytes": per_block,
+            **({"emulated_auto_budget_bytes": self.auto_budget_bytes} if self.auto_budget_bytes else {}),
         }
 
     def release_held(self) -> None:

@@ -52,12 +52,7 @@ def worker(spec: dict):
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["budget_bytes"] / total), device)
     with _capped_device_memory(cuda) as memory:
         torch.manual_seed(0)
-        model, net, step_context, adapters = _prepare(spec, config, device)
-        ballast = None
-        if spec.get("emulate_layers"):  # Note [emulated layers]
-            from .emulate import Ballast
-
-            ballast = Ballast(model, config, device, spec["emulate_layers"])
+        model, net, step_context, adapters, ballast = _prepare(spec, config, device, cuda, memory)
         hang_after = int(os.environ.get("_ACTOFF_BENCH_HANG_AFTER", "0"))  # tests: a worker that hangs
         failed = None
         for made, seq in enumerate(spec.get("seqs") or [spec["seq"]]):
@@ -84,10 +79,11 @@ def worker(spec: dict):
             yield record
 
 
-def _prepare(spec: dict, config, device):
+def _prepare(spec: dict, config, device, cuda: bool, memory):
     """The model under the spec's policy and variants: the model, what steps it (DDP's wrapper
-    under torchrun, else the model), the context manager each step runs under, and under
-    ``--lora`` what made the adapters (else None)."""
+    under torchrun, else the model), the context manager each step runs under, under
+    ``--lora`` what made the adapters (else None), and under ``--emulate-layers`` the `Ballast`
+    (else None). ``memory``: the capped simulated device's count, if any."""
     import torch
 
     model = build_model(config, device, getattr(torch, spec["dtype"]))
@@ -96,6 +92,13 @@ def _prepare(spec: dict, config, device):
         from .lora import lora_
 
         made = lora_(model, spec["lora"])
+    ballast = None
+    if spec.get("emulate_layers"):  # Note [emulated layers]: before the policy, which reads auto's budget
+        from .emulate import Ballast
+
+        ballast = Ballast(model, config, device, spec["emulate_layers"])
+        if split_variants(spec["policy"])[0] == "auto":
+            _scale_auto_budget(spec, ballast, device, cuda, memory)
     policy, extras = split_variants(spec["policy"])
     if "tile" in extras:
         import actoff
@@ -104,7 +107,7 @@ def _prepare(spec: dict, config, device):
         actoff.tile_(model, module_cls=MLP, max_tokens=spec.get("tile_tokens") or TILE_TOKENS)
     step_context = apply_policy(model, policy, spec.get("nvme_dir"), planner_off="noplan" in extras)
     net = torch.nn.parallel.DistributedDataParallel(model) if spec.get("ddp") is not None else model
-    return model, net, step_context, made
+    return model, net, step_context, made, ballast
 
 
 def _capped_device_memory(cuda: bool):
@@ -157,6 +160,30 @@ def run_one(spec: dict, timeout_s: float, on_record=None) -> list[dict]:
         if on_record is not None:
             on_record(record)
     return records
+
+
+def _scale_auto_budget(spec: dict, ballast, device, cuda: bool, memory) -> None:
+    """Under ``--emulate-layers``, auto plans its blocks' share of the device (Note [emulated
+    layers]): the spec's budget, else the device's default, scaled by `auto_budget`."""
+    import torch
+
+    import actoff
+    from actoff.budget import cuda_budget
+
+    from .emulate import auto_budget
+
+    if cuda:
+        whole = spec.get("budget_bytes") or cuda_budget(torch.cuda.get_device_properties(device).total_memory)
+        in_use = torch.cuda.memory_allocated(device)
+    else:
+        whole = spec.get("budget_bytes") or actoff.get_config().sim_device_memory
+        in_use = memory.live if memory is not None else 0
+    if whole is None:
+        return  # a plain CPU device: auto has no budget to scale
+    ballast.auto_budget_bytes = auto_budget(
+        whole, in_use, ballast.target_layers - ballast.missing, ballast.target_layers
+    )
+    os.environ["ACTOFF_GPU_BUDGET"] = f"{ballast.auto_budget_bytes}B"  # this worker's alone
 
 
 def _worker_env(spec: dict) -> dict | None:
