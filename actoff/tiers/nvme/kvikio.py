@@ -209,10 +209,18 @@ class KvikioEngine(IoEngine):
         return _KvikioFuture(future, view, (op, self.path, nbytes, offset), started_s, self.file)
 
     def _sealed(
-        self, inner, op: str, buffer: torch.Tensor, nbytes: int, offset: int, seal: tuple[int, int] | None
+        self,
+        inner,
+        op: str,
+        buffer: torch.Tensor,
+        nbytes: int,
+        offset: int,
+        seal: tuple[int, int] | None,
+        on_device: bool = False,
     ):
         """``inner`` with its seal computed, or checked, on the seal pool once it is done
-        (Note [sealed records]): kvikio's own threads cannot be asked to."""
+        (Note [sealed records]): kvikio's own threads cannot be asked to. ``on_device``: a
+        device buffer's (``pread_device``/``pwrite_device``), sealed with `device_seal`."""
         if seal is None or isinstance(inner, FailedFuture):
             return inner
         sequence, expected = seal
@@ -225,16 +233,20 @@ class KvikioEngine(IoEngine):
 
         def check() -> tuple[int, float, int]:
             moved = inner.wait()
-            checksum = self._seal_of(buffer, sequence, nbytes)
+            checksum = self._seal_of(buffer, sequence, nbytes, on_device)
             if op == "pread" and checksum != expected:
                 raise mismatch(describe_request(op, self.path, nbytes, offset), checksum, sequence, expected)
             return moved, inner.elapsed(), checksum
 
         return PoolFuture(pool.submit(check))
 
-    def _seal_of(self, buffer: torch.Tensor, sequence: int, nbytes: int) -> int:
-        if buffer.device.type == "cpu":  # host buffers (and the simulated device's)
+    def _seal_of(self, buffer: torch.Tensor, sequence: int, nbytes: int, on_device: bool) -> int:
+        # By the path the buffer came through, not by where it lives: the simulated device's
+        # buffers are CPU tensors, and its GDS path must seal as a GPU's does.
+        if not on_device:
             return host_seal(buffer.view(torch.uint8).numpy()[:nbytes], sequence, nbytes, fast_crc)
+        if buffer.device.type == "cpu":  # the simulated device: no stream to order against
+            return device_seal(buffer, sequence, nbytes)
         if self._seal_stream is None:
             self._seal_stream = torch.cuda.Stream(buffer.device)
         # The bytes are there (kvikio's future is done): a stream of its own, then one wait.
@@ -309,7 +321,8 @@ class KvikioEngine(IoEngine):
                     after.synchronize()  # the compute stream has reached the request's point
             except Exception as error:
                 return FailedFuture(OSError(errno_codes.EIO, f"{describe} failed: {error}"))
-            return self._sealed(self._submit(op, buffer, nbytes, offset), op, buffer, nbytes, offset, seal)
+            inner = self._submit(op, buffer, nbytes, offset)
+            return self._sealed(inner, op, buffer, nbytes, offset, seal, on_device=True)
 
         return _DeviceFuture(pool.submit(submit), describe)
 

@@ -121,12 +121,6 @@ def test_a_record_changed_on_disk_raises_on_kvikio(nvme_dir, monkeypatch, mode):
 
 
 @pytest.mark.sim_device
-@pytest.mark.xfail(
-    strict=True,
-    reason="KvikioEngine._seal_of (actoff/tiers/nvme/kvikio.py) picks the seal by buffer.device.type: the "
-    "simulated device's buffers are CPU tensors, so its GDS path seals with host_seal and device_seal never "
-    "runs end to end off a GPU; the engine must choose by the path the buffer came through (issue 37 item 5d)",
-)
 def test_the_simulated_gds_path_seals_on_the_device(nvme_dir, monkeypatch):
     # With GDS the engine is handed device buffers (`pread_device`/`pwrite_device`), whose seal
     # is computed where they live (`seals.device_seal`); a changed record must fail that seal.
