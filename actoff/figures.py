@@ -40,6 +40,9 @@ class BlockStats:
     forward_ms: float = 0.0
     predicted_ms: float = 0.0
     measured_ms: float = 0.0
+    # Note [no silent downgrade] (actoff.runtime.placements.base): why the block stored whole what
+    # its policy re-runs in backward ("": it ran as asked).
+    stored_whole: str = ""
 
     @property
     def bytes_offloaded(self) -> int:

@@ -56,6 +56,9 @@ class Report:
     blocks_ms: float | None = None
     blocks_keep_ms: float | None = None
     plan: str | None = None  # the plan ``auto`` runs (``Stats.plan``)
+    #: Blocks that stored whole what their policy recomputes, each with why (Note [no silent
+    #: downgrade], ``BlockStats.stored_whole``); None: none did.
+    stored_whole: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, int | float | str]:
         """The known figures by name (``None`` ones left out), for a logger."""
@@ -78,6 +81,12 @@ class Report:
             parts.append(f"blocks {self.blocks_ms:.1f} ms against {self.blocks_keep_ms:.1f} ms kept")
         if self.plan is not None:
             parts.append(f"plan {self.plan}")
+        if self.stored_whole:
+            name, why = next(iter(self.stored_whole.items()))
+            others = len(self.stored_whole) - 1
+            parts.append(
+                f"{name}{f' and {others} more' if others else ''} recomputed nothing, stored whole: {why}"
+            )
         return "; ".join(parts) + "."
 
 
@@ -123,6 +132,7 @@ def report(device: torch.device | str | None = None, *, reset_peak: bool = True)
         blocks_ms=stats.measured_step_ms if timed else None,
         blocks_keep_ms=forwards if timed else None,
         plan=None if stats.plan == "none" else stats.plan,
+        stored_whole={name: b.stored_whole for name, b in stats.blocks.items() if b.stored_whole} or None,
     )
 
 

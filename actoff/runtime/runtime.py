@@ -59,7 +59,7 @@ from .enclosing import enclosing, warn_enclosed
 from .hooks import unpack
 from .lock import RuntimeLock
 from .placements import Call, Placement, placement_class
-from .stats import BlockStats, Stats, collect, snapshot
+from .stats import BlockStats, Stats, collect, snapshot, window_figures
 from .step import ScopeRun, Step
 
 __all__ = ["Runtime", "find_device", "get_runtime", "reset_runtimes", "thread_state"]
@@ -90,6 +90,7 @@ class Runtime:
         self.last_runs: int | None = None  # runs of the step before (`_streams`)
         self.arenas = Arenas()  # host arenas by device backend
         self.last_stats: dict[str, BlockStats] = {}
+        self.last_windows: dict[str, int | None] = {}  # `window_figures` of the last step
         # What probes learned, per module by identity (Note [probes per module and conditions])
         self.probe_results: ByOwner[ModuleProbes] = ByOwner()
         self.auto = AutoObserver()  # the auto policy: measurements, plans, each run's placement
@@ -343,6 +344,7 @@ class Runtime:
         if step is None or not step.runs:
             return
         self.last_stats = collect(step)
+        self.last_windows = window_figures(step)
         if step.live == 0:
             self.arenas.consolidate()
             self.arenas.plan(step.runs[0].config, self.layouts)
@@ -353,16 +355,18 @@ class Runtime:
             step = self.step
             if step is not None and step.runs and (step.timings or not step.backward_started):
                 step.harvest(block=True)  # asked for figures: wait for the copies timed
-                blocks = collect(step)
+                blocks, windows = collect(step), window_figures(step)
                 if step.backward_started:
-                    self.last_stats = blocks
-            return snapshot(blocks, self.steps_completed, self.arenas, self.stores, self.auto)
+                    self.last_stats, self.last_windows = blocks, windows
+            else:
+                windows = self.last_windows
+            return snapshot(blocks, self.steps_completed, self.arenas, self.stores, self.auto, windows)
 
     def close(self) -> None:
         """Forget the step, statistics and host arenas; close NVMe stores (removing their files)."""
         with self.lock:
             self.step = None
-            self.last_stats = {}
+            self.last_stats, self.last_windows = {}, {}
             self.steps_started = self.steps_completed = 0
             # Slots still held by live graphs keep their chunk alive; a dropped arena waits for
             # the copies that still touch returned ones (HostArena's finalizer).

@@ -84,6 +84,14 @@ class Stats:
     device_divergences: int = 0
     device_fallbacks: int = 0  # planned ranges still held: served elsewhere
     device_layouts: int = 0
+    # The last step's windows (Note [fetch per saved tensor], Note [copy out at pack]): the bytes
+    # backward may fetch ahead and forward may have copying out (None: no window in bytes, as
+    # under a prefetch depth, or no cap), and the most each held at once: fetched and not let go
+    # (ahead, and what the nodes autograd runs hold), copying out (a save waits past the window).
+    fetch_window_bytes: int | None = None
+    copy_window_bytes: int | None = None
+    fetched_peak_bytes: int = 0
+    copying_peak_bytes: int = 0
 
     # The arenas' figures' names until 0.1 ("plan" is the auto policy's word now); kept a release.
     host_plan = property(lambda self: self.host_layout)
@@ -161,6 +169,16 @@ class Stats:
                 f"{self.device_solve_s * 1e3:.1f} ms), {self.device_divergences} divergence(s), "
                 f"{self.device_fallbacks} fallback(s), {self.device_layouts} layout(s) kept"
             )
+        if self.fetched_peak_bytes or self.copying_peak_bytes:
+            windows = [
+                f"{what} {format_bytes(peak)} at most"
+                + (f" (window {format_bytes(window)})" if window is not None else "")
+                for what, peak, window in (
+                    ("fetched and not let go", self.fetched_peak_bytes, self.fetch_window_bytes),
+                    ("copying out", self.copying_peak_bytes, self.copy_window_bytes),
+                )
+            ]
+            lines.append("windows: " + ", ".join(windows))
         if self.plan != "none":
             lines.append(
                 f"auto plan: {self.plan} ({self.plan_reason}); budget {format_bytes(self.budget_bytes)}, "
@@ -235,6 +253,9 @@ def collect(step: Step) -> dict[str, BlockStats]:
             setattr(block, name, getattr(block, name) + getattr(source, name))
         if source.placement and source.placement not in block.placement.split(", "):
             block.placement = ", ".join(filter(None, (block.placement, source.placement)))
+        placement = run.placement
+        if placement is not None and placement.asks_recompute and placement.whole_because:
+            block.stored_whole = placement.whole_because
         for tier, nbytes in source.bytes_per_tier.items():  # runs kept as is (actoff.runtime.step)
             block.bytes_per_tier[tier] += nbytes
         for record in run.records:
@@ -251,10 +272,32 @@ def copy_stats(block: BlockStats) -> BlockStats:
     return copy
 
 
+def window_figures(step: Step) -> dict[str, int | None]:
+    """The `Stats` fields of ``step``'s windows: in force (the auto plan's, else the settings')
+    and the most bytes each held."""
+    config = step.runs[0].config if step.runs else None
+    return {
+        "fetch_window_bytes": step.window
+        if step.window is not None or config is None
+        else config.fetch_window,
+        "copy_window_bytes": step.copy_window
+        if step.copy_window is not None or config is None
+        else config.copy_window,
+        "fetched_peak_bytes": step.fetches.peak,
+        "copying_peak_bytes": step.outbound_peak,
+    }
+
+
 def snapshot(
-    blocks: dict[str, BlockStats], steps: int, arenas: Arenas, stores: StoreRegistry, auto: AutoObserver
+    blocks: dict[str, BlockStats],
+    steps: int,
+    arenas: Arenas,
+    stores: StoreRegistry,
+    auto: AutoObserver,
+    windows: dict[str, int | None] | None = None,
 ) -> Stats:
-    """A `Stats` of the runtime's figures: blocks copied, host arenas and NVMe stores summed."""
+    """A `Stats` of the runtime's figures: blocks copied, host arenas and NVMe stores summed, and
+    the last step's windows (`window_figures`)."""
     return Stats(
         blocks={name: copy_stats(b) for name, b in blocks.items()},
         steps=steps,
@@ -268,6 +311,7 @@ def snapshot(
         **auto.summary(),
         host_layout=next((a.plan_method for a in arenas.values() if a.plan is not None), "none"),
         **_device_arena_figures(arenas.on_device.values()),
+        **(windows or {}),
     )
 
 

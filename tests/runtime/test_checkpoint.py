@@ -281,6 +281,10 @@ def test_a_cache_holding_rows_is_placed_whole_with_one_warning():
     with pytest.warns(RuntimeWarning, match="already holds rows it reads") as caught:
         loss, cache = two_chunks(model)
     assert sum("key/value cache" in str(w.message) for w in caught) == 1
+    # Said per block in the statistics too (Note [no silent downgrade]): the second chunk's call
+    # of each block was placed whole, and the step's figures name why.
+    whole = {name: b.stored_whole for name, b in actoff.stats().blocks.items()}
+    assert whole and all("already holds rows it reads" in why for why in whole.values()), whole
     torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
     _assert_same_gradients(model, reference)
     for layer, other in zip(cache.layers, expected_cache.layers, strict=True):

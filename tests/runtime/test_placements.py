@@ -109,3 +109,68 @@ def test_a_compiled_body_gets_the_whole_tier_placement_of_a_policy_that_runs_the
         finally:
             runtime.exit_scope(run, failed=True)
     actoff.reset()
+
+
+# ------------------------------------------------- Note [no silent downgrade] (issue 38, item 2)
+class _Pooled(torch.nn.Module):
+    """A block whose saves have no token dimension: it pools over the tokens first."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x.mean(dim=1, keepdim=True))))
+
+
+class _Flat(torch.nn.Module):
+    """A block whose input has no token dimension at all (one vector per call)."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize(
+    ("block", "shape", "why"),
+    [
+        (_Pooled, (2, 64, 32), "no saved tensor has a token dimension"),
+        (_Flat, (32,), "its first input has no token dimension"),
+    ],
+)
+def test_a_recompute_policy_that_recomputes_nothing_says_so_per_block(block, shape, why):
+    """``recompute`` on blocks it cannot split stores them whole: gradients exact, one warning,
+    and every step's statistics and report name each block and why (it was a warning, once,
+    and then nothing a log of the statistics would show)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(block(), block())
+    reference = torch.nn.Sequential(block(), block())
+    reference.load_state_dict(model.state_dict())
+    actoff.offload_(model, block_cls=block, policy="recompute", min_bytes=0)
+    x = torch.randn(*shape)
+    with pytest.warns(RuntimeWarning, match=why):
+        model(x).sum().backward()
+    for _ in range(2):  # later steps: no new warning, the statistics still say it
+        model(x).sum().backward()
+        blocks = actoff.stats().blocks
+        assert set(blocks) == {"0", "1"}
+        assert all(why in b.stored_whole and b.bytes_per_tier["recompute"] == 0 for b in blocks.values())
+    assert "recomputed nothing, stored whole" in str(actoff.report())
+    reference(x).sum().backward()
+    reference(x).sum().backward()
+    reference(x).sum().backward()
+    for actual, wanted in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, wanted.grad, rtol=0, atol=0)  # same kernels, same shapes
+
+
+def test_a_block_recomputed_as_asked_says_nothing():
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy="recompute", min_bytes=0)
+    for _ in range(2):
+        model.loss(torch.randint(0, 256, (2, 33))).backward()
+    blocks = actoff.stats().blocks
+    assert blocks and all(b.stored_whole == "" and b.bytes_per_tier["recompute"] > 0 for b in blocks.values())
+    assert actoff.report().stored_whole is None

@@ -22,6 +22,16 @@ A policy is an entry of the policy table (actoff.policy, Note [the policy table]
 placement class; adding a policy is a `PolicySpec` and a subclass of `Placement`
 (actoff.runtime.placements.register). The auto policy assigns each run one of the built-in
 placements from its plan (actoff.runtime.auto).
+
+Note [no silent downgrade]: a placement whose policy asks for activations to be recomputed
+(`asks_recompute`: token-wise with fewer than all tokens stored, ``recompute``, ``checkpoint``)
+and that stores them whole instead (the block cannot be re-run under its conditions, nothing of
+it splits by token, a cache it must not write twice) sets ``whole_because``, and the reason is
+said twice: once as a warning per cause when it first happens (the probe's verdict, the cache's
+refusal, `TokenwisePlacement.say_whole`), and in every step's ``actoff.stats().blocks[name].
+stored_whole``, so a log of the statistics shows it too. A tier that took nothing (the host
+budget full) says so in ``over_budget_bytes`` and one warning (actoff.tiers.cpu); a budget plan
+that could not fit in ``steps_over_budget`` (actoff.runtime.over_budget).
 """
 
 from __future__ import annotations
@@ -100,6 +110,9 @@ class Placement:
         # Each record's copy out starts at pack (Note [copy out at pack]); the runtime turns it off
         # for the runs ``keep_last`` keeps and where nothing leaves the device.
         self.streams_out = self.stores_whole and self.tier.fetches
+        # Why the run stored whole (Note [no silent downgrade]) what its policy re-runs ("": it
+        # ran as asked, or its policy re-runs nothing).
+        self.whole_because = ""
 
     # ------------------------------------------------------------------ forward
     def capture(self, call: Call) -> None:
@@ -153,6 +166,12 @@ class Placement:
         return False
 
     # ------------------------------------------------------------------ for the auto policy
+    @property
+    def asks_recompute(self) -> bool:
+        """Whether the run's policy asks for some of its activations to be recomputed (a re-run
+        of the block in backward), not stored: Note [no silent downgrade]."""
+        return False
+
     @property
     def splits(self) -> bool:
         """Whether the run splits records by token (else it stores them whole or keeps them)."""

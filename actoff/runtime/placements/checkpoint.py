@@ -72,6 +72,7 @@ class CheckpointPlacement(Placement):
 
     name = "checkpoint"
     needs_call = True
+    asks_recompute = True  # type: ignore[assignment]  # a constant here
 
     def forward(self, call: Call) -> Any:
         return run_checkpointed(self.run, call.fn, call.args, call.kwargs, call.module)
@@ -85,6 +86,7 @@ def run_checkpointed(
     hooks. The run again in backward is timed (the run's ``recompute_ms``)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if any(is_cache(leaf) and _holds_rows_read(leaf, module) for leaf in leaves):
+        run.placement.whole_because = "it is given a key/value cache that already holds rows it reads"
         run.runtime.warn_once(
             "checkpoint:cache",
             f"actoff: block {run.name!r} (and others like it) is given a key/value cache that already "

@@ -59,6 +59,10 @@ class TokenwisePlacement(Placement):
         ):
             self.active = False  # placed whole: the pack hook treats it as such
             self.notes_saves, self.shares_views = False, True
+            if (
+                self.asks_recompute and self.split.conditions not in learned.verdicts
+            ):  # else said at the verdict
+                self.say_whole("no-token-dim")
 
     def forward(self, call: Call) -> Any:
         if not self.active:
@@ -77,6 +81,21 @@ class TokenwisePlacement(Placement):
     def classify(self, record: Record, tensor: torch.Tensor) -> None:
         self.split.classify(record, tensor)
 
+    @property
+    def asks_recompute(self) -> bool:
+        return sum(token_fractions(self.run.config, self.planned)) < 1.0
+
+    def say_whole(self, key: str) -> None:
+        """One warning per cause (Note [no silent downgrade]): the run's block, and why."""
+        run = self.run
+        run.runtime.warn_once(
+            f"whole:{key}",
+            f"actoff: block {run.name!r} (and any others like it) recomputes nothing under the "
+            f"{run.config.policy!r} policy: {self.whole_because}. Its activations are stored whole "
+            f"({self.tier.name}); gradients stay exact. actoff.stats().blocks[name].stored_whole says "
+            "so per block.",
+        )
+
     def seal(self) -> list[object]:
         if not self.active:
             return []
@@ -86,6 +105,16 @@ class TokenwisePlacement(Placement):
             warn_checkpointed(run.runtime.warn_once, run.config, run.name, split.saved_elsewhere)
         if split.records or split.probe_pending:
             return []
+        if split.saved_elsewhere is not None:  # said by `warn_checkpointed`
+            self.whole_because = (
+                "its body runs under a checkpoint inside the scope: its inputs only are stored"
+            )
+        elif self.asks_recompute and not self.whole_because:
+            self.whole_because = (
+                "none of its saved tensors could be split by token under these conditions (each is "
+                "smaller than min_bytes, a parameter, or has no token dimension at the input's length)"
+            )
+            self.say_whole("nothing-split")
         # Nothing will be re-run: inputs and mixer outputs only actoff holds go now.
         unneeded, split.owned = split.owned, []
         return unneeded
@@ -182,6 +211,7 @@ class MeasuringPlacement(TokenwisePlacement):
     Nothing is split or probed."""
 
     name = "measuring"
+    asks_recompute = False  # type: ignore[assignment]  # it measures: nothing is asked of it
 
     def __init__(self, run: ScopeRun) -> None:
         super().__init__(run)

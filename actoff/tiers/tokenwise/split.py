@@ -104,6 +104,9 @@ class Split:
         token_dim = run.config.token_dim
         first = next((value for value in flat.values if isinstance(value, torch.Tensor)), None)
         if first is None or first.dim() <= token_dim:
+            run.placement.whole_because = (
+                f"its first input has no token dimension (token_dim={token_dim}): nothing to split by token"
+            )
             return False
         self.seq_len = first.shape[token_dim]
         self.learned, self.input_spec, self.forward = learned, flat.spec, flat.forward
@@ -112,6 +115,7 @@ class Split:
             flat.values, flat.spec, module, flat.forward.grad_enabled, flat.forward.autocast, self.seq_len
         )
         if self.conditions in learned.verdicts:
+            run.placement.whole_because = learned.verdicts[self.conditions]
             return False
         self.probed = learned.results.get(self.conditions)
         self.fn, self.module = fn, module
@@ -225,6 +229,7 @@ class Split:
 
     def fall_back(self, reason: str) -> None:
         """Place the module whole under these conditions from now on; warn once per module."""
+        self.run.placement.whole_because = reason
         self.learned.fall_back(self.conditions, self.run.name, whole_tier(self.run.config), reason)
 
     def released_record(self, record: Record) -> None:
