@@ -55,7 +55,7 @@ from actoff.budget import Placement, Windows
 from actoff.owners import ByOwner, Recent
 
 from .lengths import Ahead, new_entry, plan_ahead
-from .measured import PROBE, AutoRun, BlockKey, Measured, figures, input_bytes, observe
+from .measured import PROBE, AutoRun, BlockKey, Measured, figures, input_bytes, observe, stand_in_forwards
 from .placements.base import Call
 from .placements.checkpoint import CheckpointPlacement
 from .placements.tokenwise import MeasuringPlacement, TokenwisePlacement
@@ -271,6 +271,7 @@ class AutoObserver(AutoPlans):
                 counted.add(id(entry))
                 entry.steps += 1
             observe(entry, state)
+        stand_in_forwards(entries)
         if not all(entry.ready for entry in entries):
             return None
         ran = tuple(MEASURING if state.placement is None else state.placement for state in states)

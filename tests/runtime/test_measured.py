@@ -67,3 +67,42 @@ def test_auto_reads_a_forward_time_and_attention_inside_it_on_the_simulated_devi
         assert decision.t_layer_ms > 0 and 0 < decision.attention_ms <= decision.t_layer_ms
     for block in stats.blocks.values():
         assert block.forward_ms > 0 and block.measured_ms >= block.forward_ms
+
+
+class _Watch:
+    """A forward watch that says what it was told: ``elapsed`` milliseconds."""
+
+    def __init__(self, elapsed: float) -> None:
+        self.elapsed = elapsed
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_ms(self) -> float:
+        return self.elapsed
+
+
+class _State:
+    """The parts of an `AutoRun` the readers use: the forward's watch and the run's waits out."""
+
+    def __init__(self, elapsed: float, out_wait: float) -> None:
+        self.forward_watch = _Watch(elapsed)
+        self.run = type("Run", (), {"stats": type("Stats", (), {"out_wait_ms": out_wait})()})()
+
+
+def test_a_forward_timed_through_its_waits_takes_a_same_shaped_blocks_time():
+    """(Note [a forward timed through its waits]) A streamed block that waits on its copies for
+    95% of its forward was timed as the whole forward (42 ms where its compute is 10): the model
+    then hid its copies behind 42 ms and kept it streamed. A block of the same shape timed apart
+    from its waits gives it its forward; a block of another shape does not."""
+    streamed, waited = _State(42.0, 40.0), _State(10.0, 0.0)
+    assert measured.forward_ms(streamed) == 42.0 and not measured.timed_apart_from_waits(streamed)
+    assert measured.forward_ms(waited) == 10.0 and measured.timed_apart_from_waits(waited)
+    shape = {"input_bytes": 100, "attention_bytes": 50, "local_bytes": 400}
+    entries = [
+        measured.Measured("a", **shape, forward_s=0.042),
+        measured.Measured("b", **shape, forward_s=0.010, compute_s=0.010),
+        measured.Measured("c", input_bytes=7, forward_s=0.042),  # a shape of its own: its upper bound
+    ]
+    measured.stand_in_forwards(entries)
+    assert [entry.forward_s for entry in entries] == [0.010, 0.010, 0.042]
