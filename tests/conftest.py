@@ -90,6 +90,13 @@ def pytest_collection_modifyitems(config, items):
             )
         if "slow" in item.keywords and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow test: set ACTOFF_RUN_SLOW=1 to run it"))
+        if "plain_pass_only" in item.keywords and SIM_DEVICE:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="runs in the plain pass only: its subprocesses choose their device themselves "
+                    "(the benchmarks count memory on the simulated device on a CPU in either pass)"
+                )
+            )
 
 
 @pytest.fixture(autouse=True)

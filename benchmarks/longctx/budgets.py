@@ -17,14 +17,27 @@ only where the difference is larger than the spreads (their ranges do not overla
 ``within noise``. Under each budget the sweep also prints what ``auto`` planned against what
 it measured (`actoff.stats()`): the budget it was asked, the device peak it measured, and the
 blocks' time it predicted and measured; a peak over the budget is said.
+
+Note [auto in the main run]: the main command (no question asked) runs every policy at every
+length, but ``auto`` with no budget keeps everything where the device has room, which shows
+nothing. So ``auto`` runs instead under `MAIN_AUTO_BUDGETS` budgets at the longest length where
+``keep`` ran: the top is ``keep``'s peak over one less ``CALIBRATED_HEADROOM`` (auto keeps that
+share of its budget free, so at ``keep``'s peak exactly it would not keep), the floor the least
+peak of every policy that ran, the rest evenly between. Each run is on a device of that size, as
+a sweep's capped runs are; its records carry ``budget_bytes`` and a ``label`` (`auto_label`)
+that the table and the plot show. A budget under ``auto``'s floor is recorded ``oom``, and the
+floor is said: that is the figure a user at the edge of memory needs.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
 from _common import format_table
+
+from actoff.budget import CALIBRATED_HEADROOM
 
 from .worker import run_one
 
@@ -37,9 +50,12 @@ SWEEP_POLICIES = ("none", "keep", *RIVALS[1:], "auto")
 KEEP_FITS_TARGET = 1.03
 #: The simulated device of the first pass: counted as the capped ones are, never full.
 UNCAPPED_BYTES = 2**40
-#: Warm-up steps of every policy in a sweep: ``auto`` measures this many before its plan runs
-#: (Note [measuring at the floor] in actoff.runtime.auto), so its timed steps run the plan.
-AUTO_WARMUP = 2
+#: Warm-up steps of every policy in a sweep: ``auto`` measures two steps, probes in a third,
+#: plans and calibrates its plan in the next two (Note [measuring at the floor], Note
+#: [calibrated plans] in actoff.runtime.auto), so its timed steps run the calibrated plan.
+AUTO_WARMUP = 5
+#: Budgets ``auto`` runs under in the main run (Note [auto in the main run]).
+MAIN_AUTO_BUDGETS = 3
 #: Rounds of the capped runs: a median and a spread per policy and budget.
 SWEEP_ROUNDS = 3
 
@@ -321,3 +337,36 @@ def print_sweep(records: list[dict], budgets: list[int], policies: list[str]) ->
     for line in lines:
         print(f"   {line['text']}")
     return lines
+
+
+def auto_label(budget: int) -> str:
+    """How an ``auto`` run under ``budget`` is named in tables and plots.
+
+    >>> auto_label(85 * 2**20)
+    'auto<=85MiB'
+    """
+    return f"auto<={budget / 2**20:.0f}MiB"
+
+
+def auto_under_budgets(records: list[dict], base: dict, count: int, time_left, out) -> list[dict]:
+    """``auto`` under ``count`` budgets at the longest length where ``keep`` ran, each on a device
+    of that size (Note [auto in the main run]); its records, each with ``budget_bytes`` and a
+    ``label`` naming the budget."""
+    ok = [r for r in records if r.get("status") == "ok" and r.get("peak_allocated_bytes")]
+    kept = [r["seq"] for r in ok if r["policy"] == "keep"]
+    if not kept or count < 1:
+        return []
+    seq = max(kept)
+    peaks = {r["policy"]: r["peak_allocated_bytes"] for r in ok if r["seq"] == seq}
+    top = math.ceil(peaks["keep"] / (1 - CALIBRATED_HEADROOM))
+    made = []
+    for budget in budgets_between(top, min(peaks.values()), count):
+        spec = {**base, "policy": "auto", "seq": seq, "budget_bytes": budget}
+        spec["warmup"] = max(spec.get("warmup", 0), AUTO_WARMUP)
+        spec.pop("seqs", None)
+        if not torch.cuda.is_available():
+            spec["sim_memory"] = budget  # Note [a capped device on a CPU]
+        made.extend(
+            {**record, "label": auto_label(budget)} for record in run_one(spec, time_left(), out.write)
+        )
+    return made

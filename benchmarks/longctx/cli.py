@@ -33,7 +33,7 @@ from _common import JsonLines, format_table, print_header, system_header, write_
 import actoff
 
 from . import calibrate
-from .budgets import AUTO_WARMUP, SWEEP_POLICIES, print_sweep
+from .budgets import AUTO_WARMUP, SWEEP_POLICIES, auto_under_budgets, print_sweep
 from .budgets import sweep as budget_sweep
 from .ddp import gather_to_rank0, host_store, torchrun_launch
 from .emulate import check_emulation, scaled_budget
@@ -45,7 +45,9 @@ from .plots import plot
 from .policies import (
     ALLOCATOR_VARIANTS,
     DEFAULT_POLICIES,
+    LOSS_TOKENS,
     MAXSEQ_CPU_POLICIES,
+    TILE_TOKENS,
     check_policies,
     split_variants,
 )
@@ -112,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         lengths.sort()  # shortest first: a failure skips the longer ones
         if tunnel is not None:
             base["tunnel"] = _tunnel_spec(like, tunnel)
-        records, interleaved = run_policies(policies, base, lengths, launch, time_left, out, lead)
+        budgeted = launch is None and args.auto_budgets > 0 and "auto" in policies
+        ran = [policy for policy in policies if not (budgeted and policy == "auto")]
+        records, interleaved = run_policies(ran, base, lengths, launch, time_left, out, lead)
+        if budgeted:  # Note [auto in the main run]
+            records += auto_under_budgets(records, base, args.auto_budgets, time_left, out)
         if launch is not None:
             records = gather_to_rank0(records, launch)
             if records is None:
@@ -271,6 +277,22 @@ def _policies(args: argparse.Namespace, cuda: bool) -> list[str]:
     return policies
 
 
+def shrunk_chunks(base: dict, shrink: int) -> tuple[int, int]:
+    """The tile and loss chunks (tokens) of a model whose widths are divided by ``shrink``: the
+    full model's divided too, at least 64. A proxy's lengths are the full model's scaled down (on a
+    device scaled down with it); with its chunks / K too, a length / K is cut into as many chunks
+    as the full model's length, so the MLP and loss chunks weigh in the peak as they would there
+    (issue 39: with 4096-token chunks at 1024 tokens nothing was chunked, and the loss's backward
+    bound the proxy).
+
+    >>> shrunk_chunks({"tile_tokens": None, "loss_tokens": None}, 32)
+    (128, 128)
+    """
+    tile = base.get("tile_tokens") or TILE_TOKENS
+    loss = base.get("loss_tokens") or LOSS_TOKENS
+    return max(64, tile // shrink), max(64, loss // shrink)
+
+
 def _base_spec(args: argparse.Namespace, preset: dict, nvme_dir: str, capped: bool) -> dict:
     """What every worker's spec shares: the model, its dtype, the steps, the NVMe directory, the
     chunk sizes and, on a capped simulated device, its memory."""
@@ -280,6 +302,8 @@ def _base_spec(args: argparse.Namespace, preset: dict, nvme_dir: str, capped: bo
     for key in ("shrink", "lora", "emulate_layers", "memory_snapshot"):
         if getattr(args, key, None):
             base[key] = getattr(args, key)
+    if base.get("shrink"):  # chunks shrink with the widths: the proxy chunks where the model would
+        base["tile_tokens"], base["loss_tokens"] = shrunk_chunks(base, args.shrink)
     if base.get("shrink") or base.get("lora"):
         base["interleave"] = False  # the interleaved ratio lines time the cpu preset's plain model
     if base.get("emulate_layers"):  # Note [emulated layers]: the L-block model's budget, N blocks' share

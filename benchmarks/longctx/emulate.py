@@ -50,6 +50,7 @@ __all__ = [
 HELD_BY_POLICY = {
     "torch_checkpoint": "block input",
     "torch_checkpoint_cpu": "nothing",
+    "hf_checkpoint_offload": "nothing",  # its block inputs go to the host under save_on_cpu too
     "torch_save_on_cpu": "nothing",
 }
 

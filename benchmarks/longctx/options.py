@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .budgets import SWEEP_POLICIES
+from .budgets import MAIN_AUTO_BUDGETS, SWEEP_POLICIES
 from .policies import ACTOFF_POLICIES, BASELINES
 
 __all__ = ["DEFAULT_LIKE", "DEFAULT_SIM_MEMORY", "PRESETS", "build_parser", "parse_lengths"]
@@ -147,6 +147,13 @@ def _question_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a CPU: the tunnel against the committed H100 run (7B-shaped, 4 layers, 8k and 32k): "
         "step-time ratios to none side by side with their errors",
+    )
+    parser.add_argument(
+        "--auto-budgets",
+        type=int,
+        default=MAIN_AUTO_BUDGETS,
+        help="auto runs under N device budgets from keep's peak down to the least peak of the policies, at "
+        f"the longest length, instead of once without one (default {MAIN_AUTO_BUDGETS}; 0: once, no budget)",
     )
     parser.add_argument(
         "--budgets",

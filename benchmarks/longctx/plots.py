@@ -21,7 +21,7 @@ def _pyplot():
 def plot(records: list[dict], path: str) -> None:
     plt = _pyplot()
     ok = [r for r in records if r.get("status") == "ok"]
-    policies = list(dict.fromkeys(r["policy"] for r in ok))
+    policies = list(dict.fromkeys(r.get("label", r["policy"]) for r in ok))
     lengths = sorted({r["seq"] for r in ok})
     fig, axes = plt.subplots(1, len(lengths) + 1, figsize=(6 * (len(lengths) + 1), 5), squeeze=False)
     sources = {r.get("memory_source") for r in ok}
@@ -55,21 +55,25 @@ def _plot_plane(axis, rows: list[dict], seq: int, memory_label: str) -> None:
     """Step time over none's (y) against the device peak (x), each policy a labelled point,
     actoff's filled and PyTorch's hollow, the front a line."""
     points = [
-        (gib(r["peak_allocated_bytes"]) * 1024, r["step_vs_none"], r["policy"])
+        (gib(r["peak_allocated_bytes"]) * 1024, r["step_vs_none"], r.get("label", r["policy"]))
         for r in rows
         if r.get("peak_allocated_bytes") and r.get("step_vs_none")
     ]
-    for x, y, policy in points:
-        actoff_policy = is_actoff_policy(policy)
+    for x, y, label in points:
+        actoff_policy = is_actoff_policy(label.split("<=")[0])
+        budgeted = "<=" in label  # auto under a budget (Note [auto in the main run]): a star
         axis.scatter(
             [x],
             [y],
-            s=40,
-            marker="o" if actoff_policy else "s",
-            facecolors="C0" if actoff_policy else "none",
-            edgecolors="C0" if actoff_policy else "C3",
+            s=90 if budgeted else 40,
+            marker="*" if budgeted else "o" if actoff_policy else "s",
+            facecolors="C2" if budgeted else "C0" if actoff_policy else "none",
+            edgecolors="C2" if budgeted else "C0" if actoff_policy else "C3",
         )
-        axis.annotate(policy, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        axis.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    budgets = sorted({r["budget_bytes"] for r in rows if r.get("label", "").startswith("auto<=")})
+    for budget in budgets:  # each budget auto was given, where its point must lie left of
+        axis.axvline(gib(budget) * 1024, color="C2", lw=0.6, ls=":")
     front = pareto_front(points)
     if front:
         axis.step(
@@ -93,7 +97,7 @@ def _plot_timelines(axis, ok: list[dict], policies: list[str], memory_label: str
     """Device (and host and NVMe) memory over one step of each policy, at the longest length."""
     longest = max((r["seq"] for r in ok), default=0)
     for policy in policies:
-        record = next((r for r in ok if r["policy"] == policy and r["seq"] == longest), None)
+        record = next((r for r in ok if r.get("label", r["policy"]) == policy and r["seq"] == longest), None)
         if record and record.get("timeline"):
             t, dev, host, nvme = zip(*record["timeline"], strict=True)
             (line,) = axis.plot(t, [v / 2**30 for v in dev], label=f"{policy}: {memory_label}")

@@ -11,7 +11,7 @@ import contextlib
 import os
 
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
-BASELINES = ("none", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu")
+BASELINES = ("none", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "hf_checkpoint_offload")
 ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "checkpoint", "auto")
 # tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
 # --find-max-seq on a CPU: the baselines and actoff's policies, each plain and with tiling and
@@ -158,6 +158,9 @@ def apply_policy(model, policy: str, nvme_dir: str | None, planner_off: bool = F
     if policy in ("torch_checkpoint", "torch_checkpoint_cpu"):
         _checkpoint_blocks(model, offload_input=policy == "torch_checkpoint_cpu")
         return contextlib.nullcontext
+    if policy == "hf_checkpoint_offload":
+        _hf_checkpoint_offload(model)
+        return contextlib.nullcontext
     if policy == "torch_save_on_cpu":
         return lambda: save_on_host(pinned=torch.cuda.is_available())
     _offload(model, policy, nvme_dir, planner_off)
@@ -187,6 +190,37 @@ def _checkpoint_blocks(model, *, offload_input: bool = False) -> None:
                 return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=True)
 
     model.layers = torch.nn.ModuleList(Checkpointed(b) for b in model.layers)
+
+
+def _hf_checkpoint_offload(model) -> None:
+    """Every block as Hugging Face's ``activation_checkpointing_enable(offload=True)`` wraps a
+    decoder layer (transformers 5.x, ``PreTrainedModel._activation_checkpointing_enable``): a
+    non-reentrant ``checkpoint`` called inside ``save_on_cpu(pin_memory=True)``. The same two calls,
+    applied to the reference model's blocks (the method is Hugging Face models' own); refused where
+    the installed transformers has no such method, so the row always names what it stands for."""
+    import torch
+    import torch.utils.checkpoint
+
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = None
+    if PreTrainedModel is None or not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+        raise SystemExit(
+            "hf_checkpoint_offload: the installed transformers has no activation_checkpointing_enable "
+            "(transformers 5.x has it; pip install -U transformers)"
+        )
+
+    class Offloaded(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x, cos, sin):
+            with save_on_host(pinned=True):
+                return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+    model.layers = torch.nn.ModuleList(Offloaded(b) for b in model.layers)
 
 
 def _offload(model, policy: str, nvme_dir: str | None, planner_off: bool) -> None:

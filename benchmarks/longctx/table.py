@@ -11,7 +11,7 @@ from .paired import PAIRS, print_ratios, summarize
 from .worker import run_one
 
 COLUMNS = [
-    ("policy", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"),
+    ("label", "policy"), ("seq", "seq"), ("status", "status"), ("step_ms", "step ms"),
     ("step_vs_none", "x none"), ("peak_vs_keep", "peak/keep"), ("step_cpu_ms", "CPU ms"),
     ("tokens_per_s", "tok/s"), ("mfu", "MFU"), ("peak_allocated_gib", "peak GiB"),
     ("peak_reserved_gib", "reserved GiB"), ("fragmentation_gib", "frag GiB"),
@@ -112,6 +112,7 @@ def report(records: list[dict], interleaved: list[dict], policies: list[str], la
     records.sort(key=lambda r: (str(r.get("rank", "")), r["seq"], order.get(r["policy"], len(order))))
     add_derived(records)
     for record in records:
+        record.setdefault("label", record["policy"])  # auto under a budget: Note [auto in the main run]
         for key in GIB_FIELDS:
             record[key.replace("_bytes", "_gib")] = gib(record.get(key))
     columns = [*([("rank", "rank")] if any("rank" in r for r in records) else []), *COLUMNS]
