@@ -832,7 +832,7 @@ def test_a_memory_snapshot_is_summarized_by_where_its_blocks_were_allocated():
 
 
 @pytest.mark.parametrize(
-    "name", ["emulate", "lora", "maxseq", "policies", "snapshot", "calibrate", "tunnel", "budgets"]
+    "name", ["emulate", "lora", "maxseq", "policies", "snapshot", "calibrate", "tunnel", "budgets", "cli"]
 )
 def test_benchmark_docstring_examples(name):
     """The examples in the long-context benchmark's docstrings run and print what they say."""

@@ -25,8 +25,8 @@ nothing. So ``auto`` runs instead under `MAIN_AUTO_BUDGETS` budgets at the longe
 share of its budget free, so at ``keep``'s peak exactly it would not keep), the floor the least
 peak of every policy that ran, the rest evenly between. Each run is on a device of that size, as
 a sweep's capped runs are; its records carry ``budget_bytes`` and a ``label`` (`auto_label`)
-that the table and the plot show. A budget under ``auto``'s floor is recorded ``oom``, and the
-floor is said: that is the figure a user at the edge of memory needs.
+that the table and the plot show. A budget under ``auto``'s floor is recorded ``oom``, a finding
+that does not fail the run (`cli.failed`): that is the figure a user at the edge of memory needs.
 """
 
 from __future__ import annotations

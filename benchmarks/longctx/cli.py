@@ -442,4 +442,21 @@ def _report_table(
     if args.plot:
         plot(records, args.plot)
         print(f"plot written to {args.plot}")
-    return 0 if all(r.get("status") == "ok" for r in records) else 1
+    return 0 if not failed(records) else 1
+
+
+def failed(records: list[dict]) -> list[dict]:
+    """The records that make the run fail: every one not ok, except ``auto`` under a budget out of
+    memory, which is a finding (the budget is under auto's floor: Note [auto in the main run]),
+    not a broken run.
+
+    >>> failed([{"status": "ok"}, {"status": "oom", "label": "auto<=46MiB", "budget_bytes": 1}])
+    []
+    >>> [r["policy"] for r in failed([{"policy": "cpu", "status": "oom"}, {"policy": "x", "status": "error", "label": "a"}])]
+    ['cpu', 'x']
+    """
+    return [
+        r
+        for r in records
+        if r.get("status") != "ok" and not (r.get("status") == "oom" and "label" in r and "budget_bytes" in r)
+    ]
