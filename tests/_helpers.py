@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -73,16 +74,20 @@ def train(
     return history
 
 
-def train_ddp(model: torch.nn.Module, lengths: list[int], rank: int, *, find_unused: bool = False):
+def train_ddp(
+    model: torch.nn.Module, lengths: list[int], rank: int, *, find_unused: bool = False, forward_context=None
+):
     """DDP around ``model``, one SGD step per sequence length (tokens drawn per rank); per
-    step the loss and the gradients, in parameter order. Needs an initialised process group."""
+    step the loss and the gradients, in parameter order. Needs an initialised process group.
+    ``forward_context``: a callable giving the context each forward runs in."""
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     history = []
     for length in lengths:
         tokens = torch.randint(0, 256, (2, length), generator=generator).to(next(model.parameters()).device)
-        logits = ddp(tokens[:, :-1])
+        with forward_context() if forward_context is not None else contextlib.nullcontext():
+            logits = ddp(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
         loss.backward()
         history.append((loss.detach().clone(), [p.grad.clone() for p in ddp.parameters()]))
