@@ -77,7 +77,7 @@ def test_long_context_smoke(tmp_path):
         assert record["peak_allocated_bytes"] > record["activation_peak_bytes"] > 0
         assert record["timeline"] and record["timeline"][0][1] >= record["static_bytes"] > 0
     by_policy = {r["policy"]: r for r in data["records"] if r["policy"] != "auto"}
-    # Note [auto in the main run]: auto under 3 budgets at the longest length, from above keep's
+    # (Note [auto in the main run]) auto under 3 budgets at the longest length, from above keep's
     # peak (its calibrated headroom) down to the least peak of every policy, each run labelled.
     autos = [r for r in data["records"] if r["policy"] == "auto"]
     budgets = [r["budget_bytes"] for r in autos]
@@ -832,7 +832,7 @@ def test_a_memory_snapshot_is_summarized_by_where_its_blocks_were_allocated():
 
 
 @pytest.mark.parametrize(
-    "name", ["emulate", "lora", "maxseq", "policies", "snapshot", "calibrate", "tunnel", "budgets", "cli"]
+    "name", ["emulate", "lora", "maxseq", "policies", "snapshot", "calibrate", "tunnel", "budgets", "table"]
 )
 def test_benchmark_docstring_examples(name):
     """The examples in the long-context benchmark's docstrings run and print what they say."""

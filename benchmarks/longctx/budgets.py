@@ -26,7 +26,7 @@ share of its budget free, so at ``keep``'s peak exactly it would not keep), the 
 peak of every policy that ran, the rest evenly between. Each run is on a device of that size, as
 a sweep's capped runs are; its records carry ``budget_bytes`` and a ``label`` (`auto_label`)
 that the table and the plot show. A budget under ``auto``'s floor is recorded ``oom``, a finding
-that does not fail the run (`cli.failed`): that is the figure a user at the edge of memory needs.
+that does not fail the run (`table.failed`): that is the figure a user at the edge of memory needs.
 """
 
 from __future__ import annotations

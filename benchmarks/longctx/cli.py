@@ -45,14 +45,13 @@ from .plots import plot
 from .policies import (
     ALLOCATOR_VARIANTS,
     DEFAULT_POLICIES,
-    LOSS_TOKENS,
     MAXSEQ_CPU_POLICIES,
-    TILE_TOKENS,
     check_policies,
+    shrunk_chunks,
     split_variants,
 )
 from .rounds import ROUNDS, rounds_worker
-from .table import add_derived, report, run_policies
+from .table import add_derived, failed, report, run_policies
 from .tunnel import matching_length, parse_like, scale
 from .worker import run_one, worker
 
@@ -277,22 +276,6 @@ def _policies(args: argparse.Namespace, cuda: bool) -> list[str]:
     return policies
 
 
-def shrunk_chunks(base: dict, shrink: int) -> tuple[int, int]:
-    """The tile and loss chunks (tokens) of a model whose widths are divided by ``shrink``: the
-    full model's divided too, at least 64. A proxy's lengths are the full model's scaled down (on a
-    device scaled down with it); with its chunks / K too, a length / K is cut into as many chunks
-    as the full model's length, so the MLP and loss chunks weigh in the peak as they would there
-    (issue 39: with 4096-token chunks at 1024 tokens nothing was chunked, and the loss's backward
-    bound the proxy).
-
-    >>> shrunk_chunks({"tile_tokens": None, "loss_tokens": None}, 32)
-    (128, 128)
-    """
-    tile = base.get("tile_tokens") or TILE_TOKENS
-    loss = base.get("loss_tokens") or LOSS_TOKENS
-    return max(64, tile // shrink), max(64, loss // shrink)
-
-
 def _base_spec(args: argparse.Namespace, preset: dict, nvme_dir: str, capped: bool) -> dict:
     """What every worker's spec shares: the model, its dtype, the steps, the NVMe directory, the
     chunk sizes and, on a capped simulated device, its memory."""
@@ -443,20 +426,3 @@ def _report_table(
         plot(records, args.plot)
         print(f"plot written to {args.plot}")
     return 0 if not failed(records) else 1
-
-
-def failed(records: list[dict]) -> list[dict]:
-    """The records that make the run fail: every one not ok, except ``auto`` under a budget out of
-    memory, which is a finding (the budget is under auto's floor: Note [auto in the main run]),
-    not a broken run.
-
-    >>> failed([{"status": "ok"}, {"status": "oom", "label": "auto<=46MiB", "budget_bytes": 1}])
-    []
-    >>> [r["policy"] for r in failed([{"policy": "cpu", "status": "oom"}, {"policy": "x", "status": "error", "label": "a"}])]
-    ['cpu', 'x']
-    """
-    return [
-        r
-        for r in records
-        if r.get("status") != "ok" and not (r.get("status") == "oom" and "label" in r and "budget_bytes" in r)
-    ]

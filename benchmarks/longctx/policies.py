@@ -280,3 +280,19 @@ def _save_on_simulated_host(device):
         return host.clone()  # a device allocation, as ``.to(device)`` is
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def shrunk_chunks(base: dict, shrink: int) -> tuple[int, int]:
+    """The tile and loss chunks (tokens) of a model whose widths are divided by ``shrink``: the
+    full model's divided too, at least 64. A proxy's lengths are the full model's scaled down (on a
+    device scaled down with it); with its chunks / K too, a length / K is cut into as many chunks
+    as the full model's length, so the MLP and loss chunks weigh in the peak as they would there
+    (issue 39: with 4096-token chunks at 1024 tokens nothing was chunked, and the loss's backward
+    bound the proxy).
+
+    >>> shrunk_chunks({"tile_tokens": None, "loss_tokens": None}, 32)
+    (128, 128)
+    """
+    tile = base.get("tile_tokens") or TILE_TOKENS
+    loss = base.get("loss_tokens") or LOSS_TOKENS
+    return max(64, tile // shrink), max(64, loss // shrink)

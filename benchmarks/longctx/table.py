@@ -140,3 +140,20 @@ def report(records: list[dict], interleaved: list[dict], policies: list[str], la
         f"peak GiB: device memory, measured on {where}; step times on the device itself."
     )
     return summary
+
+
+def failed(records: list[dict]) -> list[dict]:
+    """The records that make the run fail: every one not ok, except ``auto`` under a budget out of
+    memory, which is a finding (the budget is under auto's floor: Note [auto in the main run]),
+    not a broken run.
+
+    >>> failed([{"status": "ok"}, {"status": "oom", "label": "auto<=46MiB", "budget_bytes": 1}])
+    []
+    >>> [r["policy"] for r in failed([{"policy": "cpu", "status": "oom"}, {"policy": "x", "status": "error", "label": "a"}])]
+    ['cpu', 'x']
+    """
+    return [
+        r
+        for r in records
+        if r.get("status") != "ok" and not (r.get("status") == "oom" and "label" in r and "budget_bytes" in r)
+    ]
