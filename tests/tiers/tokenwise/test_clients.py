@@ -85,7 +85,10 @@ def test_a_new_length_every_step_leaks_nothing(overrides, monkeypatch):
         samples[10],
         samples[109],
     )
-    assert objects_after == objects_before, (objects_before, objects_after)  # one step's worth
+    # A leak grows with the steps: 99 steps apart, even one object a step would be 99. The full
+    # suite on the simulated device once counted one more (587, 588): an object of a copy still in
+    # flight at the sample, timing-dependent, not a leak; so one or two are allowed.
+    assert objects_after - objects_before <= 2, (objects_before, objects_after)
     assert fds_after == fds_before
     assert rss_after - rss_before < 24 * 2**20, (rss_before, rss_after)  # allocator noise, not a leak
     actoff.reset()
