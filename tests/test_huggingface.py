@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import NO_CACHE, tiny_llama
+from _helpers import NO_CACHE, assert_same_history, tiny_llama
 
 import actoff
 
@@ -79,10 +79,7 @@ def test_llama_gradient_checkpointing_offloads_the_layer_inputs(reentrant, polic
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         actual = _train(model)
-    for (loss_a, grads_a), (loss_b, grads_b) in zip(expected, actual, strict=True):
-        torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
-        for name in grads_a:
-            torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0)
+    assert_same_history(expected, actual)
     stats = actoff.stats()
     assert stats.steps == 3
     hidden_states = 2 * 48 * 64 * 4  # (B, S, H) float32: all that is placed
@@ -139,10 +136,7 @@ def test_hugging_faces_offloaded_checkpointing_composes_both_ways(block_cls, pla
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         actual = _train(model)
-    for (loss_a, grads_a), (loss_b, grads_b) in zip(expected, actual, strict=True):
-        torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
-        for name in grads_a:
-            torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0)
+    assert_same_history(expected, actual)
     messages = [str(w.message) for w in caught if str(w.message).startswith("actoff")]
     assert len(messages) == (0 if warned is None else 1), messages
     assert warned is None or warned in messages[0]
