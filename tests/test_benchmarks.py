@@ -86,6 +86,11 @@ def test_long_context_smoke(tmp_path):
     assert budgets[0] > by_policy["keep"]["peak_allocated_bytes"]
     assert budgets[-1] == min(r["peak_allocated_bytes"] for r in by_policy.values())
     assert all(r["label"] in done.stdout for r in autos)
+    # Note [auto decides on a warm step]: auto's timed steps run the plan it settled on, not its
+    # measuring or calibrating steps (one of three timed steps had been a measuring one).
+    for record in autos:
+        assert isinstance(record["auto_settle_steps"], int), record
+        assert not record["auto_timed_plans"][0].startswith("settling"), record
     assert by_policy["cpu"]["act_cpu_bytes"] > 0 and by_policy["nvme"]["act_nvme_bytes"] > 0
     assert by_policy["recompute"]["act_recompute_bytes"] > 0 and by_policy["recompute"]["recompute_share"] > 0
     assert by_policy["tokenwise:0.25:0.25"]["act_nvme_bytes"] > 0
@@ -137,6 +142,14 @@ def test_long_context_rejects_unknown_policies():
         command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--policies", policy]
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and message in done.stderr
+
+
+def test_auto_under_budgets_without_keep_is_refused_before_anything_runs():
+    # Its budgets start at keep's peak: without keep the table had come out empty, nothing said.
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--policies", "auto"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "add keep to --policies" in done.stderr
+    assert "actoff long-context benchmark" not in done.stdout  # refused before the header
 
 
 def test_io_bandwidth_smoke(tmp_path):

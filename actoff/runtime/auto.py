@@ -232,6 +232,7 @@ class AutoObserver(AutoPlans):
         if part.ended:  # a retained graph's next backward: said, not measured again
             return
         part.ended = True
+        self.holds = False  # until a check keeps the plan this step ran
         ended = self._measured_step(states, step, moments)
         if ended is None:
             figures(states, None)

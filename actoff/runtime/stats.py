@@ -57,6 +57,9 @@ class Stats:
     predicted_peak_bytes: int = 0
     predicted_step_ms: float = 0.0
     replans: int = 0
+    #: The last step ran the plan in force and kept it (auto has settled: its measuring, probing
+    #: and calibrating steps are behind; `actoff.runtime.planning.AutoPlans.holds`).
+    plan_holds: bool = False
     measured_plan: str = "none"
     measured_predicted_peak_bytes: int = 0
     measured_peak_bytes: int | None = None
@@ -184,7 +187,7 @@ class Stats:
                 f"auto plan: {self.plan} ({self.plan_reason}); budget {format_bytes(self.budget_bytes)}, "
                 f"outside the blocks {format_bytes(self.outside_bytes)}; predicted device peak "
                 f"{format_bytes(self.predicted_peak_bytes)}, blocks' time {self.predicted_step_ms:.2f} ms; "
-                f"{self.replans} replan(s)"
+                f"{self.replans} replan(s)" + ("; holds" if self.plan_holds else "; settling")
             )
         if self.measured_plan != "none":
             peak = (

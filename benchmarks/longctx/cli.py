@@ -83,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_snapshot and not cuda:
         raise SystemExit("--memory-snapshot reads CUDA's caching allocator; this machine has no CUDA device")
     policies = _policies(args, cuda)
+    solo = torchrun_launch() is None and not args.find_max_seq  # Note [auto in the main run]
+    if solo and args.auto_budgets > 0 and "auto" in policies and "keep" not in policies:
+        raise SystemExit(
+            "--auto-budgets: auto's budgets start at keep's peak; add keep to --policies, or give "
+            "--auto-budgets 0 to run auto once without a budget"
+        )
     like = _like(args, cuda, preset)  # first: a target sets the layers and lengths not given
     lengths = parse_lengths(args.seq or preset["seq"])
     max_seq = parse_lengths(args.max_seq or ("1024k" if cuda else "8k"))[0]

@@ -87,6 +87,10 @@ class Step:
         self.loss_tokens = spec.get("loss_tokens") or LOSS_TOKENS
         self.phases: list[tuple[str, int, int]] = []  # (phase, device bytes live after it, peak during it)
         self.cpu_times: list[float] = []  # process CPU seconds per timed step
+        self.auto = split_variants(spec["policy"])[0] == "auto"
+        self.plans: list[
+            str
+        ] = []  # under auto, the plan each timed step ran (Note [auto decides on a warm step])
         # What timed steps are timed by: in the tunnel its `UnstolenClock` (the link's too)
         self.clock = time.perf_counter
 
@@ -141,7 +145,11 @@ class Step:
         if self.cuda:
             torch.cuda.synchronize()
         self.cpu_times.append(time.process_time() - cpu_start)
-        return self.clock() - start
+        seconds = self.clock() - start
+        if self.auto:  # the plan it ran, where that plan holds
+            stats = actoff.stats()
+            self.plans.append(stats.measured_plan if stats.plan_holds else f"settling ({stats.plan_reason})")
+        return seconds
 
 
 def measure(
@@ -187,6 +195,8 @@ def measure(
         "timeline": timeline.points,
         **extra,
     }
+    if step.auto:
+        record["auto_timed_plans"] = step.plans
     record["recompute_share"] = record["recompute_ms"] / record["step_ms"] if record["step_ms"] else None
     offloaded = record["act_cpu_bytes"] + record["act_nvme_bytes"]
     record["copy_gbps"] = offloaded / (record["copy_ms"] * 1e6) if record["copy_ms"] > 0 else None
@@ -246,23 +256,39 @@ def _run_steps(
 # also frees copy sources sooner than a real one would.
 
 
+#: Most steps auto gets after its reset to settle (Note [auto decides on a warm step]): two
+#: measuring, a first plan, a probe, the plan after it, its calibration and a replan are seven.
+AUTO_SETTLE_STEPS = 12
+
+
 def _warm_up(spec: dict, step: Step, extra: dict) -> None:
     """The warm-up steps. Under ``auto`` (Note [auto decides on a warm step]) the decision made
-    after the first of them is dropped and made again from a warm step."""
+    after the first of them is dropped and made again from warm steps, which run until its plan
+    holds (`AUTO_SETTLE_STEPS` at most; the record says how many it took, or that it did not)."""
     for _ in range(spec["warmup"]):
         step()
     if spec["warmup"] and split_variants(spec["policy"])[0] == "auto":
         actoff.reset()  # forgets the decision, the plans and the probes: all made again
-        step()  # decides from a warm forward
-        step()  # plans the arenas under that decision
-        extra["auto_decided_warm"] = True
+        settled = None
+        for taken in range(1, AUTO_SETTLE_STEPS + 1):
+            step()
+            stats = actoff.stats()
+            if stats.plan_holds or (taken >= 2 and stats.plan == "none"):  # no budget: it keeps
+                settled = taken
+                break
+        step()  # the arenas laid out under the plan that holds
+        extra.update(auto_decided_warm=True, auto_settle_steps=settled)
 
 
 # Note [auto decides on a warm step]: auto times a block's forward in its first step and sizes
 # what it stores from that time. A process's first step on a GPU also pays for the CUDA
 # context, cuBLAS handles and kernel selection, so a decision made there stores more than the
 # link can hide. The benchmark judges the decision a trained model lives with: the one made
-# after a warm step.
+# after a warm step, and the plan it settles on. Settling takes steps (two measuring, a first
+# plan, a probe where it offloads, the plan after it, its calibration: Note [measuring at the
+# floor] in actoff.runtime.auto), and a timed step among them times a measuring step instead of
+# the plan (the main run's auto<=128MiB once timed 1280, 572 and 451 ms: two settling steps and
+# the plan). So the warm-up runs until the plan holds (`actoff.Stats.plan_holds`).
 
 
 def _memory_fields(

@@ -274,3 +274,37 @@ def test_the_step_stored_whole_lets_a_blocks_saves_go_before_the_next_block_runs
     assert steps[0][0] == ["measuring"] * 4
     assert in_flight == [0, 0, 0], in_flight
     _compare(steps[0][2], exact=True)  # stored whole: bit for bit
+
+
+def test_the_stats_say_when_the_plan_holds_and_when_it_settles_again(keep_peak):
+    """`Stats.plan_holds`: false through the measuring, probing and calibrating steps, true once a
+    step ran the plan in force and its check kept it, false again at a length never seen (its
+    blocks measure) until that length's plan holds. (The benchmark times auto from there: its
+    timed steps had been measuring ones, Note [auto decides on a warm step].)"""
+    model = make_model(num_layers=4)
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="10GB")
+    generator = torch.Generator().manual_seed(1)
+    history = []
+    with simulated_device(seed=0, capacity=int(keep_peak * 0.55)):
+        for seq in [SEQ] * 7 + [SEQ // 2] * 7:
+            model.loss(torch.randint(0, 256, (2, seq), generator=generator)).backward()
+            stats = actoff.stats()
+            history.append(
+                (stats.plan_holds, [block.placement for block in stats.blocks.values()], stats.plan_reason)
+            )
+    for length in (history[:7], history[7:]):
+        holds = [held for held, *_ in length]
+        # Not at a length's first step (the first measures; another length's is planned ahead
+        # from the first's figures, Note [other lengths planned ahead]), nor while blocks
+        # measure or probe; once it holds it holds (nothing changes: this run's steps are alike).
+        assert not holds[0] and True in holds, history
+        first = holds.index(True)
+        assert all(holds[first:]), history
+        assert all(p not in ("measuring", "probing") for p in length[first][1]), history
+        assert all(
+            not held for held, placements, _ in length if "measuring" in placements or "probing" in placements
+        )
+    assert [held for held, *_ in history[:4]] == [False] * 4, (
+        history
+    )  # measuring twice, a probe, the first plan
+    assert "holds" in str(actoff.stats())

@@ -1,0 +1,51 @@
+"""The auto policy's plans (actoff.runtime.planning): what keeps a plan in force against a replan
+on time alone (Note [a plan kept against time noise]). Pure numbers: the costs and plans are
+built here, predicted by the model of actoff.budget."""
+
+from actoff.budget import BlockCost, Outside, Placement, Plan, Windows, predict
+from actoff.runtime.planning import StepPlan, still_good
+
+# Two blocks: 10 ms forwards, 2 ms of attention, 5 MB saved each; a 1 GB/s link.
+COSTS = (BlockCost(0.010, 0.002, 10**6, 10**6, 3 * 10**6),) * 2
+LINK = 1e9
+
+
+NONE = Windows()
+NOTHING = Outside()
+
+
+def _again(placements, windows=NONE, budget=10**8, outside=NOTHING) -> StepPlan:
+    """A replan's step plan: ``placements`` as fitting would have chosen them, predicted here."""
+    peak, seconds = predict(COSTS, placements, LINK, outside_bytes=outside, windows=windows)
+    plan = Plan(tuple(placements), windows, peak, seconds)
+    return StepPlan((), ("a", "b"), (), plan, COSTS, budget, LINK, outside, "replanned: time", True)
+
+
+def test_a_plan_within_the_tolerance_of_the_new_one_stays_with_its_predictions_renewed():
+    # The new plan keeps both blocks: 20 ms of forwards, nothing added. The plan in force
+    # streams both with a 5 MB copy window (every copy out hidden behind 10 ms of compute) and a
+    # fetch window of 1.1 MB: 4.4 ms of backward compute hides 5 ms of fetch, 0.6 ms exposed a
+    # block: 21.2 ms, 6% over, inside the 10%. At 0.9 MB: 1.4 ms a block, 22.8 ms, 14% over.
+    again = _again([Placement("keep")] * 2)
+    near = Plan((Placement("stream"),) * 2, Windows(1.1e6, 5e6), 0.0, 0.0)
+    kept = still_good(near, again)
+    assert kept is not None and (kept.placements, kept.windows) == (near.placements, near.windows)
+    assert (kept.peak_bytes, kept.seconds) == predict(COSTS, near.placements, LINK, windows=near.windows)
+    assert abs(kept.seconds - 0.0012) < 1e-9
+    assert still_good(Plan(near.placements, Windows(0.9e6, 5e6), 0.0, 0.0), again) is None
+
+
+def test_a_plan_more_than_the_tolerance_slower_gives_way():
+    # Windows of none expose each block's copies: 5 ms out and 5 ms back a block, 20 ms over
+    # the new plan's 20 ms: 2x.
+    again = _again([Placement("keep")] * 2)
+    assert still_good(Plan((Placement("stream"),) * 2, Windows(), 0.0, 0.0), again) is None
+    # Checkpointing one block re-runs its 10 ms forward (and copies its input): 1.5x and more.
+    assert still_good(Plan((Placement("checkpoint"), Placement("keep")), Windows(), 0.0, 0.0), again) is None
+
+
+def test_a_plan_that_no_longer_fits_the_budget_gives_way_however_fast():
+    # Keep predicts 10 MB of saves over 90 MB outside the blocks: over 97% of a 100 MB budget.
+    again = _again([Placement("stream")] * 2, Windows(5 * 10**6, 5 * 10**6), outside=Outside.flat(9 * 10**7))
+    assert still_good(Plan((Placement("keep"),) * 2, Windows(), 0.0, 0.0), again) is None
+    assert still_good(again.plan, again) is not None  # the new plan itself passes its own test
