@@ -138,7 +138,7 @@ class Config:
     #: NVMe I/O engine: ``auto`` (kvikio when it really works, else posix), ``kvikio``, ``posix``.
     io_backend: str = "auto"
     #: Host link bandwidth for ``auto`` in bytes per second (``25GB`` = 25e9 B/s); ``None``:
-    #: measured once with a pinned copy (a modelled link, the simulated device's: its rate).
+    #: measured once per device on pinned copies (Note [timing the link] in actoff.device.base).
     host_bandwidth: int | None = None
     #: Worker threads of the POSIX I/O engine.
     io_threads: int = 4
