@@ -84,7 +84,8 @@ def test_long_context_smoke(tmp_path):
     assert len(autos) == 3 and budgets == sorted(budgets, reverse=True), budgets
     assert [r["label"] for r in autos] == [f"auto<={b / 2**20:.0f}MiB" for b in budgets]
     assert budgets[0] > by_policy["keep"]["peak_allocated_bytes"]
-    assert budgets[-1] == min(r["peak_allocated_bytes"] for r in by_policy.values())
+    least = min(r["peak_allocated_bytes"] for r in by_policy.values())  # to 64 KiB: Note [the floor budget]
+    assert budgets[-1] % 2**16 == 0 and least <= budgets[-1] < least + 2**16
     assert all(r["label"] in done.stdout for r in autos)
     # Note [auto decides on a warm step]: auto's timed steps run the plan it settled on, not its
     # measuring or calibrating steps (one of three timed steps had been a measuring one).
@@ -876,7 +877,8 @@ def test_a_budget_sweep_records_every_policy_under_every_budget(tmp_path):
     top, floor = data["budgets"]
     uncapped = {r["policy"]: r for r in data["records"] if r["budget_bytes"] is None}
     assert "auto" not in uncapped and top == uncapped["keep"]["peak_allocated_bytes"] > floor
-    assert floor == min(r["peak_allocated_bytes"] for r in uncapped.values())
+    least = min(r["peak_allocated_bytes"] for r in uncapped.values())  # to 64 KiB: Note [the floor budget]
+    assert floor % 2**16 == 0 and least <= floor < least + 2**16
     for budget in (top, floor):
         capped = [r for r in data["records"] if r["budget_bytes"] == budget]
         assert sorted((r["policy"], r["round"]) for r in capped) == sorted(

@@ -98,7 +98,7 @@ class PackHook:
         if param_like(tensor, storage, self.param_storages):
             self.stats.skipped_param_bytes += nbytes
             return tensor
-        if nbytes < self.config.min_bytes:
+        if nbytes < self.min_bytes:
             self.stats.skipped_small_bytes += nbytes
             if notes:
                 placement.note_save(-1)

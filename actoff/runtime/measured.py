@@ -228,7 +228,7 @@ def input_bytes(run: ScopeRun, values: list[Any]) -> int:
             continue
         nbytes = value.numel() * value.element_size()
         storage = value.untyped_storage().data_ptr() if value.numel() else 0
-        if nbytes and nbytes >= run.config.min_bytes and not param_like(value, storage, run.param_storages):
+        if nbytes and nbytes >= run.min_bytes and not param_like(value, storage, run.param_storages):
             seen[id(value)] = nbytes
     return sum(seen.values())
 

@@ -212,6 +212,8 @@ class Runtime:
             placement = kind(run)
         if placement.streams_out and not self._streams(run):
             placement.streams_out = False
+        if placement.streams_out and run.fetch_limits() == (0, 0) and run.copy_window_bytes() == 0:
+            run.min_bytes = 0  # Note [the floor moves small tensors too]
         return placement
 
     def _streams(self, run: ScopeRun) -> bool:

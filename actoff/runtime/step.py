@@ -104,6 +104,12 @@ class Step:
     # forward slower instead of the step larger. Double buffering still holds as a bound: a run's
     # copies are finished (stream-side) when the run after it is placed. Not for the last
     # ``keep_last`` runs, which stay where they are.
+    #
+    # Note [the floor moves small tensors too]: a run that streams with both windows at none (the
+    # auto policy's measuring steps and its plans at the floor, or ACTOFF_FETCH_WINDOW=0 and
+    # ACTOFF_COPY_WINDOW=0) is at its least memory, save_on_cpu's, and moves every saved tensor,
+    # those under ``min_bytes`` too: kept, a block's small saves (norms' statistics, attention's
+    # log-sum-exp) put the main run's auto 160 KiB over save_on_cpu's peak, out of memory at it.
     def copies_out(self, window: int | None, waiting: ScopeRun | None = None) -> None:
         """Records whose copy has landed let go of their device tensor (no wait); past ``window``
         bytes still held, the oldest are waited for, stream-side (the wait timed into
@@ -151,6 +157,9 @@ class ScopeRun(PackHook):
         self.backend = backend
         self.device = backend.device
         self.param_storages = param_storages
+        # Saved tensors under this many bytes stay where they are (Note [the floor moves small
+        # tensors too]: none where the run streams at its least memory).
+        self.min_bytes = config.min_bytes
         self.records: list[Record] = []
         self.dedup: dict[tuple, tuple[Any, weakref.ref]] = {}  # key -> (packed, its tensor's root)
         # (storage, dtype, version) -> the first record of it in the run, its span in the storage
@@ -198,9 +207,15 @@ class ScopeRun(PackHook):
                 step.in_flight.append(self)
             if record.state is State.OFFLOADING and record.device_tensor is not None:
                 step.outbound.append(record)
-            window = step.copy_window if step.copy_window is not None else self.config.copy_window
+            window = self.copy_window_bytes()
             # A token mixer's saves wait for its end: its time is attention's, not the copies'.
             step.copies_out(None if self.placement.in_mixer else window, waiting=self)
+
+    def copy_window_bytes(self) -> int | None:
+        """The bytes forward may have copying out (Note [copy out at pack]): the step's (the auto
+        policy's plan), else the setting's; None: no cap."""
+        step = self.step
+        return step.copy_window if step.copy_window is not None else self.config.copy_window
 
     def fetch_limits(self) -> tuple[int, int | None]:
         """How far backward fetches ahead from this run: ``(depth, None)`` in runs, or ``(0, bytes)``
@@ -237,15 +252,26 @@ class ScopeRun(PackHook):
         index): from the device arena where there is one (actoff.memory.device_arena), else new."""
         arena = self.runtime.arenas.device_arena(self.backend, self.config)
         if arena is not None:
-            return arena.empty(numel, dtype, (self.index, *key), tag=self.index)
+            return arena.empty(numel, dtype, self.arena_key(*key), tag=self.index)
         return self.backend.device_empty(numel, dtype)
+
+    def arena_key(self, what: str, *rest: Any) -> tuple:
+        """The device arena's key of a request of this run: ``(run, group, *rest)``, the first two
+        naming its part's group (actoff.memory.arenas.waves). Note [a part per tensor fetched
+        alone]: fetched one saved tensor at a time (a window in bytes), each request is a group
+        of its own. Which requests one unpack makes varies from step to step with the copies'
+        timing, and a part's buffer, taken at its first request, held the range of a request made
+        an unpack later: a dead 2.8 MB range through a streamed block's backward, the main run's
+        auto out of memory at the floor that streaming without the arena fits."""
+        alone = what == "fetch" and self.fetch_limits()[1] is not None
+        return (self.index, (what, *rest) if alone else what, *rest)
 
     def expect_device_buffer(self, record: Record) -> None:
         """A record served from the device this step may be fetched in another: the device
         arena expects it (`DeviceArena.expect`)."""
         arena = self.runtime.arenas.device_arena(self.backend, self.config)
         if arena is not None:
-            arena.expect((self.index, "fetch", record.index))
+            arena.expect(self.arena_key("fetch", record.index))
 
     def store(self) -> NvmeStore:
         """The NVMe store of this run's settings."""

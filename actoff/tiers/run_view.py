@@ -38,6 +38,7 @@ class RunView(Protocol):
     stats: BlockStats  # the run's figures: tiers count bytes and times into them
     records: list[Record]  # in pack order
     param_storages: set[int]  # never offloaded (actoff.params)
+    min_bytes: int  # saved tensors under this stay where they are (config's, 0 at the floor)
 
     @property
     def step_number(self) -> int:

@@ -23,7 +23,7 @@ length, but ``auto`` with no budget keeps everything where the device has room, 
 nothing. So ``auto`` runs instead under `MAIN_AUTO_BUDGETS` budgets at the longest length where
 ``keep`` ran: the top is ``keep``'s peak over one less ``CALIBRATED_HEADROOM`` (auto keeps that
 share of its budget free, so at ``keep``'s peak exactly it would not keep), the floor the least
-peak of every policy that ran, the rest evenly between. Each run is on a device of that size, as
+peak of every policy that ran (to 64 KiB: Note [the floor budget]), the rest evenly between. Each run is on a device of that size, as
 a sweep's capped runs are; its records carry ``budget_bytes`` and a ``label`` (`auto_label`)
 that the table and the plot show. A budget under ``auto``'s floor is recorded ``oom``, a finding
 that does not fail the run (`table.failed`): that is the figure a user at the edge of memory needs.
@@ -60,6 +60,24 @@ MAIN_AUTO_BUDGETS = 3
 SWEEP_ROUNDS = 3
 
 
+#: Note [the floor budget]: the lowest budget asked is the least peak of the policies that ran,
+#: rounded up to this many bytes. A policy's peak is its timed steps', and its warm-up steps
+#: peak a little over them (the main run's 1024 tokens: torch_save_on_cpu's second step needs
+#: 504 bytes more than its timed steps, out of memory at its own peak as a cap; auto's measuring
+#: step then holds the same bytes as it, to the byte). Any run under a cap lives through its
+#: warm-up, so the floor leaves that grain.
+FLOOR_GRAIN = 64 * 2**10
+
+
+def floor_budget(least_peak: int) -> int:
+    """The lowest budget of a sweep or the main run (Note [the floor budget]).
+
+    >>> floor_budget(47803400), floor_budget(65536)
+    (47841280, 65536)
+    """
+    return -(-least_peak // FLOOR_GRAIN) * FLOOR_GRAIN
+
+
 def budgets_between(top: int, floor: int, count: int) -> list[int]:
     """``count`` budgets from ``top`` down to ``floor``, evenly spaced (bytes).
 
@@ -89,7 +107,7 @@ def sweep(
     peaks = {r["policy"]: r.get("peak_allocated_bytes") for r in uncapped if r.get("status") == "ok"}
     if not peaks.get("keep"):
         raise SystemExit("--budgets needs keep's device peak: keep did not run (put it in --policies)")
-    floor = min(peak for peak in peaks.values() if peak)
+    floor = floor_budget(min(peak for peak in peaks.values() if peak))
     budgets = budgets_between(peaks["keep"], floor, count)
     capped = []
     for round_index in range(rounds):
@@ -360,7 +378,7 @@ def auto_under_budgets(records: list[dict], base: dict, count: int, time_left, o
     peaks = {r["policy"]: r["peak_allocated_bytes"] for r in ok if r["seq"] == seq}
     top = math.ceil(peaks["keep"] / (1 - CALIBRATED_HEADROOM))
     made = []
-    for budget in budgets_between(top, min(peaks.values()), count):
+    for budget in budgets_between(top, floor_budget(min(peaks.values())), count):
         spec = {**base, "policy": "auto", "seq": seq, "budget_bytes": budget}
         spec["warmup"] = max(spec.get("warmup", 0), AUTO_WARMUP)
         spec.pop("seqs", None)

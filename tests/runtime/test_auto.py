@@ -308,3 +308,28 @@ def test_the_stats_say_when_the_plan_holds_and_when_it_settles_again(keep_peak):
         history
     )  # measuring twice, a probe, the first plan
     assert "holds" in str(actoff.stats())
+
+
+def test_auto_trains_wherever_streaming_every_saved_tensor_at_windows_of_none_fits():
+    """The floor the auto policy promises is save_on_cpu's: every saved tensor copied out as it is
+    saved and fetched at its own unpack. On a device of exactly the peak of ``cpu`` with both
+    windows at none, auto measures, plans and trains, bit for bit. It had run out of memory: its
+    blocks' small saves (under ``min_bytes``) stayed on the device (Note [the floor moves small
+    tensors too]), and the device arena served its planned steps from parts grouped by another
+    step's order of requests (Note [a part per tensor fetched alone])."""
+    model = make_model(num_layers=4)
+    reference = copy.deepcopy(model)
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=64 * 2**10, fetch_window=0, copy_window=0)
+    with simulated_device(seed=0) as device:
+        floor = max(peak for _, peak, _ in _steps(model, reference, 3, device))
+    assert actoff.stats().blocks["layers.0"].skipped_small_bytes == 0  # its small saves moved too
+    actoff.reset()
+    model = make_model(num_layers=4)  # the reference takes its weights at every step
+    actoff.offload_(model, block_cls=Block, policy="auto", min_bytes=64 * 2**10, host_bandwidth="1GB")
+    said = pytest.warns(actoff.BudgetWarning, match="no placement fits")  # the plan at the floor, said
+    with said, simulated_device(seed=0, capacity=floor) as device:
+        steps = _steps(model, reference, 8, device)
+    assert steps[-1][0] == ["stream"] * 4
+    for _, peak, pairs in steps:
+        assert peak <= floor
+        _compare(pairs, exact=True)

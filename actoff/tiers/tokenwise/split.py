@@ -148,7 +148,7 @@ class Split:
             value.numel() == 0
             or value.layout != torch.strided
             or param_like(value, storage, run.param_storages)
-            or nbytes < run.config.min_bytes
+            or nbytes < run.min_bytes
         ):
             return value.detach()
         record, handle = run.hold(value, nbytes)
