@@ -409,3 +409,27 @@ def test_exception_mid_step_leaves_no_extent_and_next_steps_are_exact(nvme_dir):
     assert get_runtime().stores.stores()[0].extents.live_bytes == 0
     actoff.reset()
     assert os.listdir(nvme_dir) == []
+
+
+@pytest.mark.plain_pass_only
+def test_extents_past_4_gib_write_and_read_back_sealed(nvme_dir):
+    """64-bit offsets in the NVMe store (a million tokens of an 8B model's block inputs are 256
+    GB): an extent past 2**32 bytes of the file is written, sealed, read back and checked through
+    the C++ engine, whose offsets are ``uint64_t``; a 32-bit offset anywhere would land the
+    bytes 4 GiB lower, where the seal check fails. The first extent only moves the end of the
+    file (allocated, never written; one pass: nothing here depends on the device)."""
+    store = NvmeStore(nvme_dir, backend="posix")
+    try:
+        far, error = store.allocate(2**32 + 2**20)  # 4 GiB and 1 MiB: the file grows past 2**32
+        assert error is None and far.offset == 0
+        data = torch.arange(2**18, dtype=torch.int32)  # 1 MiB, every word its own index
+        extent, future = store.write(data, data.numel() * 4)
+        future.wait()
+        assert extent.offset >= 2**32 + 2**20 and store.file_size() >= extent.offset + extent.size
+        back = torch.zeros_like(data)
+        store.read(back, extent, data.numel() * 4).wait()
+        assert torch.equal(back, data)
+        store.free(extent)
+        store.free(far)
+    finally:
+        store.close()

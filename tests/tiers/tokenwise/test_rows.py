@@ -141,3 +141,54 @@ def test_triton_kernels_match_torch_on_gpu(dtype):
     targets = [torch.empty_like(v) for v in views]
     scatter_rows(got, offsets, targets, use_triton=True)
     assert all(_same_bits(v, t) for v, t in zip(views, targets, strict=True))
+
+
+# Note [rows past 2**31]: a million tokens of an 8B model put a token's row of a saved tensor
+# past element 2**31 of its storage. A view whose rows lie 2**30 bytes apart reaches byte 2**31
+# at its third row; the bases are allocated and never touched whole (the pages a row uses are
+# the only ones the process gets), so the test costs a few KiB of memory, not 4 GiB.
+_FAR = 2**30
+
+
+def _far_rows(fill: bool) -> torch.Tensor:
+    base = torch.empty(2 * _FAR + 4096, dtype=torch.uint8)
+    view = base.as_strided((3, 1024), (_FAR, 1))
+    if fill:
+        for row in range(3):
+            view[row] = torch.arange(1024, dtype=torch.int32).add(row * 7).remainder(251).to(torch.uint8)
+    else:
+        view.zero_()
+    return view
+
+
+@pytest.mark.plain_pass_only
+def test_rows_at_byte_offsets_past_2_31_round_trip_in_the_triton_interpreter():
+    """The Triton kernel's index arithmetic is 64-bit (Note [index arithmetic] in
+    actoff.tiers.tokenwise.rows_triton): in the interpreter, a row at byte 2**31 of its storage is
+    gathered and scattered back bit for bit, as torch's copy does. 32-bit offsets would wrap to a
+    negative address there. (One pass: the interpreter does not use the simulated device.)"""
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import torch
+        from actoff.tiers.tokenwise import rows
+        from actoff.tiers.tokenwise.rows import gather_rows, scatter_rows, triton_available
+        import test_rows as t
+        assert triton_available()
+        launched = []
+        real_launch = rows._launch
+        rows._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
+        source = t._far_rows(fill=True)
+        assert source.storage_offset() + 2 * source.stride(0) == 2**31
+        got, offsets = gather_rows([source], use_triton=True)
+        expected, _ = gather_rows([source], use_triton=False)
+        assert launched == [True] and torch.equal(got, expected)
+        target = t._far_rows(fill=False)
+        scatter_rows(got, offsets, [target], use_triton=True)
+        assert launched == [True, True] and torch.equal(target, source)
+        print("OK")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr[-3000:]
