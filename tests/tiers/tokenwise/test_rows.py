@@ -88,6 +88,16 @@ def test_rows_merge_contiguous_dimensions():
     assert _rows(torch.empty(3, 5, 7, 9, 11)[::2, ::2, ::2, ::2, ::2]) is None  # five dimensions left
 
 
+def _in_the_interpreter(script: str) -> None:
+    """Run ``script`` in a fresh process under Triton's interpreter (the kernels on the CPU);
+    it prints OK when its checks pass."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
 def test_triton_kernels_match_torch_in_the_interpreter():
     """Every dtype, every layout, in Triton's interpreter: bit for bit what torch copies."""
     pytest.importorskip("triton")
@@ -122,11 +132,7 @@ def test_triton_kernels_match_torch_in_the_interpreter():
         assert t._same_bits(got[: z.numel() * 8].view(torch.complex64).view(z.shape), z.resolve_conj())
         print("OK", len(t.ALL_DTYPES))
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr[-3000:]
+    _in_the_interpreter(script)
 
 
 @pytest.mark.gpu
@@ -187,8 +193,4 @@ def test_rows_at_byte_offsets_past_2_31_round_trip_in_the_triton_interpreter():
         assert launched == [True, True] and torch.equal(target, source)
         print("OK")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr[-3000:]
+    _in_the_interpreter(script)
