@@ -467,6 +467,14 @@ def test_find_max_seq_bisects_and_a_timed_out_probe_cuts_the_search_short(monkey
     assert found.finished and 1000 - 1000 / 16 <= found.longest <= 1000 < found.failed
     # Nothing failed up to the limit: finished, and a lower bound all the same.
     assert bench.find_max_seq("cpu", {}, 128, 512, 60.0) == (512, None, 3, True)
+    # Doubling past the limit probes the limit itself, then bisects below it if that fails: it
+    # had stopped at the last length that doubled within the limit (10000 ok, 20000 > 16384: done,
+    # 6384 tokens never tried).
+    limit["fits"] = 40_000
+    assert bench.find_max_seq("cpu", {}, 10_000, 16_384, 60.0) == (16_384, None, 2, True)
+    limit["fits"] = 13_000
+    found = bench.find_max_seq("cpu", {}, 10_000, 16_384, 60.0)
+    assert found.finished and 13_000 - 1250 < found.longest <= 13_000 < found.failed <= 16_384
     # A probe that runs out of time is no failure: the search stops, the length is a lower bound.
     limit["fits"], limit["slow_from"] = 40_000, 32768
     assert bench.find_max_seq("cpu", {}, 8192, 1 << 20, 60.0) == (16384, None, 2, False)
@@ -1026,3 +1034,20 @@ def test_hugging_faces_offloaded_checkpoint_is_a_named_row_that_moves_the_block_
     )
     inputs = 4 * 1 * 256 * 256 * 4  # layers x batch x tokens x hidden x float32 (the cpu preset)
     assert 0.5 * inputs <= lower <= 2 * inputs, (lower, inputs)
+
+
+def test_a_failed_auto_run_is_named_by_its_budget(capsys):
+    # The main run's failure lines named the policy: "auto seq 1024: oom" did not say which of
+    # auto's three budgets ran out of memory.
+    _load_benchmark("long_context")
+    from longctx.table import report
+
+    failed = {
+        "policy": "auto",
+        "label": "auto<=46MiB",
+        "seq": 1024,
+        "status": "oom",
+        "error": "out of memory",
+    }
+    report([failed], [], ["auto"], 4)
+    assert "auto<=46MiB seq 1024: oom: out of memory" in capsys.readouterr().out

@@ -117,7 +117,10 @@ def find_max_seq(
             if not ok:
                 bad = seq
                 break
-            good, seq = seq, seq * 2
+            if seq >= limit:
+                good = seq
+                break
+            good, seq = seq, min(seq * 2, limit)  # the limit itself, where doubling passes it
         if bad is None:
             return MaxSeq(good, None, probes, True)
         while bad - good > max(step, int(good * precision)):

@@ -125,7 +125,8 @@ def report(records: list[dict], interleaved: list[dict], policies: list[str], la
             )
     for record in records:
         if record.get("status") != "ok":
-            print(f"   {record['policy']} seq {record['seq']}: {record['status']}: {record.get('error', '')}")
+            name = record.get("label") or record["policy"]  # auto<=NMiB: which budget it was
+            print(f"   {name} seq {record['seq']}: {record['status']}: {record.get('error', '')}")
     summary = summarize(records + interleaved, layers, cuda=torch.cuda.is_available())
     print_ratios(summary, interleaved)
     where = (
