@@ -1004,6 +1004,13 @@ def test_the_calibration_fits_on_one_row_and_judges_the_others_on_their_overhead
     assert row["error"] == pytest.approx(-0.2) and row["verdict"] == "yes"
     assert (row["low"], row["high"]) == pytest.approx((1.5, 3.0))
     assert [r["verdict"] for r in rows].count("fitted") == 1
+    # Note [a second side]: the H200's rows are the same rounds against its run, all out of sample.
+    both = calibrate.sides_rows({"h100": measured, "h200": measured}, {"h100:7b@8k": (8192, fitted)})
+    assert [r["verdict"] for r in both if r["target"].startswith("h200")] == ["yes", "yes"]
+    assert [r["verdict"] for r in both].count("fitted") == 1
+    assert set(calibrate.SIDES) == {"h100", "h200"} and all(
+        os.path.exists(p) for p in calibrate.SIDES.values()
+    )
     # judged on the spread: all of it outside the bar is NO; part of it, "within spread"
     assert calibrate.judge(0.2, 0.3, 0.28, 0.32, fitted=False)[1] == "NO"
     assert calibrate.judge(0.2, 0.3, 0.24, 0.32, fitted=False)[1] == "within spread"

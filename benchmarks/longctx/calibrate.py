@@ -31,10 +31,15 @@ import statistics
 
 from _common import format_table
 
+_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 #: The GPU run the tunnel is calibrated on (7B-shaped, 4 layers, bf16, batch 1).
-MEASURED = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "h100-2026-11-23", "long.jsonl"
-)
+MEASURED = os.path.join(_RESULTS, "h100-2026-11-23", "long.jsonl")
+#: Note [a second side]: every GPU run the tunnel's rows are judged against, by GPU. The H200 run
+#: (same model, lengths and policies, five days' newer code: per-tensor streaming, the seam) is
+#: out of sample whole: the tunnel's constants are the H100's, and the H200's rows compare the
+#: same tunnel rounds (the two GPUs differ in memory, which no step here fills) with its step
+#: times, so a model that only fits the H100 run shows it there.
+SIDES = {"h100": MEASURED, "h200": os.path.join(_RESULTS, "h200-2026-11-28", "calib.jsonl")}
 #: Targets of that run, and the policies compared (its names for PyTorch's baselines mapped).
 TARGETS = ("h100:7b@8k", "h100:7b@32k")
 POLICIES = ("none", "keep", "torch_checkpoint", "torch_save_on_cpu", "cpu")
@@ -60,6 +65,25 @@ def measured_records(path: str = MEASURED) -> dict[tuple[str, int], dict]:
                 policy = _RENAMED.get(record["policy"], record["policy"])
                 found[(policy, record["seq"])] = record
     return found
+
+
+def sides_rows(
+    sides: dict[str, dict[tuple[str, int], dict]], runs: dict[str, tuple[int, dict]]
+) -> list[dict]:
+    """`calibration_rows` for each GPU run in ``sides`` (``gpu name -> its records``, Note [a
+    second side]), the tunnel's ``runs`` (keyed by the H100 targets) relabelled with that GPU.
+
+    >>> measured = {("none", 8192): {"step_ms": 100.0}, ("cpu", 8192): {"step_ms": 200.0}}
+    >>> rounds = {"status": "ok", "step_ms": {"none": [10.0] * 3, "cpu": [21.0] * 3}, "activation_peak_bytes": {}}
+    >>> [(r["target"], round(r["error"], 2)) for r in sides_rows({"h100": measured, "h200": measured},
+    ...                                                          {"h100:7b@8k": (8192, rounds)})]
+    [('h100:7b@8k', 0.1), ('h200:7b@8k', 0.1)]
+    """
+    rows = []
+    for gpu, measured in sides.items():
+        relabelled = {f"{gpu}:{target.split(':', 1)[1]}": run for target, run in runs.items()}
+        rows += calibration_rows(measured, relabelled)
+    return rows
 
 
 def fit_mfu(like, layers: int, none_step_ms: float) -> float:
@@ -236,7 +260,8 @@ def print_calibration(rows: list[dict], fit: dict) -> None:
         f"fitted on {FIT_TARGET} (Note [fitting the tunnel]): mfu {fit['mfu']:.3f} from none's "
         f"{fit['none_ms']:.0f} ms; save_on_cpu_share {fit['share']:.3f} from {FIT_POLICY}'s overhead "
         f"(row marked 'fitted'); link {fit['link'] / 1e9:.0f} GB/s measured. Every other row is out of sample.\n"
-        f"GPU figures: {os.path.relpath(MEASURED)}; the tunnel's from the simulated device's link scaled to the "
+        f"GPU figures: {', '.join(os.path.relpath(path) for path in SIDES.values())} (Note [a second side]: "
+        "the H200's rows are the same tunnel rounds against its run, every one out of sample); the tunnel's from the simulated device's link scaled to the "
         "target (Note [scaling the tunnel]), the CPU model at the length with the target's share of attention, "
         f"timed on the clock that leaves out other processes' time (stolen from the training thread: "
         f"{fit['stolen_pct']:.0f}% of wall time in the rounds)."

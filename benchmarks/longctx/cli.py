@@ -188,7 +188,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     wall = sum(sum(times) for record in done for times in record["wall_ms"].values())
     stolen = sum(sum(times) for record in done for times in record["stolen_ms"].values())
     fit.update(link=fit_like.gpu.link, stolen_pct=100 * stolen / wall if wall else 0.0)
-    rows = calibrate.calibration_rows(measured, runs)
+    sides = {gpu: calibrate.measured_records(path) for gpu, path in calibrate.SIDES.items()}
+    rows = calibrate.sides_rows(sides, runs)
     calibrate.print_calibration(rows, fit)
     if args.json:
         write_json(
