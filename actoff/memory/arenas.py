@@ -107,7 +107,11 @@ def plan_arena(arena: HostArena, config: Config, plans: dict[str, Layout]) -> No
     if not arena.tracing:
         return
     trace = arena.take_trace()  # a new one starts: every step is traced
-    if not trace or config.planner == "off":
+    if not trace:
+        arena.idle_step()  # Note [an idle arena lets go]
+        return
+    arena.idle_steps = 0
+    if config.planner == "off":
         return
     if arena.plan is not None and not arena.divergences:  # the step kept to the arena's plans
         arena.drop_spare_chunks()
