@@ -87,7 +87,7 @@ def test_long_context_smoke(tmp_path):
     least = min(r["peak_allocated_bytes"] for r in by_policy.values())  # to 64 KiB: Note [the floor budget]
     assert budgets[-1] % 2**16 == 0 and least <= budgets[-1] < least + 2**16
     assert all(r["label"] in done.stdout for r in autos)
-    # Note [auto decides on a warm step]: auto's timed steps run the plan it settled on, not its
+    # (Note [auto decides on a warm step]) auto's timed steps run the plan it settled on, not its
     # measuring or calibrating steps (one of three timed steps had been a measuring one).
     for record in autos:
         assert isinstance(record["auto_settle_steps"], int), record

@@ -74,6 +74,29 @@ class Slot:
 #: Steps in a row without host memory after which an arena gives its memory back.
 IDLE_STEPS = 2
 
+# Note [an idle arena lets go]: a step that takes no host memory (auto's plan keeps every block
+# after its measuring steps streamed them all) leaves the arena's chunks to nobody: the 8B run on
+# the H200 held 17 to 33 GiB of pinned host memory that way. After `IDLE_STEPS` such steps in a
+# row with nothing live, every chunk goes and so do the plans laid out on them; a step that takes
+# host memory again is traced and planned afresh (its layout, solved once, is cached by
+# signature: actoff.memory.arenas).
+
+
+# Note [host slot reuse]: a returned slot is handed out again only once every copy
+# into or out of it (their tickets, given to `free`) is done, and `free` never waits
+# for them. The compute stream waited for those copies, the host did not: a slot
+# reused at once could be refilled by an NVMe read on a host thread while a DMA still
+# touches it. The host must not wait either: the autograd thread runs ahead of the
+# copy streams. Slots returned early wait in the arena's `_deferred`, with their tickets.
+#
+# An arena dropped (`actoff.reset`, a thread's runtime collected after the thread ended)
+# with such slots would free their chunks while the copies run, and another thread's
+# arena could be handed that memory: its last act (`_settle`) is to wait for them.
+
+# Note [frees from the collector]: `free` runs from autograd's release of a handle, which
+# the garbage collector can start inside any allocation, this arena's own included. It
+# only queues the slot (atomic append, no lock); the next lock holder returns it first.
+
 
 class HostArena:
     """Aligned host slots from a few long-lived chunks, under an optional byte budget.
@@ -109,20 +132,8 @@ class HostArena:
         self.divergences = self.total_divergences = 0  # since the last begin_step; ever
         self._live_planned: dict[int, int] = {}  # offset -> end, in the planned chunk
         self.idle_steps = 0  # steps in a row that took no host memory (Note [an idle arena lets go])
-        # Note [host slot reuse]: a returned slot is handed out again only once every copy
-        # into or out of it (their tickets, given to `free`) is done, and `free` never waits
-        # for them. The compute stream waited for those copies, the host did not: a slot
-        # reused at once could be refilled by an NVMe read on a host thread while a DMA still
-        # touches it. The host must not wait either: the autograd thread runs ahead of the
-        # copy streams. Slots returned early wait here, with their tickets.
-        self._deferred: list[tuple[Slot, tuple]] = []
-        # An arena dropped (`actoff.reset`, a thread's runtime collected after the thread ended)
-        # with such slots would free their chunks while the copies run, and another thread's
-        # arena could be handed that memory: its last act is to wait for them.
+        self._deferred: list[tuple[Slot, tuple]] = []  # Note [host slot reuse]
         weakref.finalize(self, _settle, self._deferred, os.getpid()).atexit = False
-        # Note [frees from the collector]: `free` runs from autograd's release of a handle, which
-        # the garbage collector can start inside any allocation, this arena's own included. It
-        # only queues the slot (atomic append, no lock); the next lock holder returns it first.
         self._returned: collections.deque[tuple[Slot, tuple]] = collections.deque()
 
     @contextlib.contextmanager
@@ -208,23 +219,15 @@ class HostArena:
             self.plans.add(HostPlan(tuple(sizes), tuple(offsets), peak, method))
             self.plan_method = method
 
-    # Note [an idle arena lets go]: a step that takes no host memory (auto's plan keeps every
-    # block after its measuring steps streamed them all) leaves the arena's chunks to nobody: the
-    # 8B run on the H200 held 17 to 33 GiB of pinned host memory that way. After `IDLE_STEPS` such
-    # steps in a row with nothing live, every chunk goes and so do the plans laid out on them; a
-    # step that takes host memory again is traced and planned afresh (its layout, solved once,
-    # is cached by signature: actoff.memory.arenas).
     def idle_step(self) -> None:
         """A step that took no host memory ended (Note [an idle arena lets go])."""
         with self._locked():
             self._reap(wait=False)
             self.idle_steps += 1
             busy = self._live_planned or self._deferred or any(chunk.live for chunk in self._chunks)
-            if self.idle_steps < IDLE_STEPS or busy or (self.planned is None and not self._chunks):
-                return
-            self.planned, self._chunks, self.plans = None, [], HostPlans()
-            self.plan_method = "none"
-            self.backend.release_host_cache()
+            if self.idle_steps >= IDLE_STEPS and not busy and (self.planned is not None or self._chunks):
+                self.planned, self._chunks, self.plans, self.plan_method = None, [], HostPlans(), "none"
+                self.backend.release_host_cache()
 
     def drop_spare_chunks(self) -> None:
         """After a step that kept to its plans: its empty bump chunks are not needed (one that

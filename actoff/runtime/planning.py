@@ -275,8 +275,8 @@ class AutoPlans:
                 self.replans += 1
 
     def _keep_in_force(self, ended: Ended, current: StepPlan, again: StepPlan) -> bool:
-        """Note [a plan kept against time noise]: where `still_good` keeps the plan in force
-        against ``again``, it stays (its predictions renewed from the new figures): True."""
+        """Where `still_good` keeps the plan in force against ``again`` (Note [a plan kept
+        against time noise]), it stays (its predictions renewed from the new figures): True."""
         plan = still_good(current.plan, again)
         if plan is None:
             return False

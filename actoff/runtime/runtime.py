@@ -169,7 +169,7 @@ class Runtime:
                 device, settings_for(config.sim_device, config.sim_device_memory, config.sim_device_bandwidth)
             )
             run = ScopeRun(self, step, name, config, backend, param_storages(module))
-            run.placement = self._placement(run, call)
+            run.place(self._placement(run, call))
             step.runs.append(run)
         self.thread.stack.append(run)
         return run
@@ -212,8 +212,6 @@ class Runtime:
             placement = kind(run)
         if placement.streams_out and not self._streams(run):
             placement.streams_out = False
-        if placement.streams_out and run.fetch_limits() == (0, 0) and run.copy_window_bytes() == 0:
-            run.min_bytes = 0  # Note [the floor moves small tensors too]
         return placement
 
     def _streams(self, run: ScopeRun) -> bool:

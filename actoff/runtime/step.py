@@ -173,6 +173,13 @@ class ScopeRun(PackHook):
         # What its saved tensors become (Note [placements]): set by the runtime as it opens the run.
         self.placement: Placement = None  # type: ignore[assignment]
 
+    def place(self, placement: Placement) -> None:
+        """The run's placement, set as the runtime opens it; streaming with both windows at none,
+        the run keeps no saved tensor for being small (Note [the floor moves small tensors too])."""
+        self.placement = placement
+        if placement.streams_out and self.fetch_limits() == (0, 0) and self.copy_window_bytes() == 0:
+            self.min_bytes = 0
+
     def reached(self, record: Record | None) -> None:
         """Backward unpacks ``record`` of this run (None: a tensor kept as is; the runtime's lock
         held): at the step's first unpack queue the end-of-backward callback, at the run's first
@@ -255,14 +262,16 @@ class ScopeRun(PackHook):
             return arena.empty(numel, dtype, self.arena_key(*key), tag=self.index)
         return self.backend.device_empty(numel, dtype)
 
+    # Note [a part per tensor fetched alone]: fetched one saved tensor at a time (a window in
+    # bytes), each request to the device arena is a group of its own. Which requests one unpack
+    # makes varies from step to step with the copies' timing, and a part's buffer, taken at its
+    # first request, held the range of a request made an unpack later: a dead 2.8 MB range
+    # through a streamed block's backward, the main run's auto out of memory at the floor that
+    # streaming without the arena fits.
     def arena_key(self, what: str, *rest: Any) -> tuple:
         """The device arena's key of a request of this run: ``(run, group, *rest)``, the first two
-        naming its part's group (actoff.memory.arenas.waves). Note [a part per tensor fetched
-        alone]: fetched one saved tensor at a time (a window in bytes), each request is a group
-        of its own. Which requests one unpack makes varies from step to step with the copies'
-        timing, and a part's buffer, taken at its first request, held the range of a request made
-        an unpack later: a dead 2.8 MB range through a streamed block's backward, the main run's
-        auto out of memory at the floor that streaming without the arena fits."""
+        naming its part's group (actoff.memory.arenas.waves; Note [a part per tensor fetched
+        alone])."""
         alone = what == "fetch" and self.fetch_limits()[1] is not None
         return (self.index, (what, *rest) if alone else what, *rest)
 

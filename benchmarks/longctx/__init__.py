@@ -13,6 +13,7 @@ and what they share:
 - `policies`: the policies and their variants, and applying one to a model;
 - `worker`: a worker process per policy (`run_one` starts it, `worker` runs in it);
 - `measure`: one sequence length measured inside a worker, the record's fields;
+- `warmup`: the worker's warm-up steps, and under ``auto`` the steps until its plan holds;
 - `tunnel`: the wind tunnel, the simulated device's link scaled to a GPU's copy-to-compute ratio;
 - `emulate`: ``--emulate-layers``, a deep model stood for by a few blocks and a ballast;
 - `lora`: ``--lora``, a frozen base with trainable adapters;

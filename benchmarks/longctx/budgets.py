@@ -60,12 +60,12 @@ MAIN_AUTO_BUDGETS = 3
 SWEEP_ROUNDS = 3
 
 
-#: Note [the floor budget]: the lowest budget asked is the least peak of the policies that ran,
-#: rounded up to this many bytes. A policy's peak is its timed steps', and its warm-up steps
-#: peak a little over them (the main run's 1024 tokens: torch_save_on_cpu's second step needs
-#: 504 bytes more than its timed steps, out of memory at its own peak as a cap; auto's measuring
-#: step then holds the same bytes as it, to the byte). Any run under a cap lives through its
-#: warm-up, so the floor leaves that grain.
+# Note [the floor budget]: the lowest budget asked is the least peak of the policies that ran,
+# rounded up to `FLOOR_GRAIN` bytes. A policy's peak is its timed steps', and its warm-up steps
+# peak a little over them (the main run's 1024 tokens: torch_save_on_cpu's second step needs 504
+# bytes more than its timed steps, out of memory at its own peak as a cap; auto's measuring step
+# then holds the same bytes as it, to the byte). Any run under a cap lives through its warm-up,
+# so the floor leaves that grain.
 FLOOR_GRAIN = 64 * 2**10
 
 

@@ -18,6 +18,7 @@ import actoff
 
 from .policies import LOSS_TOKENS, split_variants
 from .tunnel import tunnel_device
+from .warmup import warm_up
 
 # Dense bf16 peak FLOP/s for MFU (datasheet values).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -223,7 +224,7 @@ def _run_steps(
     sampled for the timeline (Note [no synchronization in timed steps]): the device bytes live
     before the timed steps, their times, and on CUDA their memory figures (`cuda_memory`).
     Fields for the record go to ``extra``: the ballast's bytes, the memory snapshot's summary."""
-    _warm_up(spec, step, extra)
+    warm_up(spec, step, extra)
     for parameter in model.parameters():  # keep grads allocated: static memory counted once
         if parameter.grad is not None:
             parameter.grad.zero_()
@@ -254,41 +255,6 @@ def _run_steps(
 # 290 ms sampled against 235 ms not). So no timed step is sampled: the timeline comes from one
 # more step after them, and the memory peaks are read before it, since a synchronized step
 # also frees copy sources sooner than a real one would.
-
-
-#: Most steps auto gets after its reset to settle (Note [auto decides on a warm step]): two
-#: measuring, a first plan, a probe, the plan after it, its calibration and a replan are seven.
-AUTO_SETTLE_STEPS = 12
-
-
-def _warm_up(spec: dict, step: Step, extra: dict) -> None:
-    """The warm-up steps. Under ``auto`` (Note [auto decides on a warm step]) the decision made
-    after the first of them is dropped and made again from warm steps, which run until its plan
-    holds (`AUTO_SETTLE_STEPS` at most; the record says how many it took, or that it did not)."""
-    for _ in range(spec["warmup"]):
-        step()
-    if spec["warmup"] and split_variants(spec["policy"])[0] == "auto":
-        actoff.reset()  # forgets the decision, the plans and the probes: all made again
-        settled = None
-        for taken in range(1, AUTO_SETTLE_STEPS + 1):
-            step()
-            stats = actoff.stats()
-            if stats.plan_holds or (taken >= 2 and stats.plan == "none"):  # no budget: it keeps
-                settled = taken
-                break
-        step()  # the arenas laid out under the plan that holds
-        extra.update(auto_decided_warm=True, auto_settle_steps=settled)
-
-
-# Note [auto decides on a warm step]: auto times a block's forward in its first step and sizes
-# what it stores from that time. A process's first step on a GPU also pays for the CUDA
-# context, cuBLAS handles and kernel selection, so a decision made there stores more than the
-# link can hide. The benchmark judges the decision a trained model lives with: the one made
-# after a warm step, and the plan it settles on. Settling takes steps (two measuring, a first
-# plan, a probe where it offloads, the plan after it, its calibration: Note [measuring at the
-# floor] in actoff.runtime.auto), and a timed step among them times a measuring step instead of
-# the plan (the main run's auto<=128MiB once timed 1280, 572 and 451 ms: two settling steps and
-# the plan). So the warm-up runs until the plan holds (`actoff.Stats.plan_holds`).
 
 
 def _memory_fields(

@@ -298,7 +298,7 @@ def test_cycling_lengths_settle_into_one_chunk_reused_by_every_length():
 
 
 def test_an_arena_steps_without_host_memory_give_back_and_a_later_offload_plans_again():
-    """Note [an idle arena lets go]: auto's plan kept every block after its measuring steps had
+    """(Note [an idle arena lets go]) auto's plan kept every block after its measuring steps had
     streamed them all, and the 8B run on the H200 held 17 to 33 GiB of pinned host memory for
     nothing. Here short steps (every saved tensor under ``min_bytes``: nothing leaves the device)
     follow long ones: after two of them the arena holds nothing; long steps again take host memory,

@@ -147,8 +147,12 @@ class TokenwisePlacement(Placement):
 
     def let_go(self) -> None:
         # Nothing of the step can be rebuilt now: the forward it would re-run holds its module
-        # (a deleted model is freed at once).
-        self.split.fn = self.split.module = None
+        # (a deleted model is freed at once), and the inputs and mixer outputs it holds as they
+        # are (those under min_bytes, a rotary table, say) go now, not when the collector breaks
+        # the step's cycles: held till then, they sat on the device into the next step.
+        split = self.split
+        split.fn = split.module = None
+        split.inputs, split.mixer_outputs = [], []
 
     def aborted(self) -> None:
         self.split.owned.clear()

@@ -565,3 +565,30 @@ def test_verify_catches_a_block_that_changed_before_backward(verify):
             loss.backward()  # without ACTOFF_VERIFY this goes unnoticed: why the check exists
     finally:
         ScaledBlock.scale = 1.0
+
+
+@pytest.mark.parametrize("policy", ["tokenwise", "recompute"])
+def test_a_steps_inputs_held_as_they_are_go_with_the_step_not_with_the_collector(policy):
+    """A token-wise run holds its block's inputs for the re-run: those under ``min_bytes`` (the
+    rotary tables) as they are. The step's runs and records form cycles, so what they held went
+    when the collector broke them: the tables sat on the device into the next steps (16 KiB over
+    the static bytes in the benchmark's smoke run). With the collector off, every step now ends
+    with the device holding what the last one ended with."""
+    import gc
+
+    from actoff.testing import simulated_device
+
+    model = make_model()
+    actoff.offload_(model, block_cls=Block, policy=policy)  # min_bytes 64 KiB: the tables are small
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with simulated_device(seed=0) as device:
+            live = []
+            for step in range(4):
+                train(model, 1, seq=65, seed=step)
+                live.append(device.memory.live)
+    finally:
+        if enabled:
+            gc.enable()
+    assert live[1:] == [live[1]] * 3, live  # after the first step (its gradients are new)
