@@ -88,9 +88,24 @@ def test_rows_merge_contiguous_dimensions():
     assert _rows(torch.empty(3, 5, 7, 9, 11)[::2, ::2, ::2, ::2, ::2]) is None  # five dimensions left
 
 
+# What every interpreter script starts with: the row functions, this module as ``t``, and
+# ``launched``, whether each copy ran the kernel (True) or torch's copy (False).
+_PREAMBLE = textwrap.dedent("""
+        import torch
+        from actoff.tiers.tokenwise import rows
+        from actoff.tiers.tokenwise.rows import gather_rows, scatter_rows, triton_available
+        assert triton_available()
+        launched = []
+        real_launch = rows._launch
+        rows._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
+        import test_rows as t
+    """)
+
+
 def _in_the_interpreter(script: str) -> None:
-    """Run ``script`` in a fresh process under Triton's interpreter (the kernels on the CPU);
-    it prints OK when its checks pass."""
+    """Run `_PREAMBLE` then ``script`` in a fresh process under Triton's interpreter (the kernels
+    on the CPU); it prints OK when its checks pass."""
+    script = _PREAMBLE + script
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
@@ -102,14 +117,6 @@ def test_triton_kernels_match_torch_in_the_interpreter():
     """Every dtype, every layout, in Triton's interpreter: bit for bit what torch copies."""
     pytest.importorskip("triton")
     script = textwrap.dedent("""
-        import torch
-        from actoff.tiers.tokenwise import rows
-        from actoff.tiers.tokenwise.rows import gather_rows, scatter_rows, triton_available
-        assert triton_available()
-        launched = []
-        real_launch = rows._launch
-        rows._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
-        import test_rows as t
         for dtype in t.ALL_DTYPES:
             views = t._views(dtype)
             expected, offsets = gather_rows(views, use_triton=False)
@@ -175,14 +182,6 @@ def test_rows_at_byte_offsets_past_2_31_round_trip_in_the_triton_interpreter():
     negative address there. (One pass: the interpreter does not use the simulated device.)"""
     pytest.importorskip("triton")
     script = textwrap.dedent("""
-        import torch
-        from actoff.tiers.tokenwise import rows
-        from actoff.tiers.tokenwise.rows import gather_rows, scatter_rows, triton_available
-        import test_rows as t
-        assert triton_available()
-        launched = []
-        real_launch = rows._launch
-        rows._launch = lambda *a, **k: launched.append(real_launch(*a, **k)) or launched[-1]
         source = t._far_rows(fill=True)
         assert source.storage_offset() + 2 * source.stride(0) == 2**31
         got, offsets = gather_rows([source], use_triton=True)
