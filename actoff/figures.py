@@ -24,6 +24,9 @@ class BlockStats:
     skipped_small_bytes: int = 0  # tensors under min_bytes
     skipped_other_bytes: int = 0  # other devices, subclasses, sparse, empty tensors
     over_budget_bytes: int = 0  # would have been offloaded, but the host budget was full
+    # Refused by the host budget while auto measured, run again in backward instead (Note
+    # [measuring where the host is small] in actoff.runtime.placements.measuring).
+    run_again_bytes: int = 0
     write_fallback_bytes: int = 0  # NVMe writes that failed and fell back to another tier
     copy_ms: float = 0.0  # time of the copies out (device to host, host to file)
     fetch_ms: float = 0.0  # time of the copies back

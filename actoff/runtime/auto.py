@@ -58,7 +58,8 @@ from .lengths import Ahead, new_entry, plan_ahead
 from .measured import PROBE, AutoRun, BlockKey, Measured, figures, input_bytes, observe, stand_in_forwards
 from .placements.base import Call
 from .placements.checkpoint import CheckpointPlacement
-from .placements.tokenwise import MeasuringPlacement, TokenwisePlacement
+from .placements.measuring import MeasuringPlacement
+from .placements.tokenwise import TokenwisePlacement
 from .placements.whole import KeptPlacement, WholePlacement
 from .planning import AutoPlans, Ended, StepPlan
 

@@ -305,6 +305,9 @@ class ScopeRun(PackHook):
     def warn_once(self, key: str, message: str) -> None:
         self.runtime.warn_once(key, message)
 
+    def host_refused(self, record: Record) -> bool:
+        return self.placement.host_refused(record)
+
     def hold(self, tensor: torch.Tensor, nbytes: int) -> tuple[Record, object]:
         storage = tensor.untyped_storage().data_ptr()
         handle = self.handle_for(tensor, storage, nbytes)

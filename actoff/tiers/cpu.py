@@ -24,6 +24,8 @@ class CpuTier(Tier):
             return
         slot = run.arena().alloc(geometry.nbytes, tag=run.index)
         if slot is None:
+            if run.host_refused(record):
+                return  # run again in backward (Note [measuring where the host is small])
             run.stats.over_budget_bytes += geometry.nbytes
             run.warn_once(
                 "host budget full",

@@ -74,6 +74,11 @@ class RunView(Protocol):
         """Say ``message`` once per runtime for ``key``."""
         ...
 
+    def host_refused(self, record: Record) -> bool:
+        """The host budget had no room for ``record``: True where the run takes care of it (it
+        runs the block again in backward), False where the record stays on the device."""
+        ...
+
     def hold(self, tensor: torch.Tensor, nbytes: int) -> tuple[Record, object]:
         """A record of ``tensor`` that the run holds itself (not autograd): the record, and the
         handle that keeps it alive (dropping the handle releases it, as autograd's would)."""

@@ -6,6 +6,7 @@
 - `tokenwise`: records split by token range, the dropped rows recomputed (``tokenwise``,
   ``recompute``).
 - `checkpoint`: the block's inputs stored, the whole block run again in backward.
+- `measuring`: the auto policy's measuring steps (every save streamed, the bytes sorted).
 
 The registry below maps the placement names of the policy table (actoff.policy) to classes:
 

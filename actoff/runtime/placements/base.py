@@ -160,6 +160,11 @@ class Placement:
     def aborted(self) -> None:
         """An exception inside the block: nothing will be placed."""
 
+    def host_refused(self, record: Record) -> bool:
+        """The host budget had no room for ``record``: True where the placement takes care of it
+        (auto's measuring, Note [measuring where the host is small]); else it stays on the device."""
+        return False
+
     @property
     def in_mixer(self) -> bool:
         """Whether the block is inside a token mixer's call now (its saves are the mixer's)."""

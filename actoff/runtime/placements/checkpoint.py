@@ -79,11 +79,20 @@ class CheckpointPlacement(Placement):
 
 
 def run_checkpointed(
-    run: ScopeRun, fn: Callable[..., Any], args: tuple, kwargs: dict, module: torch.nn.Module | None = None
+    run: ScopeRun,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    module: torch.nn.Module | None = None,
+    inside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    runs_again: Callable[[], bool] = lambda: True,
 ) -> Any:
     """``fn(*args, **kwargs)`` (the scope of ``module``, if one) under non-reentrant checkpointing
     (Note [offloaded checkpoint]) as ``run``; the caller has installed the scope's saved-tensor
-    hooks. The run again in backward is timed (the run's ``recompute_ms``)."""
+    hooks. The run again in backward is timed (the run's ``recompute_ms``). ``inside`` makes the
+    context the body runs in, in forward, inside the checkpoint's hooks; ``runs_again`` says after
+    the forward whether anything the body saved is left to the checkpoint (else a changed input
+    harms nothing: nothing runs again)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if any(is_cache(leaf) and _holds_rows_read(leaf, module) for leaf in leaves):
         run.placement.whole_because = "it is given a key/value cache that already holds rows it reads"
@@ -111,7 +120,7 @@ def run_checkpointed(
         return fn(*call_args, **call_kwargs)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return contextlib.nullcontext(), _RunAgain(run, module, skeleton)
+        return inside(), _RunAgain(run, module, skeleton)
 
     output = torch.utils.checkpoint.checkpoint(
         body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
@@ -120,7 +129,7 @@ def run_checkpointed(
     # checkpointed training]), and the graph stops holding them.
     skeleton[:] = without_caches(skeleton)
     changed = [tensor for tensor, version in zip(inputs, versions, strict=True) if tensor._version != version]
-    if changed:  # Note [inputs changed in place]
+    if changed and runs_again():  # Note [inputs changed in place]
         tensor = changed[0]
         raise InputChangedError(
             f"actoff: block {run.name!r} wrote into its input (a tensor of shape {list(tensor.shape)} "

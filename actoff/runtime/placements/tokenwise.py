@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from ..step import ScopeRun
 
-__all__ = ["MeasuringPlacement", "TokenwisePlacement"]
+__all__ = ["TokenwisePlacement"]
 
 
 class TokenwisePlacement(Placement):
@@ -205,51 +205,3 @@ class TokenwisePlacement(Placement):
             watch.synchronize()
             total += watch.elapsed_ms()
         return total
-
-
-class MeasuringPlacement(TokenwisePlacement):
-    """The auto policy's measuring steps (Note [measuring at the floor] in actoff.runtime.auto):
-    every record streamed whole as it is saved, as the ``stream`` placement with windows of none,
-    at the least device memory; the block's saves sorted into classes (its inputs, what its token
-    mixers saved, the token-local rest) for the plan, and its forward watched for collectives.
-    Nothing is split or probed."""
-
-    name = "measuring"
-    asks_recompute = False  # type: ignore[assignment]  # it measures: nothing is asked of it
-
-    def __init__(self, run: ScopeRun) -> None:
-        super().__init__(run)
-        self.streams_out = self.tier.fetches  # Note [copy out at pack]
-
-    def forward(self, call: Call) -> Any:
-        if not self.active:
-            return call.run()
-        with CaptureMode(self.split), CollectiveWatch(self.split):
-            return call.run()
-
-    def seal(self) -> list[object]:
-        if not self.active:
-            return []
-        split = self.split
-        split.writes_inputs = any(isinstance(v, Record) and v.changed() for v in split.inputs)
-        unneeded, split.owned = split.owned, []  # nothing is re-run: what only actoff held goes
-        return unneeded
-
-    def place(self) -> None:
-        Placement.place(self)
-
-    def records(self) -> tuple[Record, ...]:
-        return tuple(self.run.records)
-
-    def reached(self) -> None:
-        """Nothing to probe."""
-
-    def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:
-        if not self.active:
-            return Placement.saved_by_class(self, input_bytes)
-        split = self.split
-        total = sum(record.geometry.nbytes for record in self.run.records)
-        inputs = {id(v): v.geometry.nbytes for v in split.inputs if isinstance(v, Record)}
-        stored_inputs = sum(inputs.values())
-        mixers = sum(r.geometry.nbytes for r in self.run.records if r.whole and id(r) not in inputs)
-        return stored_inputs, mixers, max(total - stored_inputs - mixers, 0), False

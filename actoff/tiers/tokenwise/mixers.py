@@ -123,7 +123,10 @@ class CaptureMode(TorchFunctionMode):
             split.saved_elsewhere = "no grad"
             return func(*args, **kwargs)
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or getattr(top[0], "__self__", None) is not split.run:
+        hooks = getattr(top[0], "__self__", None) if top is not None else None
+        # The run's own hooks, or those its measuring runs inside (Note [measuring where the host
+        # is small], actoff.runtime.placements.measuring), which give each save to the run first.
+        if hooks is not split.run and getattr(hooks, "run", None) is not split.run:
             # Another hooks context inside the scope (torch's checkpoint) takes what the block
             # saves: its output is nobody's to serve (Note [under checkpointing], actoff.runtime.enclosing).
             split.saved_elsewhere = top[0] if top is not None else "no hooks"

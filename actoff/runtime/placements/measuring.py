@@ -1,0 +1,203 @@
+"""The auto policy's measuring placement (Note [measuring at the floor] in actoff.runtime.auto):
+every saved tensor streamed to the host as it is saved, the block's bytes sorted for the plan.
+
+Note [measuring where the host is small]: measuring copies a block's every save to the host, so
+a host budget (``ACTOFF_HOST_BUDGET``) smaller than a block's saves would leave the rest on the
+device, and a measuring step would run over the device budget before auto had a figure to plan
+with (1.9-2x it under a 1 MiB host budget). Under a host budget the measured block therefore runs
+inside PyTorch's non-reentrant checkpoint, with its saves going first to the scope's pack hook
+(measured, sorted, copied to the host where the budget has room, as always); the records the
+host refuses are let go when the block's forward ends, and backward gets them by running the
+block again (the checkpoint's placeholder). The step then holds about what a ``checkpoint`` step
+holds, the least any plan holds without host memory (tests/runtime/test_measuring.py). The
+checkpoint matches the run again's saves to its placeholders by their order, so every save gets
+one (`_HostOrRunAgain.pack`); those of saves the host took die at once, and the checkpoint skips
+them in the run again. A block whose forward writes into an input in place or calls a collective
+would not give the same values run again: its refused records stay on the device, counted in
+``over_budget_bytes`` and said once, and its gradients stay exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from actoff.tiers.record import Record, State
+from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
+
+from ..hooks import AliasHandle, Handle, unpack
+from .base import Call, Placement
+from .checkpoint import run_checkpointed
+from .tokenwise import TokenwisePlacement
+
+if TYPE_CHECKING:
+    from ..step import ScopeRun
+
+__all__ = ["MeasuringPlacement"]
+
+
+class MeasuringPlacement(TokenwisePlacement):
+    """The auto policy's measuring steps (Note [measuring at the floor] in actoff.runtime.auto):
+    every record streamed whole as it is saved, as the ``stream`` placement with windows of none,
+    at the least device memory; the block's saves sorted into classes (its inputs, what its token
+    mixers saved, the token-local rest) for the plan, and its forward watched for collectives.
+    Nothing is split or probed. Under a host budget, what the host refuses is run again in backward
+    (Note [measuring where the host is small])."""
+
+    name = "measuring"
+    asks_recompute = False  # type: ignore[assignment]  # it measures: nothing is asked of it
+
+    def __init__(self, run: ScopeRun) -> None:
+        super().__init__(run)
+        self.streams_out = self.tier.fetches  # Note [copy out at pack]
+        self.hooks: _HostOrRunAgain | None = None
+
+    def forward(self, call: Call) -> Any:
+        if not self.active:
+            return call.run()
+        run = self.run
+        with CaptureMode(self.split), CollectiveWatch(self.split):
+            if run.config.host_budget is None or run.backend.host_resident or not torch.is_grad_enabled():
+                return call.run()
+            inputs = [
+                leaf
+                for leaf in pytree.tree_leaves((call.args, call.kwargs))
+                if isinstance(leaf, torch.Tensor)
+            ]
+            versions = [tensor._version for tensor in inputs]
+            self.hooks = hooks = _HostOrRunAgain(run)
+            try:
+                output = run_checkpointed(
+                    run, call.fn, call.args, call.kwargs, call.module, lambda: hooks, lambda: False
+                )
+            finally:
+                # The checkpoint's frame holds the inputs' handles, whose records hold the run:
+                # the run must not hold the frame back (Note [no cycle through autograd]).
+                self.hooks = hooks.run = None
+        changed = any(tensor._version != version for tensor, version in zip(inputs, versions, strict=True))
+        if changed:  # the checkpoint's copies of the inputs are stale, and never read: nothing runs again
+            self.split.writes_inputs = True
+            for record in run.records[: hooks.before]:
+                if record.changed():
+                    run.runtime.release(record)
+        collective = self.split.collective
+        if hooks.refused and (changed or collective is not None):
+            self._keep_refused(
+                hooks.refused, "writes into an input in place" if changed else f"calls {collective}"
+            )
+        else:
+            for record in hooks.refused:
+                run.runtime.release(record)  # its bytes go now: the run again brings them back
+        return output
+
+    def _keep_refused(self, refused: list[Record], why: str) -> None:
+        """The block's forward would not give the same values run again: what the host refused
+        stays on the device, said (Note [measuring where the host is small])."""
+        run = self.run
+        moved = sum(record.geometry.nbytes for record in refused)
+        run.stats.run_again_bytes -= moved
+        run.stats.over_budget_bytes += moved
+        run.warn_once(
+            "measuring:kept",
+            f"actoff: auto measures block {run.name!r} (and any others like it) with the saved tensors "
+            f"the host budget (ACTOFF_HOST_BUDGET) cannot take on the device: the block {why}, so it "
+            "cannot be run again in backward for them (Note [measuring where the host is small]). "
+            "Gradients stay exact; the measuring steps may exceed the device budget. Raise "
+            "ACTOFF_HOST_BUDGET to hold a block's saved tensors.",
+        )
+
+    def host_refused(self, record: Record) -> bool:
+        hooks = self.hooks
+        if hooks is None or not hooks.packing:
+            return False
+        hooks.refused.append(record)
+        self.run.stats.run_again_bytes += record.geometry.nbytes
+        return True
+
+    def seal(self) -> list[object]:
+        if not self.active:
+            return []
+        split = self.split
+        split.writes_inputs = split.writes_inputs or any(
+            isinstance(v, Record) and v.changed() for v in split.inputs
+        )
+        unneeded, split.owned = split.owned, []  # nothing is re-run: what only actoff held goes
+        return unneeded
+
+    def place(self) -> None:
+        Placement.place(self)
+
+    def records(self) -> tuple[Record, ...]:
+        return tuple(self.run.records)
+
+    def reached(self) -> None:
+        """Nothing to probe."""
+
+    def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:
+        if not self.active:
+            return Placement.saved_by_class(self, input_bytes)
+        split = self.split
+        total = sum(record.geometry.nbytes for record in self.run.records)
+        inputs = {id(v): v.geometry.nbytes for v in split.inputs if isinstance(v, Record)}
+        stored_inputs = sum(inputs.values())
+        mixers = sum(r.geometry.nbytes for r in self.run.records if r.whole and id(r) not in inputs)
+        return stored_inputs, mixers, max(total - stored_inputs - mixers, 0), False
+
+
+class _RecomputedSave:
+    """What autograd holds for a save the host refused: the scope's handle (served while its
+    record lives) and the checkpoint's placeholder (once the record is released)."""
+
+    __slots__ = ("holder", "packed")
+
+    def __init__(self, packed: Handle | AliasHandle, holder: Any) -> None:
+        self.packed, self.holder = packed, holder
+
+
+class _HostOrRunAgain:
+    """The saved-tensor hooks around a measured block's body, inside the checkpoint's (Note
+    [measuring where the host is small]): each save gets the checkpoint's placeholder and then
+    the scope's pack; the placeholder is kept only where the host refused the record."""
+
+    def __init__(self, run: ScopeRun) -> None:
+        self.run: ScopeRun | None = run  # while the body runs
+        self.refused: list[Record] = []  # the records the host refused (the run holds them too)
+        self.packing = False
+        self.before = 0
+        self._hooks: contextlib.AbstractContextManager | None = None
+        self._outer: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> None:
+        self.before = len(self.run.records)  # the block's inputs, as the checkpoint saved them
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        hooks, self._hooks = self._hooks, None  # no cycle through its bound methods: the frame
+        hooks.__exit__(*exc)  # it holds goes with backward, not with the collector
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        holder = self._outer[0](tensor)  # every save, in order: the run again matches them so
+        self.packing = True
+        try:
+            packed = self.run.pack(tensor)
+        finally:
+            self.packing = False
+        kind = type(packed)
+        record = packed.record if kind is Handle else packed.handle.record if kind is AliasHandle else None
+        if record is None or not any(record is refused for refused in self.refused):
+            return packed
+        return _RecomputedSave(packed, holder)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is _RecomputedSave:
+            inner = packed.packed
+            record = inner.record if type(inner) is Handle else inner.handle.record
+            if record.state is State.RELEASED:
+                return self._outer[1](packed.holder)
+            return unpack(inner)
+        return unpack(packed)
