@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from actoff.tiers.base import NoStagingRoom
 from actoff.tiers.record import Record, State
 
 if TYPE_CHECKING:
@@ -97,9 +98,25 @@ class FetchQueue:
                 and not self._evict(nbytes, window)
             ):
                 break
-            candidate.tier.fetch(candidate)
+            try:
+                candidate.tier.fetch(candidate)
+            except NoStagingRoom:  # Note [staging room for reads]
+                if self.make_room():
+                    continue  # the fetches in flight landed: their staging is free again
+                if candidate is record:
+                    raise
+                break  # fetched at its own unpack, or once room is back
             self._fetched(candidate)
             self.cursor += 1
+
+    def make_room(self) -> bool:
+        """(Note [staging room for reads]) Land the fetches in flight that hold host staging
+        memory, which then goes back; whether any did."""
+        landed = False
+        for fetched in self.fetched:
+            if fetched.state is State.FETCHING:
+                landed = fetched.tier.land(fetched) or landed
+        return landed
 
     def _enter(self, run: ScopeRun) -> None:
         """The window reaches ``run``: the device arena hears of its records served from the device

@@ -20,7 +20,12 @@ import torch
 
 from .record import Record, State
 
-__all__ = ["KEEP", "KeepTier", "Tier", "checksum", "verify"]
+__all__ = ["KEEP", "KeepTier", "NoStagingRoom", "Tier", "checksum", "verify"]
+
+
+class NoStagingRoom(RuntimeError):
+    """A fetch needs host staging memory the host budget has no room for now (Note [staging room
+    for reads], actoff.tiers.nvme.tier): the fetches in flight give theirs back, or it waits."""
 
 
 class Tier:
@@ -52,6 +57,11 @@ class Tier:
 
     def poll(self, record: Record) -> None:
         """Move a prefetch on without waiting (an NVMe read that landed starts its copy)."""
+
+    def land(self, record: Record) -> bool:
+        """Finish a FETCHING record's fetch now and give back the host staging memory it holds
+        (Note [staging room for reads]); whether it gave any back."""
+        return False
 
     def drop_forwarded(self, record: Record) -> None:
         """An OFFLOADING record that backward was served from the device and needs no more

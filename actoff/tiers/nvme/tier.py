@@ -14,6 +14,15 @@ staging slot (the record becomes a host-tier record) or on the device (it stays 
 failed, short or hung read raises in the training thread, and so does a read whose bytes are
 not the ones written (Note [sealed records] in actoff.tiers.nvme.seals), naming the block and
 the step, before anything uses them.
+
+Note [staging room for reads]: a staged read takes a host arena slot, under the host budget,
+and gives it back once its copy to the device is ordered (the file keeps the bytes), not when
+the record is released. Where the budget has no room for the next read, the reads in flight
+land first and give theirs back (`FetchQueue.make_room`); a prefetch that still finds none
+waits to be fetched at its own unpack, and only a read with nothing in flight to wait for
+raises, naming the budget. Before, prefetched reads held their slots until backward released
+their records, and a budget of a few records raised in backward a step whose writes had all
+landed (tests/tiers/nvme/test_staging.py).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import errno
 
 import torch
 
-from actoff.tiers.base import KEEP, checksum, verify
+from actoff.tiers.base import KEEP, NoStagingRoom, checksum, verify
 from actoff.tiers.cpu import CPU, CpuTier
 from actoff.tiers.record import Record, State
 
@@ -182,10 +191,11 @@ class NvmeTier(CpuTier):
         run, geometry, store = record.run, record.geometry, record.store
         if run.backend.staged and not store.takes_device_buffers:
             slot = run.arena().alloc(geometry.nbytes, tag=run.index)
-            if slot is None:
-                raise RuntimeError(
+            if slot is None:  # Note [staging room for reads]
+                raise NoStagingRoom(
                     f"actoff: no host staging memory to read {geometry.nbytes} bytes back from "
-                    f"NVMe for block {run.name!r}: raise ACTOFF_HOST_BUDGET"
+                    f"NVMe for block {run.name!r}, with no other read to wait for: raise "
+                    "ACTOFF_HOST_BUDGET"
                 )
             record.host_slot = slot
             record.write_future = store.read(slot.raw(), record.extent, slot.capacity)
@@ -223,7 +233,17 @@ class NvmeTier(CpuTier):
         if record.write_future is not None:
             self._finish_read(record)
         self._arrive(record, prefetched)
+        self._free_slot(record)  # the device has the bytes, the file keeps them
         return record.device_tensor
+
+    def land(self, record: Record) -> bool:
+        if record.state is not State.FETCHING or record.host_slot is None or record.tier is not self:
+            return False
+        if record.write_future is not None:
+            self._finish_read(record)
+        self._arrive(record, prefetched=True)
+        self._free_slot(record)
+        return True
 
     def poll(self, record: Record) -> None:
         # A prefetched read that has landed starts its copy to the device now, so that the
