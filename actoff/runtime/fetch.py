@@ -27,9 +27,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from actoff.tiers.base import NoStagingRoom
-from actoff.tiers.record import Record, State
+from actoff.tiers.record import Record, State, serve
 
 if TYPE_CHECKING:
+    import torch
+
     from .step import ScopeRun, Step
 
 __all__ = ["FetchQueue"]
@@ -108,6 +110,16 @@ class FetchQueue:
                 break  # fetched at its own unpack, or once room is back
             self._fetched(candidate)
             self.cursor += 1
+
+    def serve(self, record: Record) -> torch.Tensor:
+        """``record``'s device tensor (`actoff.tiers.record.serve`), once the fetches in flight
+        land where its own has no staging room (Note [staging room for reads])."""
+        try:
+            return serve(record)
+        except NoStagingRoom:
+            if not self.make_room():
+                raise
+            return serve(record)
 
     def make_room(self) -> bool:
         """(Note [staging room for reads]) Land the fetches in flight that hold host staging

@@ -48,9 +48,8 @@ from actoff.owners import ByOwner, Recent
 from actoff.params import param_storages
 from actoff.planner import Layout
 from actoff.policy import budget_share, runs_to_place, spec
-from actoff.tiers.base import NoStagingRoom
 from actoff.tiers.nvme.store import StoreRegistry
-from actoff.tiers.record import Record, State, serve
+from actoff.tiers.record import Record, State
 from actoff.tiers.tokenwise.probes import ModuleProbes
 
 from .arguments import find_device
@@ -279,12 +278,7 @@ class Runtime:
             run = record.run
             run.reached(record)
             record.check_version()
-            try:
-                tensor = serve(record)
-            except NoStagingRoom:  # Note [staging room for reads]
-                if not run.step.fetches.make_room():
-                    raise
-                tensor = serve(record)
+            tensor = run.step.fetches.serve(record)
             run.step.fetches.consumed(record)
             return tensor
 
