@@ -7,6 +7,7 @@ Pure functions on numbers, tested against brute force.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .budget import (
     PLACEMENTS,
@@ -26,7 +27,7 @@ from .budget import (
     predict,
 )
 
-__all__ = ["WINDOW_SHARES", "floor_plan", "plan", "window_choices"]
+__all__ = ["WINDOW_SHARES", "floor_plan", "plan", "plans", "window_choices"]
 
 #: The windows a plan may choose, in shares of the step's largest block's saved bytes: none (one
 #: saved tensor at a time, as ``save_on_cpu``), a quarter of a block, one block, two.
@@ -45,20 +46,15 @@ def window_choices(blocks: Sequence[BlockCost]) -> list[Windows]:
 
 
 def plan(
-    blocks: Sequence[BlockCost],
-    link_bytes_per_s: float,
-    budget_bytes: float,
-    *,
-    outside_bytes: Outside | float = 0,
-    choices: Sequence[Windows] | None = None,
+    blocks: Sequence[BlockCost], link_bytes_per_s: float, budget_bytes: float, **options: Any
 ) -> Plan | None:
     """The least added time whose predicted peak fits ``budget_bytes``, or None if nothing does.
 
     Keeping is free in time, so each count of kept blocks is tried (the last ones: their
     backward comes first and lets them go before an offloaded block comes back), with every
-    pair of windows (``choices``, else `window_choices`); the offloaded blocks get placements by
-    dynamic programming over the blocks in order, the state being the last placement (what is
-    still copying out while a block runs). Exact: the moments depend on neighbours only, and on
+    pair of windows (``choices``, else `window_choices`; ``options``: `plans`'s ``outside_bytes``
+    and ``choices``); the offloaded blocks get placements by dynamic programming over the blocks
+    in order, the state being the last placement (what is still copying out while a block runs). Exact: the moments depend on neighbours only, and on
     the last offloaded block for the head and the kept blocks.
 
     >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4  # 50 bytes each: copies take no time
@@ -69,9 +65,30 @@ def plan(
     >>> plan(blocks, 1e9, -1) is None
     True
     """
+    found = plans(blocks, link_bytes_per_s, budget_bytes, **options)
+    return found[0] if found else None
+
+
+def plans(
+    blocks: Sequence[BlockCost],
+    link_bytes_per_s: float,
+    budget_bytes: float,
+    *,
+    outside_bytes: Outside | float = 0,
+    choices: Sequence[Windows] | None = None,
+) -> list[Plan]:
+    """Every plan `plan` weighs that fits ``budget_bytes``, the best of each set of placements,
+    best first (least added time, then least peak); the first is `plan`'s. None past a plan
+    that adds no time.
+
+    >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4
+    >>> [found.describe().split(";")[0] for found in plans(blocks, 1e9, 150)]
+    ['2 stream, 2 keep', '1 stream, 3 keep']
+    """
     outside = outside_bytes if isinstance(outside_bytes, Outside) else Outside.flat(outside_bytes)
     count = len(blocks)
     best: Plan | None = None
+    found: dict[tuple[Placement, ...], Plan] = {}
     for kept in range(count, -1, -1):
         keeps = (PLACEMENTS[0],) * kept
         if outside.head + sum(b.saved_bytes for b in blocks[count - kept :]) > budget_bytes:
@@ -92,15 +109,26 @@ def plan(
             peak, seconds = predict(
                 blocks, placements, link_bytes_per_s, outside_bytes=outside, windows=windows
             )
-            if (
-                best is None
-                or seconds < best.seconds - 1e-12
-                or (seconds <= best.seconds + 1e-12 and peak < best.peak_bytes)
-            ):
-                best = Plan(placements, windows, peak, seconds)
+            candidate = Plan(placements, windows, peak, seconds)
+            if _better(candidate, found.get(placements)):
+                found[placements] = candidate
+            if _better(candidate, best):
+                best = candidate
         if best is not None and best.seconds == 0.0:
             break  # nothing is faster than adding no time: keeping more only holds more
-    return best
+    ranked = sorted(found.values(), key=lambda p: (p.seconds, p.peak_bytes))
+    if best is not None:  # ties keep the search's order
+        ranked.remove(found[best.placements])
+        ranked.insert(0, best)
+    return ranked
+
+
+def _better(candidate: Plan, incumbent: Plan | None) -> bool:
+    return (
+        incumbent is None
+        or candidate.seconds < incumbent.seconds - 1e-12
+        or (candidate.seconds <= incumbent.seconds + 1e-12 and candidate.peak_bytes < incumbent.peak_bytes)
+    )
 
 
 def _cheapest(

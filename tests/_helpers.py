@@ -35,6 +35,28 @@ def make_model(seed: int = 0, **changes) -> Transformer:
     return Transformer(ModelConfig.preset("tiny", **changes))
 
 
+def sim_steps(model: torch.nn.Module, steps: int, *, seq: int, seed: int = 0):
+    """``steps`` steps of ``model``'s loss and backward (tokens of batch 2 drawn from ``seed``) on a
+    fresh simulated device: per step, its device peak and ``actoff.stats()``."""
+    from actoff.testing import simulated_device
+
+    generator = torch.Generator().manual_seed(seed)
+    with simulated_device(seed=0) as device:
+        for _ in range(steps):
+            device.memory.reset_peak()
+            model.loss(torch.randint(0, 256, (2, seq), generator=generator)).backward()
+            yield device.memory.peak, actoff.stats()
+
+
+def keep_peak_of(seq: int, num_layers: int = 4) -> int:
+    """The device peak of a step of the reference model at ``seq`` tokens under keep."""
+    model = make_model(num_layers=num_layers)
+    actoff.offload_(model, block_cls=Block, policy="keep", min_bytes=0)
+    peak = max(peak for peak, _ in sim_steps(model, 2, seq=seq))
+    actoff.reset()
+    return peak
+
+
 def train(
     model: torch.nn.Module,
     steps: int = 3,

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from actoff.budget import Placement, Windows
 from actoff.owners import ByOwner, Recent
 
+from . import measured
 from .lengths import Ahead, new_entry, plan_ahead
 from .measured import PROBE, AutoRun, BlockKey, Measured, figures, input_bytes, observe, stand_in_forwards
 from .placements.base import Call
@@ -64,6 +65,8 @@ from .placements.whole import KeptPlacement, WholePlacement
 from .planning import AutoPlans, Ended, StepPlan
 
 if TYPE_CHECKING:
+    from actoff.device.base import Stopwatch
+
     from .placements.base import Placement as RunPlacement
     from .runtime import Runtime
     from .step import ScopeRun, Step
@@ -85,6 +88,9 @@ class AutoStep:
     peaks: list[int] = field(default_factory=lambda: [0, 0])
     ahead: Ahead | None = None  # planned before it ran (Note [other lengths planned ahead])
     ended: bool = False  # its first backward ended (a retained graph's next ones are not measured)
+    watch: Stopwatch | None = (
+        None  # from its first block's forward (Note [a plan tried against its runner-up])
+    )
 
 
 class AutoObserver(AutoPlans):
@@ -194,6 +200,7 @@ class AutoObserver(AutoPlans):
             entry = by_conditions[key.conditions] = new_entry(run, call, by_conditions)
         step = self._steps.setdefault(run.step, AutoStep())
         if not step.seen:  # measuring and probing: windows of none (Note [measuring at the floor])
+            step.watch = run.backend.stopwatch().start()
             windows = entry.windows if entry.placements and not entry.probe_next else Windows()
             if not entry.placements and not entry.probe_next:
                 step.ahead = plan_ahead(self, run, call, entry, self.last_step)
@@ -256,6 +263,8 @@ class AutoObserver(AutoPlans):
             cause = "measuring"
         elif any(placement is PROBE for placement in placements):
             cause = "probing"
+        elif self.current is not None and self.current.trying:
+            cause = "trying"
         elif self.current is not None and "nothing fits" in self.current.reason:
             cause = "floor"
         else:
@@ -280,7 +289,11 @@ class AutoObserver(AutoPlans):
         keys = tuple(state.key.ident for state in states)
         windows = Windows(step.window or 0, step.copy_window or 0)
         probing = any(state.placement is PROBE for state in states)
-        return Ended(states, entries, keys, ran, windows, None if probing else moments, probing)
+        ended = Ended(states, entries, keys, ran, windows, None if probing else moments, probing)
+        watch = self._steps[step].watch
+        if watch is not None:
+            ended.step_s = measured.step_s(watch, ran)  # looked up here: tests replace it
+        return ended
 
 
 def _placement(

@@ -112,7 +112,7 @@ def plan_ahead(
         *(value * max(linear, 1.0) for value in (outside.forward, outside.head, outside.backward))
     )
     budget = plans.budget(run)
-    chosen, _ = fit(costs, link_rate(run.runtime, run), budget, grown, calibrated=False)
+    chosen, _, _ = fit(costs, link_rate(run.runtime, run), budget, grown, calibrated=False)
     placements = [
         (placement, fractions(placement, cost, run.config, room)[:2])
         for placement, cost in zip(chosen.placements, costs, strict=True)

@@ -34,6 +34,7 @@ __all__ = [
     "measured_s",
     "observe",
     "stand_in_forwards",
+    "step_s",
     "timed_apart_from_waits",
 ]
 
@@ -258,6 +259,15 @@ def observe(entry: Measured, state: AutoRun) -> None:
         mixers = attention_ms(state)
         if mixers is not None:
             entry.attention_share = min(mixers / 1e3 / forward_s, 1.0)
+
+
+def step_s(watch: Stopwatch, ran: tuple[Placement, ...]) -> float:
+    """A step's time from its first block's forward to the end of backward, in seconds (Note [a
+    plan tried against its runner-up]); ``ran``: the placements it ran. One of the places where
+    the auto policy reads a measured time (with `forward_ms`, `attention_ms`): tests replace it."""
+    watch.stop()
+    watch.synchronize()
+    return watch.elapsed_ms() / 1e3
 
 
 def measured_s(state: AutoRun) -> float:

@@ -33,6 +33,7 @@ ADVICE = {
         "or the sequence, tile the MLPs and the loss, or raise ACTOFF_GPU_BUDGET"
     ),
     "planned": "the plan's prediction was low; the next step runs a plan made from this one's peak",
+    "trying": "a plan the model put close to the one in force was tried on whole steps; it is dropped",
     "host budget": (
         "ACTOFF_HOST_BUDGET was full, and what it could not take stayed on the device: raise it, "
         "or set ACTOFF_NVME_DIR so that auto spills to NVMe"

@@ -24,16 +24,16 @@ from actoff.budget import (
     Windows,
     off_by,
     outside_from,
-    predict,
 )
 from actoff.config import format_bytes
-from actoff.fitting import floor_plan, plan
+from actoff.fitting import floor_plan, plans
 from actoff.owners import ByOwner
 from actoff.policy import AutoDecision, budget_share, host_split
 
 from .distributed import local_world_size
 from .measured import AutoRun, Measured, figures, measured_s
 from .over_budget import OverBudget
+from .trials import Trial, Trials, runner_up, still_good
 
 if TYPE_CHECKING:
     from actoff.config import Config
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
     from .step import ScopeRun
 
-__all__ = ["AutoPlans", "Ended", "StepPlan", "fit", "fractions", "host_room", "link_rate", "still_good"]
+__all__ = ["AutoPlans", "Ended", "StepPlan", "fit", "fractions", "host_room", "link_rate"]
 
 
 @dataclass
@@ -62,6 +62,16 @@ class StepPlan:
     measured_s: float | None = None
     #: A replan gave the same plan (Note [settled plans]): only a peak over the budget replans it.
     settled: bool = False
+    # Note [a plan tried against its runner-up] (actoff.runtime.trials): the best plan of other
+    # placements, where predicted close; the trial under way; whether one was run.
+    runner_up: Plan | None = None
+    trial: Trial | None = None
+    tried: bool = False
+
+    @property
+    def trying(self) -> bool:
+        """Whether the plan in force is a trial's runner-up (Note [a plan tried against its runner-up])."""
+        return self.trial is not None and self.plan == self.trial.challenger
 
     @property
     def predicted_s(self) -> float:
@@ -82,6 +92,7 @@ class Ended:
     windows: Windows
     moments: tuple | None
     probing: bool = False
+    step_s: float | None = None  # from its first block's forward to the end of backward
 
 
 def _decision(
@@ -123,14 +134,19 @@ def link_rate(runtime: Runtime, run: ScopeRun) -> float:
 
 def fit(
     costs: tuple[BlockCost, ...], link: float, budget: float, outside: Outside, *, calibrated: bool
-) -> tuple[Plan, bool]:
-    """The plan of ``costs`` under ``budget`` less its headroom (Note [calibrated plans]), and
-    whether it is the floor's (nothing fits)."""
+) -> tuple[Plan, bool, Plan | None]:
+    """The plan of ``costs`` under ``budget`` less its headroom (Note [calibrated plans]),
+    whether it is the floor's (nothing fits), and its runner-up (Note [a plan tried against its
+    runner-up])."""
     headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
-    chosen = plan(costs, link, budget * (1 - headroom), outside_bytes=outside)
-    if chosen is None:
-        return floor_plan(costs, link, outside_bytes=outside), True
-    return chosen, False
+    found = plans(costs, link, budget * (1 - headroom), outside_bytes=outside)
+    if not found:
+        return floor_plan(costs, link, outside_bytes=outside), True, None
+    return (
+        found[0],
+        False,
+        runner_up(found, sum(cost.forward_s for cost in costs), budget * (1 - PLAN_HEADROOM)),
+    )
 
 
 def fractions(
@@ -154,37 +170,7 @@ def host_room(config: Config, runs: int) -> float | None:
     return None if budget is None else budget / max(runs - 2, 1)
 
 
-def still_good(current: Plan, again: StepPlan) -> Plan | None:
-    """The plan in force, predicted from ``again``'s figures (its blocks' costs, the link, the
-    memory outside them), if it still fits ``again``'s budget with `CALIBRATED_HEADROOM` and its
-    blocks' time is at most `REPLAN_TOLERANCE` over ``again``'s; else None (Note [a plan kept
-    against time noise]).
-
-    >>> from actoff.budget import BlockCost, Outside, Placement, Plan, Windows
-    >>> costs = (BlockCost(0.01, 0.002, 10**6, 10**6, 3 * 10**6),) * 2
-    >>> again = StepPlan((), (), (), Plan((Placement("keep"),) * 2, Windows(), 10**7, 0.0),
-    ...                  costs, 10**8, 1e9, Outside(), "replanned", True)
-    >>> still_good(Plan((Placement("stream"),) * 2, Windows(), 0, 0), again) is None  # 10 ms: 50% slower
-    True
-    >>> still_good(Plan((Placement("stream"),) * 2, Windows(10**7, 10**7), 0, 0), again).seconds  # hidden
-    0.0
-    """
-    peak, seconds = predict(
-        again.costs,
-        current.placements,
-        again.link_bytes_per_s,
-        outside_bytes=again.outside,
-        windows=current.windows,
-    )
-    forwards = sum(cost.forward_s for cost in again.costs)
-    if peak > again.budget_bytes * (1 - CALIBRATED_HEADROOM):
-        return None
-    if forwards + seconds > (forwards + again.plan.seconds) * (1 + REPLAN_TOLERANCE):
-        return None
-    return Plan(current.placements, current.windows, peak, seconds)
-
-
-class AutoPlans:
+class AutoPlans(Trials):
     """The auto policy's plans in a runtime: per step of blocks (under its first block's owner,
     dropped with it), the one in force, the last one a step ran, and why each was made."""
 
@@ -231,6 +217,9 @@ class AutoPlans:
         current.measured_peak_bytes, current.measured_s = peak, seconds
         self.current = self.measured = current
         figures(ended.states, current)
+        if current.trial is not None:  # Note [a plan tried against its runner-up]
+            self._trial_step(ended, current, peak)
+            return
         self.holds = current.calibrated or not self.replan_allowed
         if not self.replan_allowed:
             return
@@ -273,6 +262,7 @@ class AutoPlans:
             self.holds = same
             if not same:
                 self.replans += 1
+        self._start_trial(ended)
 
     def _keep_in_force(self, ended: Ended, current: StepPlan, again: StepPlan) -> bool:
         """Where `still_good` keeps the plan in force against ``again`` (Note [a plan kept
@@ -283,6 +273,10 @@ class AutoPlans:
         kept = dataclasses.replace(
             again,
             plan=plan,
+            # The model's favourite, tried on whole steps where it has a first plan's headroom.
+            runner_up=again.plan
+            if again.plan.peak_bytes <= again.budget_bytes * (1 - PLAN_HEADROOM)
+            else None,
             reason=again.reason + f"; kept {current.plan.describe()}: "
             f"{again.plan.describe()} is not {REPLAN_TOLERANCE:.0%} faster",
         )
@@ -316,7 +310,7 @@ class AutoPlans:
                     for a, b in zip(dataclasses.astuple(outside), dataclasses.astuple(at_least), strict=True)
                 )
             )
-        chosen, at_floor = fit(costs, link, budget, outside, calibrated=calibrated)
+        chosen, at_floor, second = fit(costs, link, budget, outside, calibrated=calibrated)
         if at_floor:
             reason += "; nothing fits the budget: the least memory"
             if ended.keys not in self._warned:  # once per step of blocks, before it runs
@@ -335,6 +329,7 @@ class AutoPlans:
         step_plan = StepPlan(
             ended.keys, names, tuple(ended.entries), chosen, costs, budget, link, outside, reason, calibrated
         )
+        step_plan.runner_up = second
         self.reasons.append(reason)
         self.plans.setdefault(ended.states[0].key.owner, dict)[ended.keys] = self.current = step_plan
         self.budget_bytes = budget

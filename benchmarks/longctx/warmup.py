@@ -11,8 +11,9 @@ __all__ = ["AUTO_SETTLE_STEPS", "warm_up"]
 
 
 #: Most steps auto gets after its reset to settle (Note [auto decides on a warm step]): two
-#: measuring, a first plan, a probe, the plan after it, its calibration and a replan are seven.
-AUTO_SETTLE_STEPS = 12
+#: measuring, a first plan, a probe, the plan after it, its calibration and a replan are seven;
+#: a trial against the runner-up (Note [a plan tried against its runner-up]) adds up to four.
+AUTO_SETTLE_STEPS = 16
 
 
 def warm_up(spec: dict, step, extra: dict) -> None:

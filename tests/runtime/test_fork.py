@@ -19,7 +19,8 @@ import textwrap
 import pytest
 from _helpers import ROOT
 
-pytestmark = pytest.mark.nvme
+# Each case runs its subprocess on both devices itself (DEVICES): once, in the plain pass.
+pytestmark = [pytest.mark.nvme, pytest.mark.plain_pass_only]
 
 REPEATS = 20
 HANG_S = 5.0

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import make_model, train
+from _helpers import make_model, sim_steps, train
 from torch import nn
 
 import actoff
@@ -33,17 +33,13 @@ def _times(monkeypatch):
 def _peaks(model, steps: int) -> list[tuple[int, str, int, int]]:
     """Per step on a fresh simulated device: its device peak, the first block's placement, the
     bytes run again and the bytes left on the device for the host budget."""
-    generator = torch.Generator().manual_seed(0)
     out = []
-    with simulated_device(seed=0) as device:
-        for _ in range(steps):
-            device.memory.reset_peak()
-            model.loss(torch.randint(0, 256, (2, SEQ), generator=generator)).backward()
-            blocks = actoff.stats().blocks.values()
-            placement = next(iter(blocks)).placement
-            again = sum(block.run_again_bytes for block in blocks)
-            kept = sum(block.over_budget_bytes for block in blocks)
-            out.append((device.memory.peak, placement, again, kept))
+    for peak, stats in sim_steps(model, steps, seq=SEQ):
+        blocks = stats.blocks.values()
+        placement = next(iter(blocks)).placement
+        again = sum(block.run_again_bytes for block in blocks)
+        kept = sum(block.over_budget_bytes for block in blocks)
+        out.append((peak, placement, again, kept))
     return out
 
 

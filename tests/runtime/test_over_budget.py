@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import make_model
+from _helpers import keep_peak_of, make_model
 
 import actoff
 import actoff.runtime.measured
@@ -34,14 +34,7 @@ def _times(monkeypatch):
 @pytest.fixture(scope="module")
 def keep_peak() -> int:
     """The device peak of a step at ``SEQ`` under keep."""
-    model = make_model(num_layers=4)
-    actoff.offload_(model, block_cls=Block, policy="keep", min_bytes=0)
-    with simulated_device(seed=0) as device:
-        for _ in range(2):
-            device.memory.reset_peak()
-            model.loss(torch.randint(0, 256, (2, SEQ))).backward()
-    actoff.reset()
-    return device.memory.peak
+    return keep_peak_of(SEQ)
 
 
 def _auto(budget: int, model=None, **settings):

@@ -1,0 +1,166 @@
+"""A plan tried against its runner-up on whole steps (Note [a plan tried against its runner-up]).
+
+Note [a plan tried against its runner-up]: the model prices a placement by its copies and its
+recompute (Note [the budget model] in actoff.budget), and two plans it puts close can differ in
+the real step by far more: on the 2-core machine of the main run, streaming's copies take CPU
+time that the compute would have had, in forward and in backward, where the model hides them
+behind compute (auto<=87MiB at 1024 tokens settled on `4 stream`, predicted within 10% of a
+token-wise plan and 40% slower than it). auto's own check times a plan's blocks (forward, waits,
+recompute), not the step around them, so it never saw it. So where the plan's runner-up (the
+best plan of other placements that fits the same budget) is predicted within `TRIAL_MARGIN` of
+it, once the plan holds: its whole steps are timed (`TRIAL_STEPS` of them, from the first
+block's forward to the end of backward), then the runner-up's as many, and the faster by the
+least step of each stays if it is `REPLAN_TOLERANCE` faster; else the plan in force. Either
+way the plan is settled: one trial per plan. A trial step over the budget ends it at once.
+Ranks that agreed on a plan (torch.distributed) never try: they would each pick their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from actoff.budget import CALIBRATED_HEADROOM, REPLAN_TOLERANCE, Plan, predict
+
+if TYPE_CHECKING:
+    from .planning import Ended, StepPlan
+
+__all__ = ["TRIAL_MARGIN", "TRIAL_STEPS", "Trial", "Trials", "runner_up", "still_good"]
+
+#: A runner-up predicted within this share of the plan's step time is tried.
+TRIAL_MARGIN = 0.25
+#: Whole steps timed of each plan: the least of them counts (the first after a change of
+#: placements can pay for the device arena's new layout).
+TRIAL_STEPS = 2
+
+
+def runner_up(found: list[Plan], forwards_s: float, peak_bytes: float) -> Plan | None:
+    """The best of ``found`` (best first, as `actoff.fitting.plans` gives them) after the first
+    whose predicted peak is at most ``peak_bytes`` (a plan not calibrated on its own step gets
+    the first plan's headroom: Note [calibrated plans]), if its blocks' time is within
+    `TRIAL_MARGIN` of the first's (``forwards_s``: the blocks' forward time, which every plan
+    adds to).
+
+    >>> from actoff.budget import Placement, Windows
+    >>> one = Plan((Placement("stream"),), Windows(), 10, 0.01)
+    >>> two = Plan((Placement("checkpoint"),), Windows(), 8, 0.03)
+    >>> runner_up([one, two], 0.1, 8) is two, runner_up([one, two], 0.01, 8), runner_up([one, two], 0.1, 7)
+    (True, None, None)
+    """
+    second = next((plan for plan in found[1:] if plan.peak_bytes <= peak_bytes), None)
+    if second is None or forwards_s + second.seconds > (forwards_s + found[0].seconds) * (1 + TRIAL_MARGIN):
+        return None
+    return second
+
+
+def still_good(current: Plan, again: StepPlan) -> Plan | None:
+    """The plan in force, predicted from ``again``'s figures (its blocks' costs, the link, the
+    memory outside them), if it still fits ``again``'s budget with `CALIBRATED_HEADROOM` and its
+    blocks' time is at most `REPLAN_TOLERANCE` over ``again``'s; else None (Note [a plan kept
+    against time noise]).
+
+    >>> from actoff.budget import BlockCost, Outside, Placement, Plan, Windows
+    >>> costs = (BlockCost(0.01, 0.002, 10**6, 10**6, 3 * 10**6),) * 2
+    >>> from actoff.runtime.planning import StepPlan
+    >>> again = StepPlan((), (), (), Plan((Placement("keep"),) * 2, Windows(), 10**7, 0.0),
+    ...                  costs, 10**8, 1e9, Outside(), "replanned", True)
+    >>> still_good(Plan((Placement("stream"),) * 2, Windows(), 0, 0), again) is None  # 10 ms: 50% slower
+    True
+    >>> still_good(Plan((Placement("stream"),) * 2, Windows(10**7, 10**7), 0, 0), again).seconds  # hidden
+    0.0
+    """
+    peak, seconds = predict(
+        again.costs,
+        current.placements,
+        again.link_bytes_per_s,
+        outside_bytes=again.outside,
+        windows=current.windows,
+    )
+    forwards = sum(cost.forward_s for cost in again.costs)
+    if peak > again.budget_bytes * (1 - CALIBRATED_HEADROOM):
+        return None
+    if forwards + seconds > (forwards + again.plan.seconds) * (1 + REPLAN_TOLERANCE):
+        return None
+    return Plan(current.placements, current.windows, peak, seconds)
+
+
+@dataclass
+class Trial:
+    """A plan's trial against its runner-up: their whole steps' times, in seconds."""
+
+    incumbent: Plan
+    challenger: Plan
+    incumbent_s: list[float] = field(default_factory=list)
+    challenger_s: list[float] = field(default_factory=list)
+    running: Plan | None = None  # the plan the next step runs, while the trial lasts
+    over_budget: bool = False  # a step of the challenger's peaked over the budget
+
+    def timed(self, plan: Plan, seconds: float | None) -> Plan | None:
+        """A step of ``plan`` took ``seconds`` (None: not timed): the plan the next step runs,
+        or None once the trial is decided (`winner`).
+
+        >>> from actoff.budget import Placement, Windows
+        >>> a, b = (Plan((Placement(k),), Windows(), 1, 0) for k in ("stream", "checkpoint"))
+        >>> trial = Trial(a, b)
+        >>> [trial.timed(a, 0.5) is a, trial.timed(a, 0.4) is b, trial.timed(b, 0.3) is b, trial.timed(b, 0.35)]
+        [True, True, True, None]
+        >>> trial.winner()[0] is b  # 300 ms against 400: more than 10% faster
+        True
+        """
+        times = self.incumbent_s if plan == self.incumbent else self.challenger_s
+        if seconds is not None:
+            times.append(seconds)
+        if len(self.incumbent_s) < TRIAL_STEPS:
+            self.running = self.incumbent
+        elif len(self.challenger_s) < TRIAL_STEPS and not self.over_budget:
+            self.running = self.challenger
+        else:
+            self.running = None
+        return self.running
+
+    def winner(self) -> tuple[Plan, str]:
+        """The plan that stays, and why (for the plan's reason)."""
+        mine, theirs = min(self.incumbent_s), min(self.challenger_s, default=float("inf"))
+        said = (
+            f"tried {self.challenger.describe()}: "
+            + ("over the budget" if self.over_budget else f"{theirs * 1e3:.1f} ms a step")
+            + f" against {mine * 1e3:.1f} ms"
+        )
+        if not self.over_budget and theirs < mine * (1 - REPLAN_TOLERANCE):
+            return self.challenger, said + "; kept it"
+        return self.incumbent, said + "; kept the plan"
+
+
+class Trials:
+    """The trial part of `actoff.runtime.planning.AutoPlans` (Note [a plan tried against its
+    runner-up]): it starts a trial where a plan that holds has a runner-up, and runs it."""
+
+    def _start_trial(self, ended: Ended) -> None:
+        """The last step kept the plan in force: its trial starts, this step its first, where it
+        has a runner-up not tried yet."""
+        current = self.current
+        if not self.holds or not self.replan_allowed or current.runner_up is None or current.tried:
+            return
+        current.tried = True
+        current.trial = Trial(current.plan, current.runner_up)
+        ran = ended.ran == current.plan.placements
+        self._run_trial(ended, current, current.trial.timed(current.plan, ended.step_s if ran else None))
+
+    def _trial_step(self, ended: Ended, current: StepPlan, peak: int | None) -> None:
+        """A step of a trial ended: timed, and the next plan given (the winner at its end)."""
+        trial = current.trial
+        if current.plan == trial.challenger and peak is not None and peak > current.budget_bytes:
+            trial.over_budget = True
+        self._run_trial(ended, current, trial.timed(current.plan, ended.step_s))
+
+    def _run_trial(self, ended: Ended, current: StepPlan, following: Plan | None) -> None:
+        if following is None:  # decided
+            winner, why = current.trial.winner()
+            current.trial, current.settled = None, True
+            current.reason += "; " + why
+            self.reasons.append(current.reason)
+            following = winner
+        ran = ended.ran == following.placements
+        current.plan = following
+        self._apply(ended, current)
+        self.holds = current.trial is None and ran

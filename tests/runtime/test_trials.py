@@ -1,0 +1,103 @@
+"""A plan tried against its runner-up on whole steps (Note [a plan tried against its runner-up]):
+the trial's arithmetic on numbers, then auto on the simulated device with injected times (the
+blocks' forward and attention as in test_auto.py, and each step's whole time as a function of
+the placements it ran), so the decisions do not depend on the machine's load."""
+
+import pytest
+from _helpers import keep_peak_of, make_model, sim_steps
+
+import actoff
+import actoff.runtime.measured
+from actoff.budget import Placement, Plan, Windows
+from actoff.reference import Block
+from actoff.runtime.runtime import get_runtime
+from actoff.runtime.trials import TRIAL_STEPS, Trial, runner_up
+
+SEQ = 257
+
+
+def _plan(kind: str, peak: float = 1.0, seconds: float = 0.0) -> Plan:
+    return Plan((Placement(kind),) * 2, Windows(), peak, seconds)
+
+
+def _decide(trial: Trial, incumbent_s: list[float], challenger_s: list[float]) -> tuple[Plan, str]:
+    for seconds in incumbent_s:
+        running = trial.timed(trial.incumbent, seconds)
+    while running is trial.challenger and challenger_s:
+        running = trial.timed(trial.challenger, challenger_s.pop(0))
+    assert running is None
+    return trial.winner()
+
+
+def test_a_trial_keeps_the_runner_up_only_where_its_least_step_is_faster_by_the_tolerance():
+    stream, tokenwise = _plan("stream"), _plan("tokenwise")
+    # Steps of each plan: the least of each counts (a first step after a change pays for layouts).
+    kept, why = _decide(Trial(stream, tokenwise), [0.50, 0.40], [0.45, 0.30])
+    assert kept is tokenwise and "300.0 ms a step against 400.0 ms; kept it" in why
+    kept, why = _decide(Trial(stream, tokenwise), [0.40, 0.41], [0.37, 0.38])  # 7.5%: noise
+    assert kept is stream and why.endswith("kept the plan")
+    assert TRIAL_STEPS == 2
+
+
+def test_a_runner_up_over_the_budget_ends_its_trial_at_once():
+    stream, tokenwise = _plan("stream"), _plan("tokenwise")
+    trial = Trial(stream, tokenwise)
+    for seconds in (0.5, 0.5):
+        trial.timed(stream, seconds)
+    trial.over_budget = True  # its first step peaked over the budget (`Trials._trial_step`)
+    assert trial.timed(tokenwise, 0.1) is None
+    kept, why = trial.winner()
+    assert kept is stream and "over the budget" in why
+
+
+def test_the_runner_up_is_close_in_time_and_has_a_first_plans_headroom():
+    best = _plan("stream", peak=90, seconds=0.010)
+    close_but_high = _plan("keep", peak=99, seconds=0.011)
+    close = _plan("tokenwise", peak=80, seconds=0.012)
+    far = _plan("checkpoint", peak=50, seconds=0.100)
+    # 0.1 s of forwards: 0.112 is within 25% of 0.110; a peak of 99 is over 85 allowed.
+    assert runner_up([best, close_but_high, close, far], 0.1, 85) is close
+    assert runner_up([best, far], 0.1, 85) is None
+    assert runner_up([best], 0.1, 85) is None
+
+
+@pytest.fixture
+def keep_peak() -> int:
+    return keep_peak_of(SEQ)
+
+
+def _auto_steps(monkeypatch, budget: int, step_time, steps: int = 14) -> list[tuple[bool, str]]:
+    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
+    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.3)
+    monkeypatch.setattr(actoff.runtime.measured, "step_s", lambda watch, ran: step_time(ran))
+    model = make_model(num_layers=4)
+    actoff.offload_(
+        model, block_cls=Block, policy="auto", min_bytes=0, host_bandwidth="1GB", gpu_budget=budget
+    )
+    history = []
+    for peak, stats in sim_steps(model, steps, seq=SEQ, seed=1):
+        assert peak <= budget  # the trial's steps too
+        history.append((stats.plan_holds, stats.plan))
+    return history
+
+
+def test_auto_keeps_a_runner_up_whose_whole_steps_are_faster(monkeypatch, keep_peak):
+    # The model prices the plans within 25%; the steps say otherwise: each kept block costs half
+    # a step (a stand-in for what the model cannot see, such as copies that take the CPU).
+    history = _auto_steps(
+        monkeypatch, int(keep_peak * 0.6), lambda ran: 0.1 * (1 + sum(p.kind == "keep" for p in ran) / 2)
+    )
+    auto = get_runtime().auto
+    assert auto.current.tried and auto.current.trial is None
+    assert auto.current.reason.endswith("; kept it"), auto.current.reason
+    assert "keep" not in auto.current.plan.describe()
+    holds, _ = history[-1]
+    assert holds and all(step == history[-1] for step in history[-3:])  # settled: no second trial
+
+
+def test_auto_keeps_its_plan_where_the_runner_up_is_no_faster(monkeypatch, keep_peak):
+    history = _auto_steps(monkeypatch, int(keep_peak * 0.6), lambda ran: 0.1)
+    auto = get_runtime().auto
+    assert auto.current.tried and auto.current.reason.endswith("; kept the plan"), auto.current.reason
+    holds, plan = history[-1]
+    assert holds and "keep" in plan and all(step == history[-1] for step in history[-3:])
