@@ -33,7 +33,7 @@ from actoff.policy import AutoDecision, budget_share, host_split
 from .distributed import local_world_size
 from .measured import AutoRun, Measured, figures, measured_s
 from .over_budget import OverBudget
-from .trials import Trial, Trials, runner_up, still_good
+from .trials import Trial, Trials, still_good
 
 if TYPE_CHECKING:
     from actoff.config import Config
@@ -62,9 +62,9 @@ class StepPlan:
     measured_s: float | None = None
     #: A replan gave the same plan (Note [settled plans]): only a peak over the budget replans it.
     settled: bool = False
-    # Note [a plan tried against its runner-up] (actoff.runtime.trials): the best plan of other
-    # placements, where predicted close; the trial under way; whether one was run.
-    runner_up: Plan | None = None
+    # Note [a plan tried against its runner-up] (actoff.runtime.trials): what the plan was chosen
+    # from, the trial under way, whether one was run.
+    candidates: tuple[Plan, ...] = ()  # the best plans of their placements, best first
     trial: Trial | None = None
     tried: bool = False
 
@@ -134,19 +134,15 @@ def link_rate(runtime: Runtime, run: ScopeRun) -> float:
 
 def fit(
     costs: tuple[BlockCost, ...], link: float, budget: float, outside: Outside, *, calibrated: bool
-) -> tuple[Plan, bool, Plan | None]:
+) -> tuple[Plan, bool, tuple[Plan, ...]]:
     """The plan of ``costs`` under ``budget`` less its headroom (Note [calibrated plans]),
-    whether it is the floor's (nothing fits), and its runner-up (Note [a plan tried against its
-    runner-up])."""
+    whether it is the floor's (nothing fits), and the best plan of each set of placements that
+    fits, best first (Note [a plan tried against its runner-up])."""
     headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
     found = plans(costs, link, budget * (1 - headroom), outside_bytes=outside)
     if not found:
-        return floor_plan(costs, link, outside_bytes=outside), True, None
-    return (
-        found[0],
-        False,
-        runner_up(found, sum(cost.forward_s for cost in costs), budget * (1 - PLAN_HEADROOM)),
-    )
+        return floor_plan(costs, link, outside_bytes=outside), True, ()
+    return found[0], False, tuple(found)
 
 
 def fractions(
@@ -273,10 +269,6 @@ class AutoPlans(Trials):
         kept = dataclasses.replace(
             again,
             plan=plan,
-            # The model's favourite, tried on whole steps where it has a first plan's headroom.
-            runner_up=again.plan
-            if again.plan.peak_bytes <= again.budget_bytes * (1 - PLAN_HEADROOM)
-            else None,
             reason=again.reason + f"; kept {current.plan.describe()}: "
             f"{again.plan.describe()} is not {REPLAN_TOLERANCE:.0%} faster",
         )
@@ -310,7 +302,7 @@ class AutoPlans(Trials):
                     for a, b in zip(dataclasses.astuple(outside), dataclasses.astuple(at_least), strict=True)
                 )
             )
-        chosen, at_floor, second = fit(costs, link, budget, outside, calibrated=calibrated)
+        chosen, at_floor, found = fit(costs, link, budget, outside, calibrated=calibrated)
         if at_floor:
             reason += "; nothing fits the budget: the least memory"
             if ended.keys not in self._warned:  # once per step of blocks, before it runs
@@ -329,7 +321,7 @@ class AutoPlans(Trials):
         step_plan = StepPlan(
             ended.keys, names, tuple(ended.entries), chosen, costs, budget, link, outside, reason, calibrated
         )
-        step_plan.runner_up = second
+        step_plan.candidates = found
         self.reasons.append(reason)
         self.plans.setdefault(ended.states[0].key.owner, dict)[ended.keys] = self.current = step_plan
         self.budget_bytes = budget

@@ -2,55 +2,72 @@
 
 Note [a plan tried against its runner-up]: the model prices a placement by its copies and its
 recompute (Note [the budget model] in actoff.budget), and two plans it puts close can differ in
-the real step by far more: on the 2-core machine of the main run, streaming's copies take CPU
-time that the compute would have had, in forward and in backward, where the model hides them
-behind compute (auto<=87MiB at 1024 tokens settled on `4 stream`, predicted within 10% of a
-token-wise plan and 40% slower than it). auto's own check times a plan's blocks (forward, waits,
-recompute), not the step around them, so it never saw it. So where the plan's runner-up (the
-best plan of other placements that fits the same budget) is predicted within `TRIAL_MARGIN` of
-it, once the plan holds: its whole steps are timed (`TRIAL_STEPS` of them, from the first
-block's forward to the end of backward), then the runner-up's as many, and the faster by the
-least step of each stays if it is `REPLAN_TOLERANCE` faster; else the plan in force. Either
-way the plan is settled: one trial per plan. A trial step over the budget ends it at once.
-Ranks that agreed on a plan (torch.distributed) never try: they would each pick their own.
+the real step by far more: on the 2-core machine of the main run, copies take CPU time that the
+compute would have had, in forward and in backward, where the model hides them behind compute
+(auto<=87MiB at 1024 tokens settled on `4 stream`, predicted within 10% of a token-wise plan and
+40% slower than it), and a token-wise re-run's row copies cost what the model does not see. auto's
+own check times a plan's blocks (forward, waits, recompute), not the step around them, so it
+never saw it. So once a plan holds, its runner-up is tried: the best plan of another family of
+placements (other kinds offloading: a plan that only moves a fraction, a window or a kept block
+is priced by the same terms, and likely off by the same) that fits the budget with a first plan's headroom, where it
+is predicted within `TRIAL_MARGIN` of the plan. `TRIAL_STEPS` whole steps of each are timed
+(from the first block's forward to the end of backward), and the runner-up stays if its least
+step is `REPLAN_TOLERANCE` faster than the plan's; else the plan in force. Either way the plan
+is settled: one trial per plan, a few steps at most `TRIAL_MARGIN` slower, once. A trial step
+over the budget ends it at once. Ranks that agreed on a plan (torch.distributed) never try: they
+would each pick their own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from actoff.budget import CALIBRATED_HEADROOM, REPLAN_TOLERANCE, Plan, predict
+from actoff.budget import CALIBRATED_HEADROOM, PLAN_HEADROOM, REPLAN_TOLERANCE, Plan, predict
 
 if TYPE_CHECKING:
     from .planning import Ended, StepPlan
 
-__all__ = ["TRIAL_MARGIN", "TRIAL_STEPS", "Trial", "Trials", "runner_up", "still_good"]
+__all__ = ["TRIAL_MARGIN", "TRIAL_STEPS", "Trial", "Trials", "family", "runner_up", "still_good"]
 
-#: A runner-up predicted within this share of the plan's step time is tried.
-TRIAL_MARGIN = 0.25
+#: A runner-up predicted within this share of the plan's blocks' time is tried.
+TRIAL_MARGIN = 0.4
 #: Whole steps timed of each plan: the least of them counts (the first after a change of
 #: placements can pay for the device arena's new layout).
 TRIAL_STEPS = 2
 
 
-def runner_up(found: list[Plan], forwards_s: float, peak_bytes: float) -> Plan | None:
-    """The best of ``found`` (best first, as `actoff.fitting.plans` gives them) after the first
-    whose predicted peak is at most ``peak_bytes`` (a plan not calibrated on its own step gets
-    the first plan's headroom: Note [calibrated plans]), if its blocks' time is within
-    `TRIAL_MARGIN` of the first's (``forwards_s``: the blocks' forward time, which every plan
-    adds to).
+def family(plan: Plan) -> frozenset[str]:
+    """The kinds of placement a plan offloads with (`runner_up` tries another family): ``keep``
+    moves nothing, and how many blocks keep is a count the model prices well (the peak's).
+
+    >>> from actoff.budget import Placement, Windows
+    >>> sorted(family(Plan((Placement("tokenwise", 0.25), Placement("keep")), Windows(), 0, 0)))
+    ['tokenwise']
+    """
+    return frozenset(placement.kind for placement in plan.placements if placement.kind != "keep")
+
+
+def runner_up(found: Sequence[Plan], of: Plan, forwards_s: float, peak_bytes: float) -> Plan | None:
+    """The best of ``found`` (best first, as `actoff.fitting.plans` gives them) of another family
+    of placements than ``of`` (a plan that only moves a fraction or a window is priced by the same
+    terms, and so likely off by the same), whose predicted peak is at most ``peak_bytes`` (a plan
+    not calibrated on its own step gets a first plan's headroom: Note [calibrated plans]) and whose
+    blocks' time is within `TRIAL_MARGIN` of ``of``'s (``forwards_s``: the blocks' forward time,
+    which every plan adds to); None if there is none.
 
     >>> from actoff.budget import Placement, Windows
     >>> one = Plan((Placement("stream"),), Windows(), 10, 0.01)
     >>> two = Plan((Placement("checkpoint"),), Windows(), 8, 0.03)
-    >>> runner_up([one, two], 0.1, 8) is two, runner_up([one, two], 0.01, 8), runner_up([one, two], 0.1, 7)
-    (True, None, None)
+    >>> runner_up([one, two], one, 0.1, 8) is two, runner_up([one, two], one, 0.01, 8)
+    (True, None)
     """
-    second = next((plan for plan in found[1:] if plan.peak_bytes <= peak_bytes), None)
-    if second is None or forwards_s + second.seconds > (forwards_s + found[0].seconds) * (1 + TRIAL_MARGIN):
-        return None
-    return second
+    limit = (forwards_s + of.seconds) * (1 + TRIAL_MARGIN)
+    for plan in found:
+        if family(plan) != family(of) and plan.peak_bytes <= peak_bytes:
+            return plan if forwards_s + plan.seconds <= limit else None
+    return None
 
 
 def still_good(current: Plan, again: StepPlan) -> Plan | None:
@@ -139,10 +156,15 @@ class Trials:
         """The last step kept the plan in force: its trial starts, this step its first, where it
         has a runner-up not tried yet."""
         current = self.current
-        if not self.holds or not self.replan_allowed or current.runner_up is None or current.tried:
+        if not self.holds or not self.replan_allowed or current.tried:
+            return
+        forwards = sum(cost.forward_s for cost in current.costs)
+        limit = current.budget_bytes * (1 - PLAN_HEADROOM)
+        challenger = runner_up(current.candidates, current.plan, forwards, limit)
+        if challenger is None:
             return
         current.tried = True
-        current.trial = Trial(current.plan, current.runner_up)
+        current.trial = Trial(current.plan, challenger)
         ran = ended.ran == current.plan.placements
         self._run_trial(ended, current, current.trial.timed(current.plan, ended.step_s if ran else None))
 

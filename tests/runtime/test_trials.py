@@ -50,15 +50,18 @@ def test_a_runner_up_over_the_budget_ends_its_trial_at_once():
     assert kept is stream and "over the budget" in why
 
 
-def test_the_runner_up_is_close_in_time_and_has_a_first_plans_headroom():
-    best = _plan("stream", peak=90, seconds=0.010)
-    close_but_high = _plan("keep", peak=99, seconds=0.011)
-    close = _plan("tokenwise", peak=80, seconds=0.012)
-    far = _plan("checkpoint", peak=50, seconds=0.100)
-    # 0.1 s of forwards: 0.112 is within 25% of 0.110; a peak of 99 is over 85 allowed.
-    assert runner_up([best, close_but_high, close, far], 0.1, 85) is close
-    assert runner_up([best, far], 0.1, 85) is None
-    assert runner_up([best], 0.1, 85) is None
+def test_the_runner_up_is_of_another_family_close_in_time_and_with_a_first_plans_headroom():
+    best = _plan("tokenwise", peak=90, seconds=0.010)
+    same_family = Plan((Placement("tokenwise", 0.25), Placement("tokenwise")), Windows(), 80, 0.011)
+    high = _plan("stream", peak=99, seconds=0.011)
+    close = _plan("checkpoint", peak=80, seconds=0.040)
+    far = _plan("keep", peak=50, seconds=0.100)
+    found = [best, same_family, high, close, far]
+    # 0.1 s of forwards: 0.140 is within 40% of 0.110; a peak of 99 is over the 85 allowed; a plan
+    # of the same kinds (another fraction) is priced by the same terms: not a runner-up.
+    assert runner_up(found, best, 0.1, 85) is close
+    assert runner_up([best, same_family, far], best, 0.1, 85) is None  # keep: 0.2 s, too far
+    assert runner_up([best], best, 0.1, 85) is None
 
 
 @pytest.fixture
@@ -82,15 +85,15 @@ def _auto_steps(monkeypatch, budget: int, step_time, steps: int = 14) -> list[tu
 
 
 def test_auto_keeps_a_runner_up_whose_whole_steps_are_faster(monkeypatch, keep_peak):
-    # The model prices the plans within 25%; the steps say otherwise: each kept block costs half
-    # a step (a stand-in for what the model cannot see, such as copies that take the CPU).
+    # The model prices the plans within 40%; the steps say otherwise: each token-wise block costs
+    # half a step (a stand-in for what the model cannot see, such as copies that take the CPU).
     history = _auto_steps(
-        monkeypatch, int(keep_peak * 0.6), lambda ran: 0.1 * (1 + sum(p.kind == "keep" for p in ran) / 2)
+        monkeypatch, int(keep_peak * 0.6), lambda ran: 0.1 * (1 + sum(p.kind == "tokenwise" for p in ran) / 2)
     )
     auto = get_runtime().auto
     assert auto.current.tried and auto.current.trial is None
     assert auto.current.reason.endswith("; kept it"), auto.current.reason
-    assert "keep" not in auto.current.plan.describe()
+    assert "tokenwise" not in auto.current.plan.describe()
     holds, _ = history[-1]
     assert holds and all(step == history[-1] for step in history[-3:])  # settled: no second trial
 
@@ -100,4 +103,4 @@ def test_auto_keeps_its_plan_where_the_runner_up_is_no_faster(monkeypatch, keep_
     auto = get_runtime().auto
     assert auto.current.tried and auto.current.reason.endswith("; kept the plan"), auto.current.reason
     holds, plan = history[-1]
-    assert holds and "keep" in plan and all(step == history[-1] for step in history[-3:])
+    assert holds and "tokenwise" in plan and all(step == history[-1] for step in history[-3:])
