@@ -36,7 +36,7 @@ ADVICE = {
     "trying": "a plan the model put close to the one in force was tried on whole steps; it is dropped",
     "host budget": (
         "ACTOFF_HOST_BUDGET was full, and what it could not take stayed on the device: raise it, "
-        "or set ACTOFF_NVME_DIR so that auto spills to NVMe"
+        "or give ACTOFF_NVME_DIR with kvikio and GPUDirect Storage, where the rest then goes"
     ),
 }
 
