@@ -22,6 +22,7 @@ import torch
 from actoff.config import Config
 from actoff.device.base import DeviceBackend, Ticket
 from actoff.figures import BlockStats
+from actoff.tiers.nvme.tier import spill_to_nvme
 from actoff.tiers.record import Record, State
 
 from .fetch import FetchQueue
@@ -306,7 +307,7 @@ class ScopeRun(PackHook):
         self.runtime.warn_once(key, message)
 
     def host_refused(self, record: Record) -> bool:
-        return self.placement.host_refused(record)
+        return spill_to_nvme(record) or self.placement.host_refused(record)
 
     def hold(self, tensor: torch.Tensor, nbytes: int) -> tuple[Record, object]:
         storage = tensor.untyped_storage().data_ptr()

@@ -24,10 +24,8 @@ class CpuTier(Tier):
             return
         slot = run.arena().alloc(geometry.nbytes, tag=run.index)
         if slot is None:
-            if self is CPU and _spill_to_nvme(record):
-                return  # Note [a full host spills to NVMe]
             if run.host_refused(record):
-                return  # run again in backward (Note [measuring where the host is small])
+                return  # to NVMe, or run again in backward (`RunView.host_refused`)
             run.stats.over_budget_bytes += geometry.nbytes
             run.warn_once(
                 "host budget full",
@@ -127,23 +125,6 @@ class CpuTier(Tier):
             record.run.arena().free(record.host_slot, after=(record.copy_ticket, record.fetch_ticket))
             record.host_slot = None
         record.copy_ticket = record.fetch_ticket = None
-
-
-# Note [a full host spills to NVMe]: a record the host budget cannot take goes to the NVMe file
-# where ACTOFF_NVME_DIR is given and its I/O engine writes device memory itself (kvikio with
-# GPUDirect Storage: Note [direct device I/O]), under every policy that stores on the host
-# (cpu, checkpoint's inputs, auto's placements and measuring steps). Where the engine needs host
-# buffers (POSIX, kvikio's compat mode) an NVMe write is staged through the same full host
-# budget, so the record stays on the device, counted and said.
-def _spill_to_nvme(record: Record) -> bool:
-    """(Note [a full host spills to NVMe]) Whether ``record`` went to the NVMe file instead."""
-    run = record.run
-    if run.config.nvme_dir is None or not run.backend.staged or not run.store().takes_device_buffers:
-        return False
-    from .nvme.tier import NVME  # the NVMe tier builds on this one
-
-    NVME.place(record)
-    return record.state is State.OFFLOADING
 
 
 class InPlaceCpuTier(Tier):

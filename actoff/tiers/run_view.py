@@ -75,7 +75,8 @@ class RunView(Protocol):
         ...
 
     def host_refused(self, record: Record) -> bool:
-        """The host budget had no room for ``record``: True where the run takes care of it (it
+        """The host budget had no room for ``record``: True where the run took care of it (the
+        NVMe file took it: Note [a full host spills to NVMe] in actoff.tiers.nvme.tier; or it
         runs the block again in backward), False where the record stays on the device."""
         ...
 

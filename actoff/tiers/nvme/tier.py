@@ -35,7 +35,7 @@ from actoff.tiers.base import KEEP, NoStagingRoom, checksum, verify
 from actoff.tiers.cpu import CPU, CpuTier
 from actoff.tiers.record import Record, State
 
-__all__ = ["NVME", "NvmeTier"]
+__all__ = ["NVME", "NvmeTier", "spill_to_nvme"]
 
 
 def _timed_out(error: BaseException) -> bool:
@@ -309,3 +309,18 @@ class NvmeTier(CpuTier):
 
 
 NVME = NvmeTier()
+
+
+# Note [a full host spills to NVMe]: a record the host budget cannot take goes to the NVMe file
+# where ACTOFF_NVME_DIR is given and its I/O engine writes device memory itself (kvikio with
+# GPUDirect Storage: Note [direct device I/O]), under every policy that stores on the host
+# (cpu, checkpoint's inputs, auto's placements and measuring steps). Where the engine needs host
+# buffers (POSIX, kvikio's compat mode) an NVMe write is staged through the same full host
+# budget, so the record stays on the device, counted and said.
+def spill_to_nvme(record: Record) -> bool:
+    """(Note [a full host spills to NVMe]) Whether ``record`` went to the NVMe file instead."""
+    run = record.run
+    if run.config.nvme_dir is None or not run.backend.staged or not run.store().takes_device_buffers:
+        return False
+    NVME.place(record)
+    return record.state is State.OFFLOADING

@@ -41,7 +41,7 @@ def gds_kvikio(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["cpu", "checkpoint", "auto"])
 def test_a_full_host_spills_to_nvme_where_the_engine_writes_device_memory(nvme_dir, gds_kvikio, policy):
-    # Note [a full host spills to NVMe]: before, what the host budget could not take stayed on
+    # (Note [a full host spills to NVMe]) Before, what the host budget could not take stayed on
     # the device under every policy but nvme's, with ACTOFF_NVME_DIR given and GDS on.
     settings = {"gpu_budget": 10**9} if policy == "auto" else {}
     with warnings.catch_warnings(), simulated_device(seed=0):
