@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 from actoff.budget import Placement, Windows
 from actoff.owners import ByOwner, Recent
 
-from . import measured
 from .lengths import Ahead, new_entry, plan_ahead
 from .measured import PROBE, AutoRun, BlockKey, Measured, figures, input_bytes, observe, stand_in_forwards
 from .placements.base import Call
@@ -77,6 +76,8 @@ __all__ = ["MEASURE_STEPS", "AutoObserver", "StepPlan"]  # StepPlan: actoff.runt
 MEASURE_STEPS = 2
 #: What the measuring steps run (Note [measuring at the floor]): the stream placement, no windows.
 MEASURING = Placement("stream")
+#: What a measuring step that ran blocks again (a small host budget) is described as.
+MEASURED_AGAIN = Placement("checkpoint")
 
 
 @dataclass
@@ -285,15 +286,23 @@ class AutoObserver(AutoPlans):
         stand_in_forwards(entries)
         if not all(entry.ready for entry in entries):
             return None
-        ran = tuple(MEASURING if state.placement is None else state.placement for state in states)
+        ran = tuple(_ran(state) for state in states)
         keys = tuple(state.key.ident for state in states)
         windows = Windows(step.window or 0, step.copy_window or 0)
         probing = any(state.placement is PROBE for state in states)
         ended = Ended(states, entries, keys, ran, windows, None if probing else moments, probing)
-        watch = self._steps[step].watch
-        if watch is not None:
-            ended.step_s = measured.step_s(watch, ran)  # looked up here: tests replace it
+        ended.watch = self._steps[step].watch
         return ended
+
+
+def _ran(state: AutoRun) -> Placement:
+    """The placement the model describes a run by: its plan's, or while it measures, ``stream``
+    at windows of none, or ``checkpoint`` where it ran again what the host refused (Note
+    [measuring where the host is small]): its step's memory is a checkpoint step's, and taken
+    for a stream step's it would be charged to the memory outside the blocks."""
+    if state.placement is not None:
+        return state.placement
+    return MEASURED_AGAIN if state.run.stats.run_again_bytes else MEASURING
 
 
 def _placement(

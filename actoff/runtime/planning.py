@@ -30,6 +30,7 @@ from actoff.fitting import floor_plan, plans
 from actoff.owners import ByOwner
 from actoff.policy import AutoDecision, budget_share, host_split
 
+from . import measured
 from .distributed import local_world_size
 from .measured import AutoRun, Measured, figures, measured_s
 from .over_budget import OverBudget
@@ -37,6 +38,7 @@ from .trials import Trial, Trials, still_good
 
 if TYPE_CHECKING:
     from actoff.config import Config
+    from actoff.device.base import Stopwatch
 
     from .runtime import Runtime
     from .step import ScopeRun
@@ -92,7 +94,16 @@ class Ended:
     windows: Windows
     moments: tuple | None
     probing: bool = False
-    step_s: float | None = None  # from its first block's forward to the end of backward
+    watch: Stopwatch | None = (
+        None  # from its first block's forward (Note [a plan tried against its runner-up])
+    )
+
+    def step_s(self) -> float | None:
+        """The step's time from its first block's forward to the end of backward, read where a
+        trial asks (it waits for the device); None where not timed."""
+        if self.watch is None:
+            return None
+        return measured.step_s(self.watch, self.ran)  # looked up here: tests replace it
 
 
 def _decision(
@@ -180,6 +191,7 @@ class AutoPlans(Trials):
         self.reasons: collections.deque[str] = collections.deque(maxlen=16)  # why each plan, the last
         self._warned: set[tuple] = set()  # step keys told no plan fits
         self.over = OverBudget()  # Note [every step over the budget is said]
+        self.trials_run: set[tuple] = set()  # Note [a plan tried against its runner-up]
         # The last step ran the plan in force and its check kept it (or planned it again the
         # same): measuring, probing and calibrating are behind. A step of new blocks or
         # conditions, or one off its prediction, starts them again.
@@ -213,9 +225,8 @@ class AutoPlans(Trials):
         current.measured_peak_bytes, current.measured_s = peak, seconds
         self.current = self.measured = current
         figures(ended.states, current)
-        if current.trial is not None:  # Note [a plan tried against its runner-up]
-            self._trial_step(ended, current, peak)
-            return
+        if current.trial is not None and self._trial_step(ended, current, peak):
+            return  # Note [a plan tried against its runner-up]
         self.holds = current.calibrated or not self.replan_allowed
         if not self.replan_allowed:
             return
@@ -254,7 +265,7 @@ class AutoPlans(Trials):
             # turns (the main run's auto<=128MiB went from 1 tokenwise:0.25 to 1 tokenwise:0 in a
             # timed step, 12% off on time). So a replan on time alone moves only to a plan
             # predicted more than REPLAN_TOLERANCE faster; else the plan in force stays, settled.
-            again.settled = same
+            self.current.settled = same  # the plan in force: `again`, or the one kept against it
             self.holds = same
             if not same:
                 self.replans += 1
@@ -307,8 +318,10 @@ class AutoPlans(Trials):
             reason += "; nothing fits the budget: the least memory"
             if ended.keys not in self._warned:  # once per step of blocks, before it runs
                 self._warned.add(ended.keys)
+                headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
                 warnings.warn(
-                    f"actoff: auto: no placement fits the device budget of {format_bytes(budget)} "
+                    f"actoff: auto: no placement fits the device budget of {format_bytes(budget)} less "
+                    f"the {headroom:.0%} a {'' if calibrated else 'first '}plan keeps free "
                     f"(predicted least {format_bytes(chosen.peak_bytes)}, of which "
                     f"{format_bytes(outside.peak)} outside the blocks): every block streams at its least "
                     "memory (every saved tensor copied out as it is saved, fetched at its own unpack); "

@@ -150,30 +150,44 @@ class Trial:
 
 class Trials:
     """The trial part of `actoff.runtime.planning.AutoPlans` (Note [a plan tried against its
-    runner-up]): it starts a trial where a plan that holds has a runner-up, and runs it."""
+    runner-up]): it starts a trial where a plan that holds has a runner-up, and runs it. The
+    trials run are kept per step of blocks and pair of families: a replan that comes back to a
+    plan tried before (a new `StepPlan`) does not try it again."""
+
+    trials_run: set[tuple]
 
     def _start_trial(self, ended: Ended) -> None:
         """The last step kept the plan in force: its trial starts, this step its first, where it
         has a runner-up not tried yet."""
         current = self.current
-        if not self.holds or not self.replan_allowed or current.tried:
+        if not self.holds or not self.replan_allowed or current.trial is not None:
             return
         forwards = sum(cost.forward_s for cost in current.costs)
         limit = current.budget_bytes * (1 - PLAN_HEADROOM)
         challenger = runner_up(current.candidates, current.plan, forwards, limit)
         if challenger is None:
             return
+        key = (current.keys, frozenset((family(current.plan), family(challenger))))
+        if key in self.trials_run:
+            return
+        self.trials_run.add(key)
         current.tried = True
         current.trial = Trial(current.plan, challenger)
-        ran = ended.ran == current.plan.placements
-        self._run_trial(ended, current, current.trial.timed(current.plan, ended.step_s if ran else None))
+        seconds = ended.step_s() if ended.ran == current.plan.placements else None
+        self._run_trial(ended, current, current.trial.timed(current.plan, seconds))
 
-    def _trial_step(self, ended: Ended, current: StepPlan, peak: int | None) -> None:
-        """A step of a trial ended: timed, and the next plan given (the winner at its end)."""
+    def _trial_step(self, ended: Ended, current: StepPlan, peak: int | None) -> bool:
+        """A step of a trial ended: timed, and the next plan given (the winner at its end);
+        False where it peaked over the budget running the plan in force, which ends the trial
+        (the check that follows replans on that peak)."""
         trial = current.trial
-        if current.plan == trial.challenger and peak is not None and peak > current.budget_bytes:
-            trial.over_budget = True
-        self._run_trial(ended, current, trial.timed(current.plan, ended.step_s))
+        over = peak is not None and peak > current.budget_bytes
+        if over and current.plan != trial.challenger:
+            current.plan, current.trial = trial.incumbent, None
+            return False
+        trial.over_budget = trial.over_budget or over
+        self._run_trial(ended, current, trial.timed(current.plan, ended.step_s()))
+        return True
 
     def _run_trial(self, ended: Ended, current: StepPlan, following: Plan | None) -> None:
         if following is None:  # decided

@@ -26,6 +26,9 @@ class CpuTier(Tier):
         if slot is None:
             if run.host_refused(record):
                 return  # to NVMe, or run again in backward (`RunView.host_refused`)
+            if record.refused:
+                return  # tried at pack, again when placed: counted and said once
+            record.refused = True
             run.stats.over_budget_bytes += geometry.nbytes
             run.warn_once(
                 "host budget full",

@@ -133,6 +133,7 @@ class Record:
         "geometry",
         "host_slot",
         "index",
+        "refused",
         "run",
         "saved_version",
         "source",
@@ -152,6 +153,7 @@ class Record:
             run  # the scope run that saved it, as its tiers see it (Note [tiers see a view of their run])
         )
         self.index = index  # position among the run's records (pack order)
+        self.refused = False  # the host budget refused it (counted once, however often it is tried)
         self.state = State.RESIDENT
         # Where its bytes live: the tier owns every move of the record.
         self.tier = tier

@@ -422,3 +422,44 @@ def test_a_token_wise_block_writing_into_its_input_is_placed_whole(policy, under
     assert warned == ["0", "1", "2"]
     for got, wanted in zip(actual, expected, strict=True):
         torch.testing.assert_close(got, wanted, rtol=0, atol=0)
+
+
+class _HookedBlock(nn.Module):
+    def __init__(self, changes: bool) -> None:
+        super().__init__()
+        self.inner, self.seen = nn.Linear(16, 16), []
+        self.inner.register_forward_hook(
+            (lambda m, a, o: o * 3) if changes else (lambda m, a, o: self.seen.append(1))
+        )
+
+    def forward(self, x):
+        return x + torch.tanh(self.inner(x))
+
+
+@pytest.mark.parametrize("changes", [False, True], ids=["looks", "changes"])
+def test_a_forward_hook_that_changes_an_output_is_refused_before_a_wrong_gradient(changes):
+    """(Note [hooks that change outputs]) The run again does not call forward hooks: a hook that
+    scales its module's output gave gradients off without a word. One that only looks trains
+    exactly and is called once a forward."""
+    from actoff.runtime.placements.checkpoint import HookChangedOutputError
+
+    def grads(policy):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(_HookedBlock(changes) for _ in range(3))
+        if policy is not None:
+            actoff.offload_(blocks, block_cls=_HookedBlock, policy=policy, min_bytes=0)
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        start = x
+        for block in blocks:
+            x = block(x)
+        x.pow(2).mean().backward()
+        return [start.grad, *(p.grad for p in blocks.parameters())], blocks
+
+    if changes:
+        with pytest.raises(HookChangedOutputError, match=r"block '0' \(on a Linear\) changed"):
+            grads("checkpoint")
+        return
+    expected, _ = grads(None)
+    actual, blocks = grads("checkpoint")
+    assert all(torch.equal(a, b) for a, b in zip(actual, expected, strict=True))
+    assert all(len(block.seen) == 1 for block in blocks)

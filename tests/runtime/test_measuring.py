@@ -166,3 +166,78 @@ def test_measuring_under_a_small_host_budget_leaves_nothing_for_the_collector():
     finally:
         gc.enable()
     assert live == [gradients, gradients]
+
+
+class _Hooked(nn.Module):
+    """A block whose inner layer's output a forward hook scales (or only looks at)."""
+
+    def __init__(self, changes: bool) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.seen = 0
+        self.inner.register_forward_hook(self._scale if changes else self._look)
+
+    def _scale(self, module, args, output):
+        return output * 3
+
+    def _look(self, module, args, output):
+        self.seen += 1
+
+    def forward(self, x):
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+class _HookedModel(_Model):
+    def __init__(self, changes: bool) -> None:
+        super().__init__(False)
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Hooked(changes) for _ in range(4))
+
+
+@pytest.mark.parametrize("changes", [False, True], ids=["looks", "changes"])
+def test_a_block_with_forward_hooks_is_measured_with_its_saves_kept(changes):
+    # The run again does not call forward hooks: one that changes an output made the refused
+    # saves after it other tensors, and the gradients were off by 0.059 (largest 0.040) without a
+    # word. A block with forward hooks is measured without running again.
+    expected = train(_HookedModel(changes), steps=2, seq=64)
+    model = _HookedModel(changes)
+    actoff.offload_(
+        model.blocks, block_cls=_Hooked, policy="auto", min_bytes=0, host_budget="16KiB", gpu_budget=10**9
+    )
+    with warnings.catch_warnings(), simulated_device(seed=0):
+        warnings.simplefilter("ignore")  # the host budget is full: said
+        actual = train(model, steps=2, seq=64)
+        again = sum(block.run_again_bytes for block in actoff.stats().blocks.values())
+    assert again == 0
+    for (loss, grads), (wanted_loss, wanted_grads) in zip(actual, expected, strict=True):
+        assert torch.equal(loss, wanted_loss)
+        assert all(torch.equal(grad, wanted_grads[name]) for name, grad in grads.items())
+    assert all(block.seen == 2 for block in model.blocks) or changes  # once a forward, not again
+
+
+def test_a_block_saving_a_tensor_it_then_changes_is_refused_as_without_actoff():
+    # A block saves h, then changes h in place: PyTorch refuses it in backward, and so did the
+    # measuring steps before they ran blocks again; run again, the refused save came back
+    # changed (the re-run replays the change) and the gradients were 1.23x off, without a word.
+    class Changing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = self.linear(x)
+            y = h * torch.tanh(h)
+            with torch.no_grad():
+                h.mul_(2)
+            return y + torch.sigmoid(h)
+
+    blocks = nn.ModuleList(Changing() for _ in range(3))
+    actoff.offload_(
+        blocks, block_cls=Changing, policy="auto", min_bytes=0, host_budget="16KiB", gpu_budget=10**9
+    )
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    with warnings.catch_warnings(), simulated_device(seed=0), pytest.raises(RuntimeError, match="inplace"):
+        warnings.simplefilter("ignore")
+        for block in blocks:
+            x = block(x)
+        x.sum().backward()

@@ -44,6 +44,7 @@ saves are placeholders: nothing else was kept to fall back on).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -59,11 +60,60 @@ from .base import Call, Placement
 if TYPE_CHECKING:
     from ..step import ScopeRun
 
-__all__ = ["CheckpointPlacement", "InputChangedError"]
+__all__ = ["CheckpointPlacement", "HookChangedOutputError", "InputChangedError", "has_forward_hooks"]
 
 
 class InputChangedError(RuntimeError):
     """A checkpointed block wrote into one of its inputs (Note [inputs changed in place])."""
+
+
+class HookChangedOutputError(RuntimeError):
+    """A forward hook in a checkpointed block changed an output (Note [hooks that change outputs])."""
+
+
+# Note [hooks that change outputs]: the run again in backward does not call the block's forward
+# hooks (Note [re-runs without forward hooks] in actoff.rerun.isolation). A hook that returns a
+# value replaces its module's output in forward, so run again without it the block would save
+# other tensors, and the checkpoint's shape check cannot tell: wrong gradients without a word.
+# While a checkpointed block runs its forward, its forward hooks are watched: one that returns a
+# value stops the step at the scope's exit with an error naming it and the fix. Hooks that only
+# look (Hugging Face's output capture) return None and are not called again.
+def has_forward_hooks(module: torch.nn.Module | None) -> bool:
+    """Whether ``module`` or one of its submodules has a forward hook (None: a function scope,
+    whose modules are not known before it runs: True).
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> before = has_forward_hooks(torch.nn.Sequential(layer))
+    >>> _ = layer.register_forward_hook(lambda *_: None)
+    >>> before, has_forward_hooks(torch.nn.Sequential(layer)), has_forward_hooks(None)
+    (False, True, True)
+    """
+    return module is None or any(sub._forward_hooks for sub in module.modules())
+
+
+@contextlib.contextmanager
+def _hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
+    """While the forward runs, the forward hooks of ``module``'s modules note in ``changed`` the
+    modules whose output one of them replaced (Note [hooks that change outputs])."""
+    watched = [sub for sub in (module.modules() if module is not None else ()) if sub._forward_hooks]
+    originals = [sub._forward_hooks for sub in watched]
+
+    def wrap(sub: torch.nn.Module, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            result = hook(*args, **kwargs)
+            if result is not None:
+                changed.append(type(sub).__name__)
+            return result
+
+        return noted
+
+    for sub, hooks in zip(watched, originals, strict=True):
+        sub._forward_hooks = collections.OrderedDict((key, wrap(sub, hook)) for key, hook in hooks.items())
+    try:
+        yield
+    finally:
+        for sub, hooks in zip(watched, originals, strict=True):
+            sub._forward_hooks = hooks
 
 
 class CheckpointPlacement(Placement):
@@ -122,9 +172,11 @@ def run_checkpointed(
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return inside(), _RunAgain(run, module, skeleton)
 
-    output = torch.utils.checkpoint.checkpoint(
-        body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
-    )
+    changed_output: list[str] = []
+    with _hooks_watched(module, changed_output):
+        output = torch.utils.checkpoint.checkpoint(
+            body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
+        )
     # The forward wrote the caller's caches; the run again gets none (Note [a cache in
     # checkpointed training]), and the graph stops holding them.
     skeleton[:] = without_caches(skeleton)
@@ -137,6 +189,13 @@ def run_checkpointed(
             "inputs in backward and would start from the changed one, giving wrong gradients. Clone the "
             "input before changing it inside the block (x = x.clone()), or place this block with a "
             "policy that stores what it saves (cpu)."
+        )
+    if changed_output and runs_again():  # Note [hooks that change outputs]
+        raise HookChangedOutputError(
+            f"actoff: a forward hook in block {run.name!r} (on a {changed_output[0]}) changed its module's "
+            "output: the checkpoint placement runs the block again in backward without its forward "
+            "hooks and would save other tensors, giving wrong gradients. Fold the change into the "
+            "module's forward, or place this block with a policy that stores what it saves (cpu)."
         )
     return output
 

@@ -30,7 +30,7 @@ from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 
 from ..hooks import AliasHandle, Handle, unpack
 from .base import Call, Placement
-from .checkpoint import run_checkpointed
+from .checkpoint import has_forward_hooks, run_checkpointed
 from .tokenwise import TokenwisePlacement
 
 if TYPE_CHECKING:
@@ -58,48 +58,66 @@ class MeasuringPlacement(TokenwisePlacement):
     def forward(self, call: Call) -> Any:
         if not self.active:
             return call.run()
-        run = self.run
         with CaptureMode(self.split), CollectiveWatch(self.split):
-            if run.config.host_budget is None or run.backend.host_resident or not torch.is_grad_enabled():
+            if not self._runs_again(call):
                 return call.run()
-            inputs = [
-                leaf
-                for leaf in pytree.tree_leaves((call.args, call.kwargs))
-                if isinstance(leaf, torch.Tensor)
-            ]
-            versions = [tensor._version for tensor in inputs]
-            self.hooks = hooks = _HostOrRunAgain(run)
-            try:
-                output = run_checkpointed(
-                    run, call.fn, call.args, call.kwargs, call.module, lambda: hooks, lambda: False
-                )
-            finally:
-                # The checkpoint's frame holds the inputs' handles, whose records hold the run:
-                # the run must not hold the frame back (Note [no cycle through autograd]).
-                self.hooks = hooks.run = None
+            return self._forward_inside_checkpoint(call)
+
+    def _runs_again(self, call: Call) -> bool:
+        """Whether the block runs inside the checkpoint (Note [measuring where the host is
+        small]): a host budget, copies at pack (not a run ``keep_last`` keeps), grad on, and no
+        forward hook in the block, which the run again would not call (Note [re-runs leave no
+        trace] in actoff.rerun.isolation): a hook that changes an output would change the saves
+        after it."""
+        run = self.run
+        if run.config.host_budget is None or run.backend.host_resident or not self.streams_out:
+            return False
+        return torch.is_grad_enabled() and not has_forward_hooks(call.module)
+
+    def _forward_inside_checkpoint(self, call: Call) -> Any:
+        run = self.run
+        inputs = [
+            leaf for leaf in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)
+        ]
+        versions = [tensor._version for tensor in inputs]
+        self.hooks = hooks = _HostOrRunAgain(run)
+        try:
+            output = run_checkpointed(
+                run, call.fn, call.args, call.kwargs, call.module, lambda: hooks, lambda: False
+            )
+        finally:
+            # The checkpoint's frame holds the inputs' handles, whose records hold the run: the
+            # run must not hold the frame back (Note [no cycle through autograd]).
+            self.hooks = hooks.run = None
         changed = any(tensor._version != version for tensor, version in zip(inputs, versions, strict=True))
         if changed:  # the checkpoint's copies of the inputs are stale, and never read: nothing runs again
             self.split.writes_inputs = True
             for record in run.records[: hooks.before]:
                 if record.changed():
                     run.runtime.release(record)
-        collective = self.split.collective
-        if hooks.refused and (changed or collective is not None):
-            self._keep_refused(
-                hooks.refused, "writes into an input in place" if changed else f"calls {collective}"
-            )
+        refused = list(hooks.refused.values())
+        why = (
+            "writes into an input in place"
+            if changed
+            else "writes into a tensor it saved"  # autograd's version check says so in backward
+            if any(record.changed() for record in refused)
+            else f"calls {self.split.collective}"
+            if self.split.collective is not None
+            else ""
+        )
+        if refused and why:
+            self._keep_refused(refused, why)
         else:
-            for record in hooks.refused:
+            for record in refused:
                 run.runtime.release(record)  # its bytes go now: the run again brings them back
         return output
 
     def _keep_refused(self, refused: list[Record], why: str) -> None:
         """The block's forward would not give the same values run again: what the host refused
-        stays on the device, said (Note [measuring where the host is small])."""
+        stays on the device, said (Note [measuring where the host is small]); counted when its
+        placement tries the host again (`place`)."""
         run = self.run
-        moved = sum(record.geometry.nbytes for record in refused)
-        run.stats.run_again_bytes -= moved
-        run.stats.over_budget_bytes += moved
+        run.stats.run_again_bytes -= sum(record.geometry.nbytes for record in refused)
         run.warn_once(
             "measuring:kept",
             f"actoff: auto measures block {run.name!r} (and any others like it) with the saved tensors "
@@ -113,7 +131,7 @@ class MeasuringPlacement(TokenwisePlacement):
         hooks = self.hooks
         if hooks is None or not hooks.packing:
             return False
-        hooks.refused.append(record)
+        hooks.refused[id(record)] = record
         self.run.stats.run_again_bytes += record.geometry.nbytes
         return True
 
@@ -164,7 +182,7 @@ class _HostOrRunAgain:
 
     def __init__(self, run: ScopeRun) -> None:
         self.run: ScopeRun | None = run  # while the body runs
-        self.refused: list[Record] = []  # the records the host refused (the run holds them too)
+        self.refused: dict[int, Record] = {}  # the records the host refused, by id
         self.packing = False
         self.before = 0
         self._hooks: contextlib.AbstractContextManager | None = None
@@ -189,7 +207,7 @@ class _HostOrRunAgain:
             self.packing = False
         kind = type(packed)
         record = packed.record if kind is Handle else packed.handle.record if kind is AliasHandle else None
-        if record is None or not any(record is refused for refused in self.refused):
+        if record is None or id(record) not in self.refused:
             return packed
         return _RecomputedSave(packed, holder)
 

@@ -319,8 +319,14 @@ NVME = NvmeTier()
 # budget, so the record stays on the device, counted and said.
 def spill_to_nvme(record: Record) -> bool:
     """(Note [a full host spills to NVMe]) Whether ``record`` went to the NVMe file instead."""
-    run = record.run
-    if run.config.nvme_dir is None or not run.backend.staged or not run.store().takes_device_buffers:
+    run, config = record.run, record.run.config
+    if config.nvme_dir is None or config.io_backend == "posix" or not run.backend.staged:
+        return False
+    try:
+        direct = run.store().takes_device_buffers
+    except Exception:  # the store cannot open here (said where a policy asks for it): stays put
+        return False
+    if not direct:
         return False
     NVME.place(record)
     return record.state is State.OFFLOADING
