@@ -12,9 +12,11 @@ block again (the checkpoint's placeholder). The step then holds about what a ``c
 holds, the least any plan holds without host memory (tests/runtime/test_measuring.py). The
 checkpoint matches the run again's saves to its placeholders by their order, so every save gets
 one (`_HostOrRunAgain.pack`); those of saves the host took die at once, and the checkpoint skips
-them in the run again. A block whose forward writes into an input in place or calls a collective
-would not give the same values run again: its refused records stay on the device, counted in
-``over_budget_bytes`` and said once, and its gradients stay exact.
+them in the run again. A block whose forward writes into an input or a tensor it saved, or calls a
+collective, would not give the same values run again: its refused records stay on the device,
+counted in ``over_budget_bytes`` and said once, and its gradients stay exact (a changed saved
+tensor then raises autograd's error, as without actoff). A block with forward hooks is not run
+again at all: the run again calls none (Note [hooks that change outputs] in .checkpoint).
 """
 
 from __future__ import annotations
