@@ -93,8 +93,8 @@ def pytest_collection_modifyitems(config, items):
         if "plain_pass_only" in item.keywords and SIM_DEVICE:
             item.add_marker(
                 pytest.mark.skip(
-                    reason="runs in the plain pass only: its subprocesses choose their device themselves "
-                    "(the benchmarks count memory on the simulated device on a CPU in either pass)"
+                    reason="runs in the plain pass only: it chooses its device itself (its subprocesses, "
+                    "or a simulated device of its own), so the simulated-device pass would repeat it"
                 )
             )
 

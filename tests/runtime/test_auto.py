@@ -27,6 +27,9 @@ from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
 from actoff.tiers.record import State
 
+# Every test enters a simulated device of its own (or none): once, in the plain pass.
+pytestmark = pytest.mark.plain_pass_only
+
 SEQ = 513  # activations well above the logits: placements move the peak
 
 

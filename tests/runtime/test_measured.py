@@ -15,6 +15,9 @@ import actoff.runtime.measured as measured
 from actoff.reference import Block
 from actoff.testing import simulated_device
 
+# Every test enters a simulated device of its own (or none): once, in the plain pass.
+pytestmark = pytest.mark.plain_pass_only
+
 SEQ = 257
 
 

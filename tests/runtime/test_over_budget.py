@@ -22,6 +22,9 @@ from actoff.reference import Block
 from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
 
+# Every test enters a simulated device of its own (or none): once, in the plain pass.
+pytestmark = pytest.mark.plain_pass_only
+
 SEQ = 257
 
 

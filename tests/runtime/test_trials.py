@@ -13,6 +13,9 @@ from actoff.reference import Block
 from actoff.runtime.runtime import get_runtime
 from actoff.runtime.trials import TRIAL_STEPS, Trial, runner_up
 
+# Every test enters a simulated device of its own (or none): once, in the plain pass.
+pytestmark = pytest.mark.plain_pass_only
+
 SEQ = 257
 
 
