@@ -35,6 +35,15 @@ def make_model(seed: int = 0, **changes) -> Transformer:
     return Transformer(ModelConfig.preset("tiny", **changes))
 
 
+def inject_times(monkeypatch) -> None:
+    """auto's forward and attention readers give 1 ms and 0.3 ms a block: measured on a loaded
+    machine they would change the plans from run to run."""
+    import actoff.runtime.measured
+
+    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
+    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.3)
+
+
 def sim_steps(model: torch.nn.Module, steps: int, *, seq: int, seed: int = 0):
     """``steps`` steps of ``model``'s loss and backward (tokens of batch 2 drawn from ``seed``) on a
     fresh simulated device: per step, its device peak and ``actoff.stats()``."""

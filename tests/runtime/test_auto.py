@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import RECOMPUTE_TOL, make_model
+from _helpers import RECOMPUTE_TOL, inject_times, make_model
 from torch.utils._mode_utils import no_dispatch
 
 import actoff
@@ -35,8 +35,7 @@ SEQ = 513  # activations well above the logits: placements move the peak
 
 @pytest.fixture(autouse=True)
 def _times(monkeypatch):
-    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
-    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.3)
+    inject_times(monkeypatch)
 
 
 def _steps(model, reference, steps: int, device=None):

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import make_model, sim_steps, train
+from _helpers import inject_times, make_model, sim_steps, train
 from torch import nn
 
 import actoff
@@ -29,8 +29,7 @@ SEQ = 257
 
 @pytest.fixture(autouse=True)
 def _times(monkeypatch):
-    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
-    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.3)
+    inject_times(monkeypatch)
 
 
 def _peaks(model, steps: int) -> list[tuple[int, str, int, int]]:

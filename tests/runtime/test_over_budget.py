@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import keep_peak_of, make_model
+from _helpers import inject_times, keep_peak_of, make_model
 
 import actoff
 import actoff.runtime.measured
@@ -30,8 +30,7 @@ SEQ = 257
 
 @pytest.fixture(autouse=True)
 def _times(monkeypatch):
-    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
-    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.3)
+    inject_times(monkeypatch)
 
 
 @pytest.fixture(scope="module")

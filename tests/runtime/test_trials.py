@@ -4,7 +4,7 @@ blocks' forward and attention as in test_auto.py, and each step's whole time as 
 the placements it ran), so the decisions do not depend on the machine's load."""
 
 import pytest
-from _helpers import keep_peak_of, make_model, sim_steps
+from _helpers import inject_times, keep_peak_of, make_model, sim_steps
 
 import actoff
 import actoff.runtime.measured
@@ -73,8 +73,7 @@ def keep_peak() -> int:
 
 
 def _auto_steps(monkeypatch, budget: int, step_time, steps: int = 14) -> list[tuple[bool, str]]:
-    monkeypatch.setattr(actoff.runtime.measured, "forward_ms", lambda run: 1.0)
-    monkeypatch.setattr(actoff.runtime.measured, "attention_ms", lambda run: 0.3)
+    inject_times(monkeypatch)
     monkeypatch.setattr(actoff.runtime.measured, "step_s", lambda watch, ran: step_time(ran))
     model = make_model(num_layers=4)
     actoff.offload_(
