@@ -89,9 +89,8 @@ class AutoStep:
     peaks: list[int] = field(default_factory=lambda: [0, 0])
     ahead: Ahead | None = None  # planned before it ran (Note [other lengths planned ahead])
     ended: bool = False  # its first backward ended (a retained graph's next ones are not measured)
-    watch: Stopwatch | None = (
-        None  # from its first block's forward (Note [a plan tried against its runner-up])
-    )
+    # From its first block's forward (Note [a plan tried against its runner-up]).
+    watch: Stopwatch | None = None
 
 
 class AutoObserver(AutoPlans):

@@ -94,9 +94,8 @@ class Ended:
     windows: Windows
     moments: tuple | None
     probing: bool = False
-    watch: Stopwatch | None = (
-        None  # from its first block's forward (Note [a plan tried against its runner-up])
-    )
+    # From its first block's forward (Note [a plan tried against its runner-up]).
+    watch: Stopwatch | None = None
 
     def step_s(self) -> float | None:
         """The step's time from its first block's forward to the end of backward, read where a
