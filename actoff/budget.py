@@ -16,6 +16,8 @@ says which stay on the device until the block's backward:
   of the rest go to the host at the block's end; the rest is recomputed in backward (``(1 - a)``
   of the block's forward time outside attention).
 - ``checkpoint``: the input goes to the host; the whole block is run again (its forward time).
+- ``chunked``: the input goes to the host; backward runs the block again in token chunks (Note
+  [the chunked placement in the plan]).
 
 The windows are the step's: ``copy`` bytes of saved tensors may be copying out at once in
 forward (a ``stream`` block's), ``fetch`` bytes may be fetched and not yet let go in backward
@@ -45,6 +47,17 @@ memory, and the moment's own, the logits and their gradient at the head):
 
 So kept blocks are best the last ones: their backward comes first and lets them go before any
 offloaded block comes back.
+
+Note [the chunked placement in the plan]: the memory outside the blocks, measured under other
+placements, holds attention's backward node at full length: its saves and gradients (q, k, v,
+its output and theirs: `BlockCost.node_bytes`, from attention's call). A chunked block runs that
+node a chunk at a time; at full length it holds its input, the keys and values with their
+gradients (twice `BlockCost.kv_bytes`) and a chunk's share (`BlockCost.chunk_share`) of its saves
+and of the node. Its working bytes are that less the node (negative where below ``stream``'s).
+Its added time: the input's copies, and the block run twice less attention once (an upper bound).
+Open only where the placement takes the block, and slower than a checkpoint: a plan picks it
+where nothing else fits. Conservative: the other nodes chunks shrink, and a chunked forward's
+transients, are not credited (a step bound in its forward, or in a norm's node, stays streamed).
 """
 
 from __future__ import annotations
@@ -124,6 +137,11 @@ class BlockCost:
     #: between host memory and NVMe, or recomputed past the host's share without an NVMe
     #: directory (actoff.policy.host_split).
     host_room: float | None = None
+    #: Note [the chunked placement in the plan]: a chunk's share of its tokens (None: the
+    #: placement does not take it), attention's keys and values, its node's bytes.
+    chunk_share: float | None = None
+    kv_bytes: int = 0
+    node_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -133,7 +151,7 @@ class BlockCost:
 @dataclass(frozen=True)
 class Placement:
     """``keep``, ``stream``, ``tokenwise`` with the token fraction ``stored`` of the token-local
-    bytes kept on the host (the rest recomputed), or ``checkpoint``."""
+    bytes kept on the host (the rest recomputed), ``checkpoint`` or ``chunked``."""
 
     kind: str
     stored: float = 1.0
@@ -148,6 +166,7 @@ PLACEMENTS = (
     Placement("stream"),
     *(Placement("tokenwise", stored) for stored in (1.0, 0.75, 0.5, 0.25, 0.0)),
     Placement("checkpoint"),
+    Placement("chunked"),
 )
 
 
@@ -176,6 +195,8 @@ def allowed(block: BlockCost) -> tuple[Placement, ...]:
     ['keep', 'stream']
     >>> [str(p) for p in allowed(BlockCost(0.01, 0.0, 1, 1, 1, rerun=False, host_room=2))]
     ['keep', 'tokenwise:1', 'tokenwise:0.75', 'tokenwise:0.5', 'tokenwise:0.25', 'tokenwise:0']
+    >>> allowed(BlockCost(0.01, 0.0, 1, 1, 1, chunk_share=0.25))[-2:]
+    (Placement(kind='checkpoint', stored=1.0), Placement(kind='chunked', stored=1.0))
     """
     streams = block.host_room is None or block.saved_bytes <= block.host_room
 
@@ -184,31 +205,38 @@ def allowed(block: BlockCost) -> tuple[Placement, ...]:
             return streams
         if placement.kind == "tokenwise":
             return block.tokenwise and (placement.stored < 1.0 or not streams)
+        if placement.kind == "chunked":
+            return block.rerun and block.chunk_share is not None
         return placement.kind != "checkpoint" or block.rerun
 
     return tuple(p for p in PLACEMENTS if open_to(p))
 
 
 def least(block: BlockCost) -> Placement:
-    """The placement open to ``block`` that holds the least device memory (the floor): ``stream``,
-    else ``checkpoint``, else ``tokenwise`` recomputing every row, else ``stream`` all the same
-    (what the host budget cannot take stays on the device, said: actoff.tiers.cpu).
+    """The placement open to ``block`` that holds the least device memory (the floor): ``chunked``
+    where it holds less than the first of these open to it (Note [the chunked placement in the
+    plan]): ``stream``, else ``checkpoint``, else ``tokenwise`` recomputing every row, else ``stream``
+    all the same (what the host budget cannot take stays on the device, said: actoff.tiers.cpu).
 
     >>> str(least(BlockCost(0.01, 0.0, 1, 1, 1, host_room=0)))
     'checkpoint'
+    >>> long = BlockCost(0.01, 0.0, 100, 400, 1000, chunk_share=0.05, kv_bytes=100, node_bytes=800)
+    >>> str(least(long)), _working_bytes(long, Placement("chunked"))  # 100 + 200 + 0.05 * 2300 - 800
+    ('chunked', -385.0)
     """
-    open_ = allowed(block)
-    for placement in (Placement("stream"), Placement("checkpoint"), Placement("tokenwise", 0.0)):
-        if placement in open_:
-            return placement
-    return Placement("stream")
+    open_, chunked = allowed(block), Placement("chunked")
+    others = (Placement("stream"), Placement("checkpoint"), Placement("tokenwise", 0.0))
+    other = next((placement for placement in others if placement in open_), Placement("stream"))
+    if chunked in open_ and _working_bytes(block, chunked) < _working_bytes(block, other):
+        return chunked
+    return other
 
 
 def _host_bytes(block: BlockCost, placement: Placement) -> float:
     """Bytes copied to the host and back."""
     if placement.kind == "keep":
         return 0.0
-    if placement.kind == "checkpoint":
+    if placement.kind in ("checkpoint", "chunked"):
         return block.input_bytes
     if placement.kind == "stream":
         return block.saved_bytes
@@ -217,8 +245,9 @@ def _host_bytes(block: BlockCost, placement: Placement) -> float:
 
 def _forward_bytes(block: BlockCost, placement: Placement) -> float:
     """Bytes a block holds through its own forward: all it saves, but for a ``stream`` block (its
-    copies go as they land) and a ``checkpoint`` one (it saves nothing but its inputs, streamed)."""
-    return 0.0 if placement.kind in ("stream", "checkpoint") else block.saved_bytes
+    copies go as they land) and a ``checkpoint`` or ``chunked`` one (it saves nothing but its inputs,
+    streamed)."""
+    return 0.0 if placement.kind in ("stream", "checkpoint", "chunked") else block.saved_bytes
 
 
 def _leaving(block: BlockCost, placement: Placement) -> float:
@@ -229,7 +258,7 @@ def _leaving(block: BlockCost, placement: Placement) -> float:
 
 def _streaming(block: BlockCost, placement: Placement, windows: Windows) -> float:
     """A block's copies out started at pack and still in flight: at most the copy window."""
-    if placement.kind in ("stream", "checkpoint"):
+    if placement.kind in ("stream", "checkpoint", "chunked"):
         return min(windows.copy, _host_bytes(block, placement))
     return 0.0
 
@@ -238,6 +267,10 @@ def _working_bytes(block: BlockCost, placement: Placement) -> float:
     """Bytes an offloaded block has back on the device at its backward (Note [the budget model])."""
     if placement.kind == "stream":
         return 0.0
+    if placement.kind == "chunked":  # Note [the chunked placement in the plan]
+        share = 1.0 if block.chunk_share is None else block.chunk_share
+        full = block.input_bytes + 2 * block.kv_bytes
+        return full + share * (block.saved_bytes + block.node_bytes) - block.node_bytes
     if placement.kind == "tokenwise" and 0.0 < placement.stored < 1.0:
         return block.saved_bytes + placement.stored * block.local_bytes
     return block.saved_bytes
@@ -246,6 +279,8 @@ def _working_bytes(block: BlockCost, placement: Placement) -> float:
 def _recompute_s(block: BlockCost, placement: Placement) -> float:
     if placement.kind == "checkpoint":
         return block.forward_s
+    if placement.kind == "chunked":
+        return 2 * block.forward_s - block.attention_s
     if placement.kind == "tokenwise":
         return (1.0 - placement.stored) * (block.forward_s - block.attention_s)
     return 0.0
@@ -360,7 +395,9 @@ def moments(
     head = outside.head + sum(kept) + leaving[-1] + streaming[-1]
     offloaded = any(p.kind != "keep" for p in placements)
     fetch = windows.fetch if offloaded else 0.0
-    backward = 0.0
+    backward = -float(
+        "inf"
+    )  # a chunked block's working bytes may be negative (Note [the chunked placement in the plan])
     for index, (block, placement) in enumerate(pairs):
         own = kept[index] if placement.kind == "keep" else _working_bytes(block, placement)
         ahead = fetch if index and any(p.kind != "keep" for p in placements[:index]) else 0.0

@@ -50,7 +50,7 @@ def keywords_of(caller: str) -> Iterator[None]:
     >>> with keywords_of("offload_"):
     ...     Config().replace(policy="bogus")
     Traceback (most recent call last):
-    ValueError: offload_(): policy='bogus' is not valid: expected one of keep, recompute, cpu, nvme, tokenwise, checkpoint, auto
+    ValueError: offload_(): policy='bogus' is not valid: expected one of keep, recompute, cpu, nvme, tokenwise, checkpoint, chunked, auto
     """
     outer = getattr(_KEYWORDS, "caller", None)
     _KEYWORDS.caller = caller
@@ -81,14 +81,13 @@ class Config:
         2
     """
 
-    #: Where activations go: ``keep`` (stay on the device), ``cpu`` (host memory), ``nvme``
-    #: (a file under ``nvme_dir``), ``tokenwise`` (token ranges split between cpu, nvme and
-    #: recompute by the fractions below), ``recompute`` (every token-local activation
-    #: recomputed; block inputs and attention outputs kept in host memory), ``checkpoint``
-    #: (only the block's inputs kept, in host memory; the whole block run again in backward,
-    #: attention included), ``auto`` (per block keep, a stored token fraction or checkpoint,
-    #: and a prefetch depth: the least predicted step time that fits ``gpu_budget``, planned
-    #: after two measuring steps at ``recompute``; actoff.runtime.auto).
+    #: Where activations go: ``keep`` (stay on the device), ``cpu`` (host memory), ``nvme`` (a
+    #: file under ``nvme_dir``), ``tokenwise`` (token ranges split between cpu, nvme and recompute
+    #: by the fractions below), ``recompute`` (every token-local activation recomputed; block inputs
+    #: and attention outputs in host memory), ``checkpoint`` (only the block's inputs, in host
+    #: memory; the whole block run again in backward), ``chunked`` (as checkpoint, the backward run
+    #: in chunks of ``chunk_tokens``), ``auto`` (per block keep, a stored token fraction or checkpoint,
+    #: and a prefetch depth: the least predicted step time that fits ``gpu_budget``; runtime.auto).
     policy: str = "cpu"
     #: Token fraction stored in host memory under ``tokenwise`` (the rest: nvme, recompute).
     cpu_fraction: float = 1.0
@@ -100,11 +99,10 @@ class Config:
     min_bytes: int = 64 * 2**10
     #: The last N blocks of the forward pass are never offloaded (backward needs them first).
     keep_last: int = 0
-    #: Blocks fetched ahead in backward: at a block's first unpack, the saves of this many
-    #: blocks before it start coming back (a setting per scope: each block's own). ``0``: each
-    #: block's come back at its own first unpack, as PyTorch's ``save_on_cpu`` brings them,
-    #: holding one block's fewer on the device with the copies no longer hidden. Under the
-    #: ``auto`` policy its plan sets the depth for the whole step.
+    #: Blocks fetched ahead in backward: at a block's first unpack, the saves of this many blocks
+    #: before it start coming back (a setting per scope). ``0``: each block's come back at its own
+    #: first unpack, as PyTorch's ``save_on_cpu`` brings them, holding one block's fewer on the
+    #: device with the copies no longer hidden. Under ``auto`` its plan sets the step's depth.
     prefetch_depth: int = 1
     #: Bytes of saved tensors backward may have fetched and not let go at once (a size like
     #: ``64MiB``; ``None``: ``prefetch_depth`` blocks instead). Records come back one saved tensor
@@ -155,6 +153,8 @@ class Config:
     verify_interval: int = 100
     #: Token dimension of a block's input: 1 for ``(B, S, H)``, 0 for ``(S, B, H)``.
     token_dim: int = 1
+    #: Tokens per chunk of a block's backward under ``chunked`` (Note [chunked backward]).
+    chunk_tokens: int = 4096
     #: `actoff.tile_` splits a module's tokens into this many chunks (``None``: not set).
     tile_chunks: int | None = None
     #: `actoff.tile_` gives a chunk at most this many positions along the token dimension
@@ -231,6 +231,7 @@ class Config:
             ("prefetch_depth", 0),
             ("io_threads", 1),
             ("token_dim", 0),
+            ("chunk_tokens", 1),
             ("verify_interval", 1),
         ):
             set_(self, name, _as_int(name, getattr(self, name), low))
@@ -409,8 +410,7 @@ def check_writable_dir(path: str, what: str) -> None:
             os.mkdir(path)
         except OSError as error:
             raise ValueError(f"{what}={path!r} could not be created: {error.strerror}") from None
-    # Probe by creating a file: os.access() says yes to root even on read-only mounts.
-    try:
+    try:  # a file, not os.access(): that says yes to root even on read-only mounts
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:

@@ -50,6 +50,7 @@ BUCKETS = (*TIER_NAMES, "recompute")
 #: Settings only some policies read (`PolicySpec.reads`); the others every policy reads.
 OPTIONAL_SETTINGS = (
     "cpu_fraction", "nvme_fraction", "host_bandwidth", "gpu_budget", "prefetch_depth", "fetch_window", "copy_window",
+    "chunk_tokens",
 )  # fmt: skip
 
 
@@ -121,8 +122,9 @@ _BUILT_IN = (
                reads=("cpu_fraction", "nvme_fraction", *_DEPTH), fractions=_configured,
                needs_nvme=lambda settings: settings.nvme_fraction > 0),
     PolicySpec("checkpoint", placement="checkpoint", tier="cpu", reruns_block=True, reads=_DEPTH),
+    PolicySpec("chunked", placement="chunked", tier="cpu", reruns_block=True, reads=("chunk_tokens", *_DEPTH)),
     PolicySpec("auto", placement="planned", tier="cpu", splits_by_token=True, reruns_block=True, planned=True,
-               reads=("host_bandwidth", "gpu_budget"), fractions=_as_planned),
+               reads=("host_bandwidth", "gpu_budget", "chunk_tokens"), fractions=_as_planned),
 )  # fmt: skip
 #: Every policy by name, in the order the README lists them (Note [the policy table]).
 POLICIES: dict[str, PolicySpec] = {entry.name: entry for entry in _BUILT_IN}

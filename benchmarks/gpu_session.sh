@@ -12,6 +12,8 @@
 #          holds the device at a step's start under cpu, and fragmentation. Worth a session alone.
 #   call2  (510 s) env maxseq-8b: the longest sequence an 8B-shaped model with LoRA trains.
 #   call3  (510 s) env replay-exact gdb-engine tests sanitizer: the checks that need a GPU.
+#   call4  (510 s) env projection-8b budgets: the 8B model's bytes per token projected to 32
+#          blocks, and auto under budgets against the allocator's peak.
 #
 # Stages:
 #   env           the header every benchmark prints (versions, GPU, file system, O_DIRECT, kvikio)
@@ -22,6 +24,12 @@
 #                 step: what holds the device's memory there, by the code that allocated it
 #   frag          cpu and auto at 32k, caching allocator and +replay: peak reserved over peak
 #                 allocated, actoff's device arena and the replay plan against their lower bounds
+#   budgets       7B-shaped, 4 layers, 8k: every policy once, then auto under 3 budgets from keep's
+#                 peak to the floor (the main run's question on CUDA): the budget asked against the
+#                 peak the allocator counted, transients inside blocks included
+#   projection-8b the 8B shape itself at 2 and 4 blocks, 16k and 32k, LoRA rank 16, six policies
+#                 (auto at its floor), then benchmarks/projection.py on them: the measured bytes
+#                 per token scaled to 32 blocks, the longest length on this GPU and the others
 #   maxseq-8b     the longest sequence from 128k: 8B-shaped, a frozen base with rank-16 LoRA, 32
 #                 layers emulated on 4 (a ballast and the host budget scaled by 4/32), for
 #                 torch_checkpoint+tile+loss, recompute+tile+loss, cpu+tile+loss, auto+tile+loss;
@@ -62,13 +70,14 @@
 # lines); commit the ones worth keeping under benchmarks/results/<device>-<date>/.
 set -u
 
-STAGES="env calib snapshot frag maxseq-8b replay-exact gdb-engine tests sanitizer suite io planner"
+STAGES="env calib snapshot frag budgets projection-8b maxseq-8b replay-exact gdb-engine tests sanitizer suite io planner"
 declare -A CALL_STAGES=(
   [call1]="env calib snapshot frag"
   [call2]="env maxseq-8b"
   [call3]="env replay-exact gdb-engine tests sanitizer"
+  [call4]="env projection-8b budgets"
 )
-declare -A CALL_BUDGET=([call1]=450 [call2]=510 [call3]=510)
+declare -A CALL_BUDGET=([call1]=450 [call2]=510 [call3]=510 [call4]=510)
 
 dry_run=0
 groups=()   # "NAME BUDGET STAGE..." per call; plain stages form a group of their own
@@ -77,10 +86,10 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
     --list) echo "$STAGES"; exit 0 ;;
-    --calls) for call in call1 call2 call3; do echo "$call ${CALL_BUDGET[$call]} ${CALL_STAGES[$call]}"; done; exit 0 ;;
+    --calls) for call in call1 call2 call3 call4; do echo "$call ${CALL_BUDGET[$call]} ${CALL_STAGES[$call]}"; done; exit 0 ;;
     -*) echo "unknown option $arg" >&2; exit 2 ;;
     call*)
-      [ -n "${CALL_STAGES[$arg]:-}" ] || { echo "unknown call $arg: call1 call2 call3" >&2; exit 2; }
+      [ -n "${CALL_STAGES[$arg]:-}" ] || { echo "unknown call $arg: call1 call2 call3 call4" >&2; exit 2; }
       groups+=("$arg ${GPU_SESSION_BUDGET:-${CALL_BUDGET[$arg]}} ${CALL_STAGES[$arg]}") ;;
     *)
       case " $STAGES " in *" $arg "*) ;; *) echo "unknown stage $arg: $STAGES" >&2; exit 2 ;; esac
@@ -203,6 +212,19 @@ stage() {
       run frag.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 32k --steps 2 --warmup 1 \
         --policies cpu,cpu+replay,auto,auto+replay --timeout 100 --time-budget "$(inner_budget)" \
         --jsonl "$OUT/frag.jsonl" ;;
+    budgets)  # auto's budgets are the main run's (Note [auto in the main run]); all CUDA's to split
+      run budgets.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k --steps 3 --warmup 1 \
+        --policies none,keep,torch_checkpoint,torch_save_on_cpu,cpu,checkpoint,auto --auto-budgets 3 \
+        --timeout 60 --time-budget "$(inner_budget)" --jsonl "$OUT/budgets.jsonl" --plot "$OUT/budgets.png" ;;
+    projection-8b)  # ACTOFF_GPU_BUDGET below every plan: auto's least-memory plan
+      for layers in 2 4; do
+        run projection-8b.log ACTOFF_GPU_BUDGET=1MiB python3 benchmarks/long_context.py --preset 8b \
+          --layers "$layers" --lora 16 --seq 16k,32k --steps 1 --warmup 1 --auto-budgets 0 \
+          --policies torch_checkpoint+tile+loss,torch_checkpoint_cpu+tile+loss,torch_save_on_cpu+tile+loss,cpu+tile+loss,auto+tile+loss,chunked+tile+loss \
+          --timeout 120 --time-budget "$(inner_budget 200)" --jsonl "$OUT/projection-8b-l$layers.jsonl"
+      done
+      run projection-8b.log python3 benchmarks/projection.py "$OUT/projection-8b-l2.jsonl" \
+        "$OUT/projection-8b-l4.jsonl" --shrink 1 --json "$OUT/projection-8b.json" ;;
     maxseq-8b)
       run maxseq-8b.log ACTOFF_HOST_BUDGET="$(host_budget)" python3 benchmarks/long_context.py --preset 8b \
         --layers 4 --emulate-layers 32 --lora 16 --seq 128k --find-max-seq --max-seq 1024k \

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <pthread.h>
-#include <sstream>
+#include <string>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,11 +37,14 @@ std::uint64_t current_generation() {
   return fork_generation.load(std::memory_order_relaxed);
 }
 
+// Messages are built from strings and std::to_string, never from iostreams: an ostream formats
+// numbers through the process's global locale, whose facets another library's C++ runtime may
+// have made (a worker thread crashed there inside a CUDA process, formatting a short read's
+// message: benchmarks/results/h200-2026-11-28-call3/).
 std::string describe(const char* op, const std::string& path, std::size_t nbytes,
                      std::uint64_t offset) {
-  std::ostringstream out;
-  out << op << " of " << nbytes << " bytes at offset " << offset << " of " << path;
-  return out.str();
+  return std::string(op) + " of " + std::to_string(nbytes) + " bytes at offset " +
+         std::to_string(offset) + " of " + path;
 }
 
 std::string hex(std::uint32_t value) {
@@ -213,9 +216,9 @@ void IoEngine::reserve(std::uint64_t nbytes) {
     code = ::ftruncate(buffered_fd_, static_cast<off_t>(nbytes)) == 0 ? 0 : errno;
   }
   if (code != 0) {
-    std::ostringstream out;
-    out << "cannot reserve " << nbytes << " bytes for " << path_ << ": " << std::strerror(code);
-    throw IoError(out.str(), code);
+    throw IoError("cannot reserve " + std::to_string(nbytes) + " bytes for " + path_ + ": " +
+                      std::strerror(code),
+                  code);
   }
 }
 
@@ -280,11 +283,12 @@ void IoEngine::execute(const Request& request) {
       return;
     }
     if (moved == 0) {
-      std::ostringstream out;
-      out << describe(op, path_, request.nbytes, request.offset)
-          << (request.is_write ? " made no progress" : " is a short read") << ": " << done
-          << " of " << request.nbytes << " bytes moved (file size " << file_size() << ")";
-      finish(*request.state, done, request.is_write ? ENOSPC : EIO, out.str(), seconds());
+      finish(*request.state, done, request.is_write ? ENOSPC : EIO,
+             describe(op, path_, request.nbytes, request.offset) +
+                 (request.is_write ? " made no progress" : " is a short read") + ": " +
+                 std::to_string(done) + " of " + std::to_string(request.nbytes) +
+                 " bytes moved (file size " + std::to_string(file_size()) + ")",
+             seconds());
       return;
     }
     done += static_cast<std::size_t>(moved);

@@ -87,6 +87,9 @@ def test_long_context_smoke(tmp_path):
     least = min(r["peak_allocated_bytes"] for r in by_policy.values())  # to 64 KiB: Note [the floor budget]
     assert budgets[-1] % 2**16 == 0 and least <= budgets[-1] < least + 2**16
     assert all(r["label"] in done.stdout for r in autos)
+    # Each budget's asked against measured peak, and the peak auto predicted for that plan.
+    assert "auto measured peak" in done.stdout and "predicted peak" in done.stdout
+    assert all(r["auto_predicted_peak_bytes"] > 0 for r in autos if r.get("auto_measured_peak_bytes"))
     # (Note [auto decides on a warm step]) auto's timed steps run the plan it settled on, not its
     # measuring or calibrating steps (one of three timed steps had been a measuring one).
     # Its warm-up ended on a plan that held; a timed step may still replan on a noisy time (the
@@ -263,6 +266,7 @@ def _load_benchmark(name: str):
             f"_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py")
         )
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # a dataclass looks its module up there
         spec.loader.exec_module(module)
         return module
     finally:
@@ -360,19 +364,20 @@ def test_gpu_session_script_parses_and_every_stage_dry_runs():
     assert "TORCH_CUDA_SANITIZER=1" in sanitizer and "-m gpu" in sanitizer
 
 
-def test_gpu_session_plans_three_calls_that_each_fit_one_command():
-    """call1, call2 and call3 are stage lists with budgets: each fits a 9-minute command with
-    margin, call1 (setup included) under 8 minutes; together they run the questions the first
-    H100 run left open, most valuable first."""
+def test_gpu_session_plans_four_calls_that_each_fit_one_command():
+    """call1 to call4 are stage lists with budgets: each fits a 9-minute command with margin,
+    call1 (setup included) under 8 minutes; together they run the questions the first H100 run
+    left open, most valuable first, then the 8B projection and auto's budgets on CUDA."""
     done = subprocess.run(["bash", GPU_SESSION, "--calls"], capture_output=True, text=True, timeout=60)
     calls = {line.split()[0]: (int(line.split()[1]), line.split()[2:]) for line in done.stdout.splitlines()}
-    assert list(calls) == ["call1", "call2", "call3"]
+    assert list(calls) == ["call1", "call2", "call3", "call4"]
     assert calls["call1"][0] < 8 * 60 and all(budget <= 540 for budget, _ in calls.values())
     assert calls["call1"][1] == ["env", "calib", "snapshot", "frag"]
     assert calls["call2"][1] == ["env", "maxseq-8b"]
     assert calls["call3"][1] == ["env", "replay-exact", "gdb-engine", "tests", "sanitizer"]
+    assert calls["call4"][1] == ["env", "projection-8b", "budgets"]
     dry = subprocess.run(
-        ["bash", GPU_SESSION, "--dry-run", "call1", "call2", "call3"],
+        ["bash", GPU_SESSION, "--dry-run", "call1", "call2", "call3", "call4"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -386,7 +391,7 @@ def test_gpu_session_plans_three_calls_that_each_fit_one_command():
             current = line.split(":")[0].removeprefix("== ")
         elif line.startswith("+ "):
             commands[current].append(shlex.split(line[2:]))
-    assert list(commands) == ["call1", "call2", "call3"]
+    assert list(commands) == ["call1", "call2", "call3", "call4"]
     bench = _load_benchmark("long_context")
     parsed = {
         call: [
@@ -428,6 +433,13 @@ def test_gpu_session_plans_three_calls_that_each_fit_one_command():
     gdb = next(words for words in commands["call3"] if "cuda-gdb" in words)
     assert "ACTOFF_IO_BACKEND=posix" in gdb and "tests/tiers/nvme/test_engines.py" in gdb and "-x" not in gdb
     assert any("bit_exact" in words for words in commands["call3"])
+    # call4: the 8B shape at two block counts through the projection (shrink 1: the model itself),
+    # then auto under the main run's budgets on CUDA.
+    *proxies, budgets = parsed["call4"]
+    assert [p.layers for p in proxies] == [2, 4] and all(p.preset == "8b" and p.lora for p in proxies)
+    assert {"auto+tile+loss", "chunked+tile+loss"} <= set(bench.check_policies(proxies[0].policies))
+    assert any("benchmarks/projection.py" in words and "1" in words for words in commands["call4"])
+    assert budgets.auto_budgets == 3 and "auto" in bench.check_policies(budgets.policies)
 
 
 def test_gpu_session_refuses_unknown_stages():
@@ -969,9 +981,23 @@ def test_a_sweep_prints_auto_asked_measured_peak_predicted_and_measured_and_a_pe
     out = capsys.readouterr().out
     (row,) = budgets.auto_figures(records, [4 * 2**20])
     assert row == {"budget": "4.00 MiB", "asked": 4 * 2**20, "measured_peak": 4 * 2**20 + 2**10,
-                   "predicted_ms": 3.0, "measured_ms": 3.5, "over": "peak over the budget asked by 1.00 KiB"}  # fmt: skip
+                   "predicted_peak": None, "peak_off": None, "counted_peak": None, "predicted_ms": 3.0,
+                   "measured_ms": 3.5, "over": "auto measured 1.00 KiB over the budget asked"}  # fmt: skip
     assert "auto asked" in out and "measured peak" in out and "predicted ms" in out and "measured ms" in out
-    assert "peak over the budget asked by 1.00 KiB" in out
+    assert "auto measured 1.00 KiB over the budget asked" in out
+    # The peak auto predicted for its plan beside the one it measured, and the step's own count.
+    for record in auto:
+        record.update(auto_predicted_peak_bytes=4 * 2**20, peak_allocated_bytes=4 * 2**20 + 2**11)
+    (row,) = budgets.auto_figures(records, [4 * 2**20])
+    assert row["predicted_peak"] == 4 * 2**20 and row["peak_off"] == pytest.approx(2**10 / (4 * 2**20))
+    assert row["over"] == (
+        "auto measured 1.00 KiB over the budget asked; the step counted 2.00 KiB over the budget asked"
+    )
+    # A budget where no round fitted is said, not left out.
+    (row,) = budgets.auto_figures([{**auto[0], "status": "oom"}], [4 * 2**20])
+    assert row["over"] == "no round ran: oom" and row["measured_peak"] is None
+    for record in auto:
+        record["peak_allocated_bytes"] = 3 * 2**20
     assert "101.0 (100.0 .. 102.0)" in out  # none's median and spread
     assert [line["verdict"] for line in lines] == ["within noise", "within noise"]
     # without a peak over the budget, nothing is said

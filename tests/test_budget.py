@@ -23,8 +23,10 @@ BLOCK = BlockCost(0.01, 0.002, 10, 10, 30)  # 50 bytes: input 10, attention 10, 
 
 
 def test_every_placement_is_open_unless_the_block_says_otherwise():
-    # storing every row token-wise holds more than streaming: open only where stream is closed
-    assert allowed(BLOCK) == tuple(p for p in PLACEMENTS if p != Placement("tokenwise", 1.0))
+    # storing every row token-wise holds more than streaming: open only where stream is closed;
+    # chunked only where the block's survey found nothing it refuses (a chunk share)
+    closed = (Placement("tokenwise", 1.0), Placement("chunked"))
+    assert allowed(BLOCK) == tuple(p for p in PLACEMENTS if p not in closed)
     no_split = BlockCost(0.01, 0.002, 10, 10, 30, tokenwise=False)
     assert all(p.kind != "tokenwise" for p in allowed(no_split))
     assert Placement("checkpoint") not in allowed(BlockCost(0.01, 0.002, 10, 10, 30, rerun=False))
@@ -121,3 +123,29 @@ def test_off_by_is_relative_to_the_prediction():
 def test_the_cuda_budget_keeps_a_margin_of_five_percent_or_two_gib():
     assert cuda_budget(80 * 2**30) == int(80 * 2**30 * 0.95)
     assert cuda_budget(16 * 2**30) == 14 * 2**30  # 5% would be 0.8 GiB: 2 GiB instead
+
+
+def test_a_chunked_block_holds_its_input_keys_and_a_chunk_against_attentions_node():
+    """(Note [the chunked placement in the plan]) counted against the memory outside the blocks,
+    which holds attention's node at full length under every other placement: its working bytes
+    are its input, keys and values twice, and a chunk's share of its saves and that node, less the
+    node; it adds the input's copies and the block run twice less attention once."""
+    block = BlockCost(0.01, 0.002, 100, 400, 1000, chunk_share=0.25, kv_bytes=100, node_bytes=800)
+    chunked = Placement("chunked")
+    assert chunked in allowed(block) and chunked not in allowed(BlockCost(0.01, 0.002, 100, 400, 1000))
+    assert chunked not in allowed(BlockCost(0.01, 0.002, 100, 400, 1000, rerun=False, chunk_share=0.25))
+    _, _, backward = moments([block], [chunked], Outside(0, 0, 5000), Windows())
+    assert backward == 5000 + 100 + 200 + 0.25 * (1500 + 800) - 800
+    assert least(block) == Placement("stream")  # a quarter of the tokens: more than stream holds
+    # with stream closed by the host budget, against what else is open (a checkpoint's 1500)
+    no_host = BlockCost(
+        0.01, 0.002, 100, 400, 1000, host_room=0, chunk_share=0.25, kv_bytes=100, node_bytes=800
+    )
+    assert least(no_host) == chunked
+    long = BlockCost(0.01, 0.002, 100, 400, 1000, chunk_share=1 / 64, kv_bytes=100, node_bytes=800)
+    assert least(long) == chunked  # 100 + 200 + 36 - 800 < 0
+    seconds = added_seconds(long, chunked, 1e4, Windows())  # input's copies: 10 ms out, 10 ms in
+    assert seconds == pytest.approx(0.02 + 2 * 0.01 - 0.002)
+    assert (
+        predict([long], [chunked], 1e9, outside_bytes=Outside(0, 0, 1000))[0] == 1000 + 300 + 2300 / 64 - 800
+    )

@@ -81,7 +81,7 @@ def test_config_is_frozen():
         (
             "ACTOFF_POLICY",
             "fast",
-            "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, checkpoint, auto",
+            "ACTOFF_POLICY.*'fast'.*keep, recompute, cpu, nvme, tokenwise, checkpoint, chunked, auto",
         ),
         ("ACTOFF_HOST_BANDWIDTH", "fast", "ACTOFF_HOST_BANDWIDTH.*not a size"),
         ("ACTOFF_CPU_FRACTION", "1.5", "ACTOFF_CPU_FRACTION.*out of range"),

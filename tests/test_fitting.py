@@ -73,18 +73,21 @@ def test_alike_blocks_get_the_least_time_that_fits(seed):
 def test_any_blocks_get_a_plan_that_fits_whenever_one_exists(seed):
     # Kept blocks are taken from the end: with blocks of different sizes keeping a small one in
     # the middle can cost less, so the fitter may add time, never memory; among the plans that
-    # keep the last blocks it is exact.
+    # keep the last blocks it is exact. Three blocks on the slow link at four budgets between the
+    # floor and keep's peak, so the cheapest plan is one of many (with fewer blocks or a fast
+    # link most budgets have one answer, and a fitter picking its dearest end state passed).
     rng = random.Random(1000 + seed)
-    blocks = [_block(rng) for _ in range(rng.randint(1, 3))]
-    link = rng.choice([5e9, 55e9])
+    blocks = [_block(rng) for _ in range(3)]
+    link = 5e9
     floor = floor_plan(blocks, link).peak_bytes
     keep_peak = predict(blocks, [PLACEMENTS[0]] * len(blocks), link)[0]
-    budget = rng.uniform(floor, keep_peak)
-    expected, actual = brute_force(blocks, link, budget), plan(blocks, link, budget)
-    assert expected is not None and actual is not None
-    assert actual.peak_bytes <= budget and actual.seconds >= expected.seconds - 1e-12
-    among_kept_last = brute_force(blocks, link, budget, kept_last=True)  # exact among those
-    assert actual.seconds == pytest.approx(among_kept_last.seconds, abs=1e-12)
+    for share in (0.1, 0.3, 0.5, 0.7):
+        budget = floor + share * (keep_peak - floor)
+        expected, actual = brute_force(blocks, link, budget), plan(blocks, link, budget)
+        assert expected is not None and actual is not None
+        assert actual.peak_bytes <= budget and actual.seconds >= expected.seconds - 1e-12
+        among_kept_last = brute_force(blocks, link, budget, kept_last=True)  # exact among those
+        assert actual.seconds == pytest.approx(among_kept_last.seconds, abs=1e-12), share
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -166,3 +169,42 @@ def test_an_outside_larger_than_the_budget_fits_nothing():
     blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 2
     assert plan(blocks, 1e9, 99, outside_bytes=Outside(0, 100, 0)) is None
     assert plan(blocks, 1e9, 100, outside_bytes=Outside(0, 100, 0)) is not None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_chunked_placement_is_planned_where_nothing_else_fits(seed):
+    """(Note [the chunked placement in the plan]) with the chunked placement open the fitter still
+    agrees with brute force; where chunks hold less than every other placement (short chunks, a
+    large attention node), a plan of chunked blocks is found below the others' least peak, and
+    where another placement fits, the plan is never slower than without chunks."""
+    rng = random.Random(700 + seed)
+    base = _block(rng)
+    chunked = BlockCost(
+        base.forward_s,
+        base.attention_s,
+        base.input_bytes,
+        base.attention_bytes,
+        base.local_bytes,
+        chunk_share=rng.choice([1 / 256, 1 / 64, 1 / 4]),
+        kv_bytes=base.attention_bytes // 4,
+        node_bytes=2 * base.attention_bytes + rng.randint(0, 4) * base.input_bytes,
+    )
+    blocks, link = [chunked] * rng.randint(1, 3), rng.choice([5e9, 55e9])
+    unchunked = [base] * len(blocks)
+    # Attention's node at full length is in the memory outside the blocks in backward.
+    outside = Outside(10**6, 10**6, 10**6 + chunked.node_bytes)
+    floor_without = floor_plan(unchunked, link, outside_bytes=outside).peak_bytes
+    floor_with = floor_plan(blocks, link, outside_bytes=outside)
+    below = floor_with.peak_bytes < floor_without
+    assert below == (Placement("chunked") in floor_with.placements)
+    for budget in (floor_with.peak_bytes, (floor_with.peak_bytes + floor_without) / 2, floor_without * 1.5):
+        expected = brute_force(blocks, link, budget, outside_bytes=outside)
+        actual = plan(blocks, link, budget, outside_bytes=outside)
+        assert expected is not None and actual is not None
+        assert actual.seconds == pytest.approx(expected.seconds, abs=1e-12)
+        assert actual.peak_bytes <= budget
+        if budget < floor_without:
+            assert Placement("chunked") in actual.placements  # nothing else fits
+        without = plan(unchunked, link, budget, outside_bytes=outside)
+        if without is not None:
+            assert actual.seconds <= without.seconds + 1e-12

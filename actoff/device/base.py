@@ -168,11 +168,12 @@ class DeviceBackend:
         return None
 
     def memory_peak(self, reset: bool = False) -> int | None:
-        """The most bytes the device held at once since its own peak counter was last reset
-        (CUDA's ``max_memory_allocated``, the simulated device's ``memory.peak``: the program's
-        counter, which `memory_watch` leaves alone), the counter then reset if ``reset``;
-        ``None`` where the device's memory is not counted (a plain CPU device). `actoff.report`
-        reads it."""
+        """The most bytes the device held at once since the program last reset its peak (CUDA's
+        allocator peak, carried across the restarts of ``auto``'s watch: Note [one peak counter,
+        two readers] in actoff.device.cuda; the simulated device's ``memory.peak``, which its
+        watch leaves alone), the figure then started again if ``reset``; ``None`` where the
+        device's memory is not counted (a plain CPU device, an allocator without statistics).
+        `actoff.report` reads it."""
         return None
 
     def host_bandwidth(self, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from actoff.device.cuda import count_with
+
 __all__ = [
     "AllocatorStats",
     "CudaEngine",
@@ -137,6 +139,12 @@ def install() -> None:
     except (OSError, RuntimeError) as error:
         raise _refuse(f"installing {path} failed: {error}") from error
     _library, _pluggable = library, pluggable
+    count_with(_peaks, reset_peak)  # torch's counters read nothing now (Note [one peak counter, two readers])
+
+
+def _peaks(device: torch.device) -> tuple[int, int, int]:
+    figures = stats(device)
+    return figures.live_bytes, figures.peak_bytes, figures.peak_reserved_bytes
 
 
 def _check_driver(library: ctypes.CDLL) -> None:
@@ -201,7 +209,9 @@ def check(library: ctypes.CDLL | None = None) -> None:
 
 @dataclass(frozen=True)
 class AllocatorStats:
-    """Figures of the replay allocator on one device, cumulative since the process started.
+    """Figures of the replay allocator on one device: counts cumulative since the process
+    started; ``peak_bytes`` and ``peak_reserved_bytes`` since their last reset (`reset_peak`:
+    ``auto``'s memory watch restarts them per window, `actoff.report` per report).
 
     Under a pluggable allocator ``torch.cuda.max_memory_allocated`` no longer reports; these
     do. ``fallbacks`` are the requests a plan could not serve (diverged + occupied).
@@ -312,3 +322,20 @@ def stats(device: int | torch.device | None = None) -> AllocatorStats:
         last_error=message or None,
         plan_lower_bound_bytes=_plan_lower_bounds.get(index, 0),
     )
+
+
+def reset_peak(device: int | torch.device | None = None) -> None:
+    """Start the replay allocator's peaks on ``device`` (default: the current CUDA device) again
+    from its figures now, as ``torch.cuda.reset_peak_memory_stats`` does for torch's allocator;
+    nothing where the allocator is not installed.
+
+    Example:
+        >>> import actoff.memory.replay_allocator as replay
+        >>> replay.reset_peak()  # not installed: nothing to reset
+    """
+    if _library is None:
+        return
+    if isinstance(device, torch.device):
+        device = device.index
+    index = torch.cuda.current_device() if device is None else int(device)
+    CudaEngine(_library, index)._ok(_library.actoff_replay_reset_peak(index))

@@ -58,6 +58,7 @@ from .lengths import Ahead, new_entry, plan_ahead
 from .measured import PROBE, AutoRun, BlockKey, Measured, figures, input_bytes, observe, stand_in_forwards
 from .placements.base import Call
 from .placements.checkpoint import CheckpointPlacement
+from .placements.chunked import ChunkedPlacement
 from .placements.measuring import MeasuringPlacement
 from .placements.tokenwise import TokenwisePlacement
 from .placements.whole import KeptPlacement, WholePlacement
@@ -314,5 +315,7 @@ def _placement(
         return TokenwisePlacement(run, planned=(0.0, 0.0))
     if placement.kind == "tokenwise":
         return TokenwisePlacement(run, planned=fractions)
+    if placement.kind == "chunked":  # Note [a chunked block the plan misjudged]
+        return ChunkedPlacement(run, falls_back=True)
     kinds = {"keep": KeptPlacement, "checkpoint": CheckpointPlacement, "stream": WholePlacement}
     return kinds[placement.kind](run)

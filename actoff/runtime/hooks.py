@@ -158,8 +158,15 @@ class PackHook:
     def _note_span(
         self, tensor: torch.Tensor, storage: int, ref: weakref.ref, handle: Handle | None, span: int
     ) -> None:
-        start = tensor.storage_offset()
-        self.spans.setdefault((storage, tensor.dtype, tensor._version), (handle, start, start + span, ref))
+        # The first span of a storage stays, unless its root is dead: the allocator gave its
+        # address to a new tensor (a record's copy out landed and its device tensor went), and a
+        # stale entry would keep the new tensor's views from being served by its record. Which
+        # records die before the next saves depends on the copies' timing, so that left a step's
+        # records, and with them both arenas' plans, varying from step to step.
+        start, spans_key = tensor.storage_offset(), (storage, tensor.dtype, tensor._version)
+        found = self.spans.get(spans_key)
+        if found is None or found[3]() is None:
+            self.spans[spans_key] = (handle, start, start + span, ref)
 
     def _inside(
         self, tensor: torch.Tensor, storage: int, root: torch.Tensor

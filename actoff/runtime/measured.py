@@ -157,6 +157,13 @@ class Measured:
     probed: bool = False  # its probe ran (in a step of its own)
     probe_next: bool = False  # the next step probes it
     rerun: bool = True  # its forward calls no collective outside a mixer, writes no input in place
+    # Note [the chunked placement in the plan] (actoff.budget): why the chunked placement does not
+    # take it ("" : it does; None: not surveyed yet), attention's keys and values and its node's
+    # bytes, and the chunk's length in tokens.
+    chunk_refusal: str | None = None
+    kv_bytes: int = 0
+    node_bytes: int = 0
+    chunk_tokens: int = 0
     forward_s: float | None = None  # the least warm forward time seen
     # The least warm forward time measured apart from waits (Note [a forward timed through its
     # waits]); None: every forward seen was timed through them.
@@ -200,6 +207,10 @@ class Measured:
             tokenwise=self.tokenwise,
             probed=self.probed,
             rerun=self.rerun,
+            chunk_refusal=self.chunk_refusal,
+            kv_bytes=round(self.kv_bytes * linear),
+            node_bytes=round(self.node_bytes * linear),
+            chunk_tokens=self.chunk_tokens,
             forward_s=attention_s + local_s,
             attention_share=attention_s / max(attention_s + local_s, 1e-12),
             any_length=self.any_length,
@@ -209,7 +220,15 @@ class Measured:
         )
 
     def cost(self) -> BlockCost:
+        """Its figures for the plan (actoff.budget): the chunked placement open where its survey
+        found nothing to refuse and it is longer than a chunk.
+
+        >>> seen = Measured("b", 2, 10, 20, 30, forward_s=0.01, tokens=4096, chunk_refusal="", chunk_tokens=1024)
+        >>> seen.cost().chunk_share, Measured("b", 2, 10, 20, 30, forward_s=0.01, tokens=4096).cost().chunk_share
+        (0.25, None)
+        """
         forward_s = self.forward_s or 0.0
+        chunks = self.chunk_refusal == "" and self.tokens and self.chunk_tokens < self.tokens
         return BlockCost(
             forward_s,
             forward_s * self.attention_share,
@@ -218,6 +237,9 @@ class Measured:
             self.local_bytes,
             self.tokenwise and self.probed,
             self.rerun,
+            chunk_share=self.chunk_tokens / self.tokens if chunks else None,
+            kv_bytes=self.kv_bytes,
+            node_bytes=self.node_bytes,
         )
 
 
@@ -240,6 +262,7 @@ def observe(entry: Measured, state: AutoRun) -> None:
     token-wise placement sorts them), the probe's verdict, times from warm steps."""
     if state.placement is None and state.classes is not None:
         entry.input_bytes, entry.attention_bytes, entry.local_bytes, _ = state.classes
+    _observe_chunks(entry, state)
     if state.placement is PROBE:
         entry.probed, entry.probe_next = True, False
         entry.tokenwise = state.run.placement.probe_passed
@@ -260,6 +283,23 @@ def observe(entry: Measured, state: AutoRun) -> None:
         mixers = attention_ms(state)
         if mixers is not None:
             entry.attention_share = min(mixers / 1e3 / forward_s, 1.0)
+
+
+def _observe_chunks(entry: Measured, state: AutoRun) -> None:
+    """What the run told of the chunked placement (Note [the chunked placement in the plan] in
+    actoff.budget): a measuring run's survey, or a chunked run's refusal (Note [a chunked block
+    the plan misjudged] in actoff.runtime.placements.chunked). A refusal is kept: later runs that
+    see none do not reopen the placement."""
+    placement = state.run.placement
+    survey = getattr(placement, "chunk_survey", None)
+    refused = getattr(placement, "refused", None)
+    if survey is not None:
+        if survey.refused or entry.chunk_refusal is None:
+            entry.chunk_refusal = survey.refused or ""
+        entry.kv_bytes, entry.node_bytes = survey.kv_bytes, survey.node_bytes
+        entry.chunk_tokens = state.run.config.chunk_tokens
+    if refused is not None:
+        entry.chunk_refusal = refused
 
 
 def step_s(watch: Stopwatch, ran: tuple[Placement, ...]) -> float:

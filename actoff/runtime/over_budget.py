@@ -15,10 +15,10 @@ import collections
 import warnings
 from typing import Any
 
-from actoff.budget import BudgetWarning
+from actoff.budget import BudgetWarning, Outside, Plan
 from actoff.config import format_bytes
 
-__all__ = ["ADVICE", "OverBudget"]
+__all__ = ["ADVICE", "OverBudget", "warn_no_fit"]
 
 #: What a user can do, per cause.
 ADVICE = {
@@ -87,3 +87,31 @@ def _power_of_ten(count: int) -> bool:
     while count % 10 == 0:
         count //= 10
     return count == 1
+
+
+def warn_no_fit(budget: float, headroom: float, chosen: Plan, outside: Outside, *, first: bool) -> None:
+    """Say, before the step runs, that no plan fits ``budget`` less ``headroom`` and what the floor
+    plan ``chosen`` does (once per step of blocks: the caller's)."""
+    warnings.warn(
+        f"actoff: auto: no placement fits the device budget of {format_bytes(budget)} less "
+        f"the {headroom:.0%} a {'first ' if first else ''}plan keeps free "
+        f"(predicted least {format_bytes(chosen.peak_bytes)}; outside the blocks "
+        f"{format_bytes(outside.peak)}): {_floor_words(chosen)}; "
+        "the step may run out of memory",
+        BudgetWarning,
+        stacklevel=4,
+    )
+
+
+def _floor_words(chosen: Plan) -> str:
+    """What the floor plan does, for its warning."""
+    kinds = collections.Counter(placement.kind for placement in chosen.placements)
+    said = {
+        "stream": "stream every saved tensor (copied out as it is saved, fetched at its own unpack)",
+        "chunked": "run their backward in token chunks (ACTOFF_CHUNK_TOKENS)",
+        "checkpoint": "run again in backward, their inputs on the host",
+        "tokenwise": "recompute every row",
+    }
+    return "blocks at their least memory: " + ", ".join(
+        f"{count} {said.get(kind, kind)}" for kind, count in kinds.items()
+    )

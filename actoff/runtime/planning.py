@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,6 @@ from actoff.budget import (
     PLAN_HEADROOM,
     REPLAN_TOLERANCE,
     BlockCost,
-    BudgetWarning,
     Outside,
     Placement,
     Plan,
@@ -33,7 +31,7 @@ from actoff.policy import AutoDecision, budget_share, host_split
 from . import measured
 from .distributed import local_world_size
 from .measured import AutoRun, Measured, figures, measured_s
-from .over_budget import OverBudget
+from .over_budget import OverBudget, warn_no_fit
 from .trials import Trial, Trials, still_good
 
 if TYPE_CHECKING:
@@ -224,13 +222,27 @@ class AutoPlans(Trials):
         current.measured_peak_bytes, current.measured_s = peak, seconds
         self.current = self.measured = current
         figures(ended.states, current)
+        refused = sorted(
+            {state.run.name for state in ended.states if getattr(state.run.placement, "refused", None)}
+        )
+        if refused:  # Note [a chunked block the plan misjudged]: its step ran otherwise
+            self._plan(
+                runtime,
+                ended,
+                f"replanned: {', '.join(refused)} cannot run in token chunks",
+                outside=current.outside,  # its new placements have not run: a first plan's headroom
+            )
+            self.replans += 1
+            return
         if current.trial is not None and self._trial_step(ended, current, peak):
             return  # Note [a plan tried against its runner-up]
         self.holds = current.calibrated or not self.replan_allowed
         if not self.replan_allowed:
             return
         if not current.calibrated:  # planned again from its own placements' peaks (Note [calibrated plans])
-            self._plan(runtime, ended, "calibrated on its own step", calibrated=True)
+            # A chunked step holds less outside the blocks (Note [the chunked placement in the plan]).
+            at_least = current.outside if any(p.kind == "chunked" for p in current.plan.placements) else None
+            self._plan(runtime, ended, "calibrated on its own step", calibrated=True, at_least=at_least)
             return
         over = peak is not None and peak > current.budget_bytes
         what = []
@@ -318,16 +330,7 @@ class AutoPlans(Trials):
             if ended.keys not in self._warned:  # once per step of blocks, before it runs
                 self._warned.add(ended.keys)
                 headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
-                warnings.warn(
-                    f"actoff: auto: no placement fits the device budget of {format_bytes(budget)} less "
-                    f"the {headroom:.0%} a {'' if calibrated else 'first '}plan keeps free "
-                    f"(predicted least {format_bytes(chosen.peak_bytes)}, of which "
-                    f"{format_bytes(outside.peak)} outside the blocks): every block streams at its least "
-                    "memory (every saved tensor copied out as it is saved, fetched at its own unpack); "
-                    "the step may run out of memory",
-                    BudgetWarning,
-                    stacklevel=3,
-                )
+                warn_no_fit(budget, headroom, chosen, outside, first=not calibrated)
         self._schedule_probes(ended, chosen, outside, budget)
         names = tuple(state.run.name for state in ended.states)
         step_plan = StepPlan(

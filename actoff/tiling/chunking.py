@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from actoff.rerun.state import RngState
+
 __all__ = ["AutocastState", "RngState", "check_chunking", "chunk_bounds"]
 
 
@@ -111,51 +113,4 @@ class AutocastState:
             if self.device_kwargs is not None:
                 stack.enter_context(torch.autocast(self.device_type, **self.device_kwargs))
             stack.enter_context(torch.autocast("cpu", **self.cpu_kwargs))
-            yield
-
-
-@dataclass(frozen=True)
-class RngState:
-    """The CPU generator's state (and the tensor's device's) before a chunk's forward.
-
-    `restore` restores it inside ``torch.random.fork_rng``, so the recompute draws the same
-    random numbers (the same dropout mask) as the forward did, and the caller's RNG stream
-    continues afterwards as if nothing had been drawn.
-
-    >>> state = RngState.capture(torch.device("cpu"))
-    >>> first = torch.rand(3)
-    >>> with state.restore():
-    ...     torch.equal(torch.rand(3), first)
-    True
-    """
-
-    cpu: torch.Tensor
-    device: torch.device | None  # None: the CPU generator is all there is
-    device_state: torch.Tensor | None
-
-    @classmethod
-    def capture(cls, device: torch.device) -> RngState:
-        if device.type in ("cpu", "meta"):
-            return cls(torch.get_rng_state(), None, None)
-        module = torch.get_device_module(device)
-        return cls(torch.get_rng_state(), device, module.get_rng_state(device))
-
-    def same_as(self, other: RngState) -> bool:
-        """Whether no random number was drawn between the two captures."""
-        if not torch.equal(self.cpu, other.cpu):
-            return False
-        return self.device_state is None or torch.equal(self.device_state, other.device_state)  # type: ignore[arg-type]
-
-    @contextlib.contextmanager
-    def restore(self) -> Iterator[None]:
-        if self.device is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(self.cpu)
-                yield
-            return
-        module = torch.get_device_module(self.device)
-        index = self.device.index if self.device.index is not None else module.current_device()
-        with torch.random.fork_rng(devices=[index], device_type=self.device.type):
-            torch.set_rng_state(self.cpu)
-            module.set_rng_state(self.device_state, self.device)
             yield

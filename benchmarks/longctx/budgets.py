@@ -263,20 +263,40 @@ def _line(where: str, budget: int, auto: dict, name: str, other: dict, target: f
     }
 
 
+#: The fields of a row of `auto_figures`, in order.
+FIGURES = (
+    "budget",
+    "asked",
+    "measured_peak",
+    "predicted_peak",
+    "peak_off",
+    "counted_peak",
+    "predicted_ms",
+    "measured_ms",
+    "over",
+)
+
+
 def auto_figures(records: list[dict], budgets: list[int]) -> list[dict]:
     """Per budget, what ``auto`` planned against what it measured, over its ok rounds (from
     `actoff.stats()`, in the records' ``auto_*`` fields): the budget it was asked, the most
-    device peak it measured, and the medians of the blocks' time it predicted and measured;
-    ``over`` where a measured peak is over the budget asked.
+    device peak it measured and the median it predicted for that plan (``peak_off``: measured
+    over predicted, less 1), the most peak the benchmark counted over the whole step, and the
+    medians of the blocks' time it predicted and measured; ``over`` where a measured or counted
+    peak is over the budget asked.
 
     >>> records = [{"policy": "auto", "budget_bytes": 100, "status": "ok", "auto_budget_bytes": 100,
-    ...             "auto_measured_peak_bytes": peak, "auto_predicted_step_ms": 5.0, "auto_measured_step_ms": ms}
+    ...             "auto_measured_peak_bytes": peak, "auto_predicted_peak_bytes": 96, "peak_allocated_bytes": 99,
+    ...             "auto_predicted_step_ms": 5.0, "auto_measured_step_ms": ms}
     ...            for peak, ms in ((90, 6.0), (104, 7.0), (95, 6.5))]
     >>> auto_figures(records, [100])  # doctest: +NORMALIZE_WHITESPACE
-    [{'budget': '100 B', 'asked': 100, 'measured_peak': 104, 'predicted_ms': 5.0, 'measured_ms': 6.5,
-      'over': 'peak over the budget asked by 4 B'}]
+    [{'budget': '100 B', 'asked': 100, 'measured_peak': 104, 'predicted_peak': 96, 'peak_off': 0.0833...,
+      'counted_peak': 99, 'predicted_ms': 5.0, 'measured_ms': 6.5, 'over': 'auto measured 4 B over the budget asked'}]
     """
     import actoff
+
+    def most(values: list) -> int | None:
+        return max(values) if values else None
 
     rows = []
     for budget in budgets:
@@ -286,26 +306,72 @@ def auto_figures(records: list[dict], budgets: list[int]) -> list[dict]:
             if r["policy"] == "auto" and r.get("budget_bytes") == budget and r.get("status") == "ok"
         ]
         if not mine:
+            failed = {
+                r.get("status") for r in records if r["policy"] == "auto" and r.get("budget_bytes") == budget
+            }
+            if failed:  # every round out of memory or stopped: said, not left out
+                row = dict.fromkeys(FIGURES)
+                row.update(
+                    budget=actoff.format_bytes(budget), over=f"no round ran: {', '.join(sorted(failed))}"
+                )
+                rows.append(row)
             continue
         asked = max(r.get("auto_budget_bytes") or 0 for r in mine) or None
-        peaks = [r["auto_measured_peak_bytes"] for r in mine if r.get("auto_measured_peak_bytes") is not None]
-        peak = max(peaks) if peaks else None
+        peak = most(
+            [r["auto_measured_peak_bytes"] for r in mine if r.get("auto_measured_peak_bytes") is not None]
+        )
+        predicted_peaks = [r["auto_predicted_peak_bytes"] for r in mine if r.get("auto_predicted_peak_bytes")]
+        predicted_peak = int(statistics.median(predicted_peaks)) if predicted_peaks else None
+        counted = most([r["peak_allocated_bytes"] for r in mine if r.get("peak_allocated_bytes") is not None])
         predicted = [r["auto_predicted_step_ms"] for r in mine if r.get("auto_predicted_step_ms")]
         measured = [r["auto_measured_step_ms"] for r in mine if r.get("auto_measured_step_ms") is not None]
-        over = None
-        if peak is not None and asked is not None and peak > asked:
-            over = f"peak over the budget asked by {actoff.format_bytes(peak - asked)}"
+        over = [
+            f"{who} {actoff.format_bytes(value - asked)} over the budget asked"
+            for who, value in (("auto measured", peak), ("the step counted", counted))
+            if value is not None and asked is not None and value > asked
+        ]
         rows.append(
             {
                 "budget": actoff.format_bytes(budget),
                 "asked": asked,
                 "measured_peak": peak,
+                "predicted_peak": predicted_peak,
+                "peak_off": peak / predicted_peak - 1 if peak and predicted_peak else None,
+                "counted_peak": counted,
                 "predicted_ms": statistics.median(predicted) if predicted else None,
                 "measured_ms": statistics.median(measured) if measured else None,
-                "over": over,
+                "over": "; ".join(over) or None,
             }
         )
     return rows
+
+
+def print_auto_figures(records: list[dict], budgets: list[int]) -> list[dict]:
+    """`auto_figures` as a table with its legend (nothing where auto ran under no budget)."""
+    import actoff
+
+    figures = auto_figures(records, budgets)
+    if not figures:
+        return figures
+    sizes = ("asked", "measured_peak", "predicted_peak", "counted_peak")
+    shown = [
+        {
+            **row,
+            **{key: actoff.format_bytes(row[key]) if row[key] is not None else None for key in sizes},
+            "peak_off": f"{row['peak_off'] * 100:+.1f}%" if row["peak_off"] is not None else None,
+        }
+        for row in figures
+    ]
+    columns = [("budget", "budget"), ("asked", "auto asked"), ("measured_peak", "auto measured peak"),
+               ("predicted_peak", "predicted peak"), ("peak_off", "off"), ("counted_peak", "step peak counted"),
+               ("predicted_ms", "predicted ms"), ("measured_ms", "measured ms"), ("over", "")]  # fmt: skip
+    print(format_table(shown, columns))
+    print(
+        "\nauto's own figures (actoff.stats()): the budget it planned under, the most device peak it measured "
+        "over the rounds against the peak it predicted for that plan, and the blocks' time it predicted and "
+        "measured (medians); step peak counted: the benchmark's own count over the whole step.\n"
+    )
+    return figures
 
 
 def print_sweep(records: list[dict], budgets: list[int], policies: list[str]) -> list[dict]:
@@ -332,25 +398,7 @@ def print_sweep(records: list[dict], budgets: list[int], policies: list[str]) ->
         "device's capacity on a CPU; ACTOFF_GPU_BUDGET and a cap on CUDA); oom N/M: the policy did not fit in "
         "N of M rounds. auto plan: the placements auto chose.\n"
     )
-    figures = auto_figures(records, budgets)
-    if figures:
-        shown = [
-            {
-                **row,
-                **{
-                    key: actoff.format_bytes(row[key]) if row[key] is not None else None
-                    for key in ("asked", "measured_peak")
-                },
-            }
-            for row in figures
-        ]
-        columns = [("budget", "budget"), ("asked", "auto asked"), ("measured_peak", "measured peak"),
-                   ("predicted_ms", "predicted ms"), ("measured_ms", "measured ms"), ("over", "")]  # fmt: skip
-        print(format_table(shown, columns))
-        print(
-            "\nauto's own figures (actoff.stats()): the budget it planned under, the most device peak it "
-            "measured over the rounds, the blocks' time it predicted and measured (medians).\n"
-        )
+    print_auto_figures(records, budgets)
     lines = verdicts(records, budgets)
     for line in lines:
         print(f"   {line['text']}")

@@ -33,7 +33,7 @@ from _common import JsonLines, format_table, print_header, system_header, write_
 import actoff
 
 from . import calibrate
-from .budgets import AUTO_WARMUP, SWEEP_POLICIES, auto_under_budgets, print_sweep
+from .budgets import AUTO_WARMUP, SWEEP_POLICIES, auto_under_budgets, print_auto_figures, print_sweep
 from .budgets import sweep as budget_sweep
 from .ddp import gather_to_rank0, host_store, torchrun_launch
 from .emulate import check_emulation, scaled_budget
@@ -423,6 +423,8 @@ def _report_table(
 ) -> int:
     """The table and its ratio lines printed, then written as asked; 1 if a record is not ok."""
     summary = report(records, interleaved, policies, base["layers"])
+    budgets = sorted({r["budget_bytes"] for r in records if r["policy"] == "auto" and r.get("budget_bytes")})
+    print_auto_figures(records, budgets)  # auto under the main run's budgets: Note [auto in the main run]
     extra = {"tunnel": tunnel} if tunnel is not None else {}
     if args.jsonl and lead:
         with open(args.jsonl, "a") as handle:

@@ -233,7 +233,7 @@ def print_max_seq(rows: list[dict], where: str) -> list[dict]:
         "fails at: the shortest that ran out of memory; x keep / x torch_checkpoint: longest seq over theirs "
         "(>=: a lower bound, <=: an upper bound, ?: both sides bounds); peak MiB: the device peak at the "
         "longest length. actoff configurations: keep, cpu, nvme, tokenwise, recompute, auto (+tile: "
-        "actoff.tile_ on the MLPs, +loss: actoff.chunked_cross_entropy).\n"
+        "actoff.tile_ on the MLPs and the final norm, +loss: actoff.chunked_cross_entropy).\n"
     )
     summary = max_seq_summary(rows)
     for line in summary:

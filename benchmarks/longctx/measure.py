@@ -15,6 +15,7 @@ import time
 import torch
 
 import actoff
+from actoff.device.cuda import peak_counters
 
 from .policies import LOSS_TOKENS, split_variants
 from .tunnel import tunnel_device
@@ -299,6 +300,7 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
             {
                 "auto_budget_bytes": stats.budget_bytes,
                 "auto_measured_peak_bytes": stats.measured_peak_bytes,
+                "auto_predicted_peak_bytes": stats.measured_predicted_peak_bytes,
                 "auto_predicted_step_ms": stats.measured_predicted_step_ms,
                 "auto_measured_step_ms": stats.measured_step_ms,
             }
@@ -353,20 +355,20 @@ def replay_plan_fields() -> dict:
 
 def memory_source(policy: str) -> str:
     replay = "replay" in split_variants(policy)[1]
-    return "replay allocator (peaks over the process)" if replay else "cuda"
+    return "replay allocator" if replay else "cuda"
 
 
 def cuda_memory(reset: bool = False) -> tuple[int, int, int]:
-    """CUDA bytes allocated now, most allocated and most reserved since the last ``reset``:
-    PyTorch's figures, or under ``+replay`` the replay allocator's (torch's read nothing under
-    a pluggable allocator; the replay allocator's peaks run over the process, warm-up included,
-    whose requests are the measured step's)."""
-    replay = actoff.replay_allocator_stats()
-    if replay.installed:
-        return replay.live_bytes, replay.peak_bytes, replay.peak_reserved_bytes
+    """CUDA bytes allocated now, most allocated and most reserved since the last ``reset`` (which
+    starts them from now): the allocator's own counters (torch's, or under ``+replay`` the replay
+    allocator's), with what ``auto``'s memory watch carried across its restarts of them (Note
+    [one peak counter, two readers] in actoff.device.cuda)."""
+    counters = peak_counters(torch.device("cuda"))
     if reset:
-        torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        counters.program_peaks(reset=True)
+    live = counters.read()[0]
+    peak, reserved = counters.program_peaks()
+    return live, peak, reserved
 
 
 def _storage_bytes(tensors) -> int:

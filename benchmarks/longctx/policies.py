@@ -12,7 +12,7 @@ import os
 
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
 BASELINES = ("none", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "hf_checkpoint_offload")
-ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "checkpoint", "auto")
+ACTOFF_POLICIES = ("keep", "cpu", "nvme", "tokenwise", "recompute", "checkpoint", "chunked", "auto")
 # tokenwise:CPU:NVME gives the token fractions (the rest is recomputed).
 # --find-max-seq on a CPU: the baselines and actoff's policies, each plain and with tiling and
 # the chunked loss. Of the token-wise family, recompute (block inputs and attention outputs in
@@ -36,8 +36,8 @@ MAXSEQ_CPU_POLICIES += ("recompute+tile+loss+noplan",)
 DEFAULT_POLICIES = ("none", "keep", "torch_checkpoint", "torch_save_on_cpu", "torch_checkpoint_cpu", "cpu", "nvme", "tokenwise:0.5:0",
                     "tokenwise:0.25:0.25", "recompute", "auto")  # fmt: skip
 
-#: Variants a policy may carry as suffixes: ``+tile`` runs each block's MLP chunk by chunk
-#: (`actoff.tile_`, TILE_TOKENS positions at a time), ``+loss`` computes the head and the loss
+#: Variants a policy may carry as suffixes: ``+tile`` runs each block's MLP and the final norm chunk
+#: by chunk (`actoff.tile_`, TILE_TOKENS positions at a time), ``+loss`` computes the head and the loss
 #: over chunks of LOSS_TOKENS rows (`actoff.chunked_cross_entropy`), e.g. ``cpu+tile+loss``;
 #: ``+noplan`` runs an actoff policy with ``ACTOFF_PLANNER=off``: no device arena, actoff's
 #: backward buffers allocated per request and freed after their last use (and the host arena

@@ -273,7 +273,7 @@ assert actoff.memory.replay_allocator.installed() == {replay}
 model = make_model().cuda()
 actoff.offload_(model, block_cls=Block, policy={policy!r}, min_bytes=0)
 figures, history = [], []
-for step in range(5):
+for step in range(8):
     history += train(model, 1, seq=65, seed=step)
     figures.append(actoff.replay_allocator_stats())
 torch.save(history, {out!r})
@@ -281,9 +281,15 @@ if {replay}:
     print(*figures, sep="\\n")
     assert figures[0].plans == 1 and figures[0].served == 0  # step 1 recorded
     # actoff itself settles after its first step (its arenas install their plans then), so the
-    # allocator may record once more at step 2; from then on it only replays.
-    assert figures[1].plans <= 2 and figures[1].served > 0
-    for before, after in zip(figures[1:], figures[2:]):
+    # allocator may record once more at step 2; under cpu a step or two more: which records are
+    # still on the device when backward reaches them (their copies out not done), and so which
+    # fetch buffers a step takes, depends on how far the copies got (an H200, 2026-11-28: once
+    # more at step 3; on the simulated device every step's sizes are step 2's). From the step
+    # its plans stop changing (step 2 under keep, step 4 at the latest under cpu), it only replays.
+    steady = next(i for i in range(len(figures)) if all(f.plans == figures[i].plans for f in figures[i:]))
+    assert figures[1].served > 0 and steady <= (1 if {policy!r} == "keep" else 3), [f.plans for f in figures]
+    settled = steady
+    for before, after in zip(figures[settled:], figures[settled + 1 :]):
         assert after.served > before.served and after.plans == before.plans
         if {policy!r} == "keep":  # lifetimes follow the program: not one fallback after step 1
             assert after.fallbacks == 0

@@ -38,14 +38,14 @@ def _times(monkeypatch):
     inject_times(monkeypatch)
 
 
-def _steps(model, reference, steps: int, device=None):
+def _steps(model, reference, steps: int, device=None, seq: int = SEQ):
     """Train ``steps`` SGD steps; per step the placements, the device peak, and the loss and
     gradients next to those of ``reference`` (the model without actoff) from the same weights."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        tokens = torch.randint(0, 256, (2, SEQ), generator=generator)
+        tokens = torch.randint(0, 256, (2, seq), generator=generator)
         with no_dispatch():  # the reference is not the device's
             reference.load_state_dict(model.state_dict())
             expected_loss = reference.loss(tokens)
@@ -338,3 +338,176 @@ def test_auto_trains_wherever_streaming_every_saved_tensor_at_windows_of_none_fi
     for _, peak, pairs in steps:
         assert peak <= floor
         _compare(pairs, exact=True)
+
+
+# (Note [the chunked placement in the plan]) Blocks wide enough, and a sequence long enough against
+# chunks of 64 tokens, that running attention's backward a chunk at a time holds less than any
+# other placement's floor.
+WIDE = {"num_layers": 4, "hidden_size": 128, "intermediate_size": 512}
+LONG = 1024
+
+
+@pytest.fixture(scope="module")
+def stream_floor() -> int:
+    """The device peak of every saved tensor streamed at windows of none (auto's measuring)."""
+    model = make_model(**WIDE)
+    actoff.offload_(model, block_cls=Block, policy="cpu", min_bytes=0, fetch_window=0, copy_window=0)
+    generator = torch.Generator().manual_seed(1)
+    with simulated_device(seed=0) as device:
+        for _ in range(2):
+            device.memory.reset_peak()
+            model.loss(torch.randint(0, 256, (2, LONG), generator=generator)).backward()
+    actoff.reset()
+    return device.memory.peak
+
+
+def _auto_chunked(model, budget: int, steps: int, block_cls=Block, link: str = "10GB"):
+    reference = copy.deepcopy(model)
+    actoff.offload_(
+        model,
+        block_cls=block_cls,
+        policy="auto",
+        min_bytes=0,
+        host_bandwidth=link,
+        gpu_budget=budget,
+        chunk_tokens=64,
+    )
+    with pytest.warns(RuntimeWarning) as said, simulated_device(seed=0) as device:  # BudgetWarning too
+        found = _steps(model, reference, steps, device, seq=LONG)
+    return found, [str(w.message) for w in said], get_runtime().auto
+
+
+@pytest.mark.parametrize("link", ["10GB", "1000GB"])
+def test_below_every_other_floor_the_blocks_run_their_backward_in_token_chunks(stream_floor, link):
+    """Under a budget below the stream floor (what the measuring steps hold: over it, said) auto
+    plans the chunked placement, and each of its steps peaks within the budget; the gradients are
+    the unchunked run's within reassociation (a chunked backward sums over chunks). On a link
+    where copies cost nothing, calibrating on a chunked step had made streaming look as if it
+    fit: the next step streamed at 1.21x the budget (a review's reproducer)."""
+    budget = int(stream_floor * 0.8)
+    steps, said, auto = _auto_chunked(make_model(**WIDE), budget, 6, link=link)
+    for placements, peak, pairs in steps[:2]:
+        assert placements == ["measuring"] * 4 and peak > budget
+        _compare(pairs, exact=True)
+    for placements, peak, pairs in steps[2:]:
+        assert placements == ["chunked"] * 4
+        assert peak <= budget, (peak, budget)
+        _compare(pairs, exact=False)
+    assert all(
+        entry.chunk_refusal == "" and entry.kv_bytes and entry.node_bytes for entry in auto.current.entries
+    )
+    assert any("measuring" in message for message in said)  # the measuring steps, over it
+
+
+class _Shifted(torch.nn.Module):
+    """A reference block mixing in the previous token's input before attention, behind an output
+    projection that starts at zero: nothing in forward tells it from a block that chunks."""
+
+    def __init__(self, inner: Block) -> None:
+        super().__init__()
+        self.inner = inner
+        torch.nn.init.zeros_(inner.attn.o_proj.weight)
+
+    def forward(self, x, cos, sin):
+        h = self.inner.input_norm(x)
+        h = h + 0.5 * torch.nn.functional.pad(h[:, :-1], (0, 0, 1, 0))
+        x = x + self.inner.attn(h, cos, sin)
+        return x + self.inner.mlp(self.inner.post_norm(x))
+
+
+def test_a_block_the_probe_refuses_gets_the_whole_blocks_gradients_and_leaves_the_chunks(stream_floor):
+    """(Note [a chunked block the plan misjudged]) the survey cannot see a token shift, so auto
+    plans chunks; the probe sees it in the first chunked backward, which then takes the whole
+    block's gradients from its stored inputs (the same kernels on the same shapes as without
+    actoff: bit for bit), says so once, and the next plan leaves the chunks out."""
+    model = make_model(**WIDE)
+    model.layers = torch.nn.ModuleList(_Shifted(layer) for layer in model.layers)
+    steps, said, auto = _auto_chunked(model, int(stream_floor * 0.8), 4, block_cls=_Shifted)
+    assert steps[2][0] == ["chunked"] * 4 and "chunked" not in steps[3][0]
+    for _, _, pairs in steps:
+        _compare(pairs, exact=True)
+    # The probe's verdict: other gradients, or (where the shift shows in the outputs once the
+    # projection has trained) other rows; either way the placement that takes the block is named.
+    assert any("leaves it out" in message for message in said)
+    assert all("'checkpoint' or 'cpu'" in entry.chunk_refusal for entry in auto.current.entries)
+    assert "cannot run in token chunks" in "; ".join(auto.reasons)
+
+
+class _Dropped(torch.nn.Module):
+    """A reference block with dropout, or noise, on its output: the chunked placement refuses it
+    (run again in chunks it would draw other random numbers)."""
+
+    def __init__(self, inner: Block, noise: bool) -> None:
+        super().__init__()
+        self.inner, self.noise = inner, noise
+
+    def forward(self, x, cos, sin):
+        out = self.inner(x, cos, sin)
+        if self.noise:
+            return out + 0.5 * torch.randn_like(out)
+        return torch.nn.functional.dropout(out, 0.1, self.training)
+
+
+@pytest.mark.parametrize(("noise", "says"), [(False, "draws dropout"), (True, "draws random numbers")])
+def test_a_block_the_survey_refuses_is_never_planned_in_chunks(stream_floor, noise, says):
+    """The measuring forward's survey sees the dropout, or the noise (whose chunked runs had
+    given other gradients: a review's reproducer): the block keeps the other placements (the
+    stream floor here, said), and nothing raises."""
+    model = make_model(**WIDE)
+    model.layers = torch.nn.ModuleList(_Dropped(layer, noise) for layer in model.layers)
+    budget = int(stream_floor * 0.8)
+    settings = {"host_bandwidth": "10GB", "gpu_budget": budget, "chunk_tokens": 64}
+    actoff.offload_(model, block_cls=_Dropped, policy="auto", min_bytes=0, **settings)
+    generator = torch.Generator().manual_seed(1)
+    with pytest.warns(actoff.BudgetWarning) as said, simulated_device(seed=0):
+        for _ in range(3):
+            model.loss(torch.randint(0, 256, (2, LONG), generator=generator)).backward()
+            assert "chunked" not in [block.placement for block in actoff.stats().blocks.values()]
+    assert any("4 stream every saved tensor" in str(warning.message) for warning in said)  # the floor
+    entries = get_runtime().auto.current.entries
+    assert all(says in entry.chunk_refusal for entry in entries)
+    assert all(entry.cost().chunk_share is None for entry in entries)
+
+
+class _NoisyLater(torch.nn.Module):
+    """A reference block that adds noise from its third call on: the measuring steps' survey sees
+    no draw, so auto plans chunks, and the chunked forward then refuses it."""
+
+    def __init__(self, inner: Block) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x, cos, sin):
+        self.calls += 1
+        out = self.inner(x, cos, sin)
+        return out + 0.5 * torch.randn_like(out) if self.calls >= 3 else out
+
+
+def test_a_forward_refused_after_the_survey_runs_as_a_checkpoint_drawing_what_it_would_have(stream_floor):
+    """(Note [a chunked block the plan misjudged]) the refused chunked forward had drawn its noise:
+    the generators go back before the checkpoint runs, so it draws what the block without actoff
+    draws; the gradients are bit for bit (the same kernels on the same shapes) and the generator
+    after the step is where it is without actoff. The next plan leaves the chunks."""
+    model = make_model(**WIDE)
+    model.layers = torch.nn.ModuleList(_NoisyLater(layer) for layer in model.layers)
+    reference = copy.deepcopy(model)
+    settings = {"host_bandwidth": "10GB", "gpu_budget": int(stream_floor * 0.8), "chunk_tokens": 64}
+    actoff.offload_(model, block_cls=_NoisyLater, policy="auto", min_bytes=0, **settings)
+    generator = torch.Generator().manual_seed(1)
+    placements = []
+    with pytest.warns(RuntimeWarning) as said, simulated_device(seed=0):
+        for step in range(4):
+            tokens = torch.randint(0, 256, (2, LONG), generator=generator)
+            with no_dispatch():
+                torch.manual_seed(step)
+                reference.loss(tokens).backward()
+                after = torch.rand(1)
+            torch.manual_seed(step)
+            model.loss(tokens).backward()
+            assert torch.equal(torch.rand(1), after)
+            placements.append([block.placement for block in actoff.stats().blocks.values()])
+            for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
+                mine.grad, theirs.grad = None, None
+    assert placements[2] == ["chunked"] * 4 and "chunked" not in placements[3]
+    assert any("draws random numbers" in str(warning.message) for warning in said)

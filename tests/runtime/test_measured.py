@@ -67,7 +67,9 @@ def test_auto_reads_a_forward_time_and_attention_inside_it_on_the_simulated_devi
     for read in timed:  # attention's calls run inside the forward: a share in (0, 1]
         assert 0 < read["attention"] <= read["forward"], read
     for decision in stats.auto.values():  # what auto kept of them
-        assert decision.t_layer_ms > 0 and 0 < decision.attention_ms <= decision.t_layer_ms
+        # Strictly less: the MLP and the norms take time too (a share forced to 1, say by a lost
+        # unit in observe(), would pass an "at most").
+        assert decision.t_layer_ms > 0 and 0 < decision.attention_ms < decision.t_layer_ms
     for block in stats.blocks.values():
         assert block.forward_ms > 0 and block.measured_ms >= block.forward_ms
 
@@ -101,6 +103,8 @@ def test_a_forward_timed_through_its_waits_takes_a_same_shaped_blocks_time():
     streamed, waited = _State(42.0, 40.0), _State(10.0, 0.0)
     assert measured.forward_ms(streamed) == 42.0 and not measured.timed_apart_from_waits(streamed)
     assert measured.forward_ms(waited) == 10.0 and measured.timed_apart_from_waits(waited)
+    # A forward that waited a quarter of its time: its compute is the rest (20 ms less 5 of waits).
+    assert measured.forward_ms(_State(20.0, 5.0)) == 15.0
     shape = {"input_bytes": 100, "attention_bytes": 50, "local_bytes": 400}
     entries = [
         measured.Measured("a", **shape, forward_s=0.042),

@@ -6,6 +6,7 @@
 - `tokenwise`: records split by token range, the dropped rows recomputed (``tokenwise``,
   ``recompute``).
 - `checkpoint`: the block's inputs stored, the whole block run again in backward.
+- `chunked`: the block's inputs stored, its backward run in token chunks (Note [chunked backward]).
 - `measuring`: the auto policy's measuring steps (every save streamed, the bytes sorted).
 
 The registry below maps the placement names of the policy table (actoff.policy) to classes:
@@ -24,6 +25,7 @@ from actoff.policy import PolicySpec
 
 from .base import Call, Placement
 from .checkpoint import CheckpointPlacement
+from .chunked import ChunkedPlacement
 from .tokenwise import TokenwisePlacement
 from .whole import KeptPlacement, WholePlacement
 
@@ -34,6 +36,7 @@ _CLASSES: dict[str, type[Placement]] = {
     "whole": WholePlacement,
     "tokenwise": TokenwisePlacement,
     "checkpoint": CheckpointPlacement,
+    "chunked": ChunkedPlacement,
 }
 _lock = threading.Lock()
 

@@ -33,6 +33,8 @@ from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 from ..hooks import AliasHandle, Handle, unpack
 from .base import Call, Placement
 from .checkpoint import has_forward_hooks, run_checkpointed
+from .chunk_attention import Watch
+from .chunked import survey, surveyed
 from .tokenwise import TokenwisePlacement
 
 if TYPE_CHECKING:
@@ -56,14 +58,18 @@ class MeasuringPlacement(TokenwisePlacement):
         super().__init__(run)
         self.streams_out = self.tier.fetches  # Note [copy out at pack]
         self.hooks: _HostOrRunAgain | None = None
+        # Whether the chunked placement would take the block (Note [the chunked placement in the
+        # plan] in actoff.budget): the forward surveyed, raising nothing.
+        self.chunk_survey: Watch | None = None
 
     def forward(self, call: Call) -> Any:
         if not self.active:
             return call.run()
-        with CaptureMode(self.split), CollectiveWatch(self.split):
-            if not self._runs_again(call):
-                return call.run()
-            return self._forward_inside_checkpoint(call)
+        self.chunk_survey = watch = survey(self.run, call)
+        with CaptureMode(self.split), CollectiveWatch(self.split), watch:
+            output = call.run() if not self._runs_again(call) else self._forward_inside_checkpoint(call)
+        surveyed(watch, output, self.run.config.token_dim)
+        return output
 
     def _runs_again(self, call: Call) -> bool:
         """Whether the block runs inside the checkpoint (Note [measuring where the host is

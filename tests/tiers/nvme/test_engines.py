@@ -118,3 +118,54 @@ def test_open_engine_picks_posix_without_kvikio_io(tmp_path):
     engine = open_engine(str(tmp_path / "auto.bin"), "auto")
     assert engine.name.startswith("posix")  # no CUDA driver here: kvikio cannot do I/O
     engine.close()
+
+
+@pytest.mark.slow  # 2 GiB written and read back, twice the memory: seconds, not milliseconds
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_request_past_2_31_bytes_round_trips_sealed(kind, nvme_dir):
+    # Lengths past 2**31 (a million tokens of an 8B model's block inputs): one pwrite moves at
+    # most 0x7ffff000 bytes on Linux, so the engine loops, and sizes and the seal's CRC32C run
+    # past a signed 32-bit int. The request starts at 4096 and ends past 2**31 + 4096, on an odd
+    # size (the buffered descriptor takes the unaligned request; offsets past 2**32 and the
+    # O_DIRECT path: test_a_request_at_an_offset_past_2_32_round_trips).
+    nbytes = 2**31 + 12_345
+    path = os.path.join(nvme_dir, "large.bin")
+    engine = CppEngine(path, 2) if kind == "cpp" else PythonEngine(path, 2)
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    data[: 2**20].random_(0, 256)
+    data[-(2**20) :].random_(0, 256)  # the bytes past 2**31 differ from those before it
+    write = engine.pwrite(data, nbytes, 4096, 11)
+    assert write.wait() == nbytes and write.checksum() is not None
+    back = torch.zeros(nbytes, dtype=torch.uint8)
+    assert engine.pread(back, nbytes, 4096, 11, write.checksum()).wait() == nbytes
+    assert torch.equal(back[-(2**20) :], data[-(2**20) :]) and torch.equal(back[: 2**20], data[: 2**20])
+    at = 2**31 + 7  # one byte changed past 2**31
+    os.pwrite(engine.file.fd, bytes([int(data[at]) ^ 0xFF]), 4096 + at)
+    with pytest.raises(OSError, match="read bytes that are not the ones written"):
+        engine.pread(back, nbytes, 4096, 11, write.checksum()).wait()
+    engine.close()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_request_at_an_offset_past_2_32_round_trips(kind, nvme_dir):
+    # A sparse file: 4 KiB at 4 GiB + 4 KiB, aligned (the C++ engine's O_DIRECT descriptor takes
+    # it), sealed. A 32-bit offset would land the bytes at 4096 instead (the file's start).
+    path = os.path.join(nvme_dir, "far.bin")
+    engine = CppEngine(path, 2) if kind == "cpp" else PythonEngine(path, 2)
+    raw = torch.empty(3 * 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    data = raw[start : start + 4096].random_(0, 256)
+    offset = 2**32 + 4096
+    write = engine.pwrite(data, 4096, offset, 5)
+    assert write.wait() == 4096
+    assert os.path.getsize(path) == offset + 4096
+    with open(path, "rb") as file:
+        file.seek(offset)
+        assert file.read(4096) == bytes(data.tolist())
+        file.seek(4096)
+        assert file.read(4096) in (b"", bytes(4096))  # nothing landed at the offset's low 32 bits
+    back = torch.zeros(3 * 4096, dtype=torch.uint8)
+    aligned = back[-back.data_ptr() % 4096 :][:4096]
+    assert engine.pread(aligned, 4096, offset, 5, write.checksum()).wait() == 4096
+    assert torch.equal(aligned, data)
+    engine.close()

@@ -100,8 +100,8 @@ def test_a_record_changed_on_disk_raises_before_backward_uses_it(nvme_dir, devic
     [
         pytest.param("compat", marks=pytest.mark.no_sim_device, id="compat-plain"),  # host buffers
         pytest.param("compat", marks=pytest.mark.sim_device, id="compat-sim"),  # staged host slots
-        # device buffers, but sealed on the host: the simulated device's are CPU tensors
-        # (`test_the_simulated_gds_path_seals_on_the_device`)
+        # device buffers, sealed on the device by the path they came through (the simulated
+        # device's are CPU tensors: `test_the_simulated_gds_path_seals_on_the_device`)
         pytest.param("gds", marks=pytest.mark.sim_device, id="gds-sim"),
     ],
 )
@@ -189,7 +189,7 @@ def test_a_truncation_while_writes_are_in_flight_raises(nvme_dir, device, monkey
 
     monkeypatch.setattr(engines.PythonEngine, "_run", run)
     model = make_model()
-    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0, io_backend="posix")
     loss = model.loss(torch.randint(0, 256, (2, 33)))
     runs = get_runtime().step.runs
     threshold[0] = min(r.extent.offset for r in runs[-1].all_records() if r.extent is not None)

@@ -63,6 +63,7 @@ def test_nvme_policy_bit_exact(nvme_dir, keep_last, fused_qkv):
         nvme_dir=nvme_dir,
         min_bytes=0,
         keep_last=keep_last,
+        io_backend="posix",  # where kvikio is installed too (a GPU machine): the engine asserted below
     )
     assert_same_history(expected, actual)
     stats = actoff.stats()
@@ -337,7 +338,9 @@ def test_a_write_worker_that_fails_falls_back(monkeypatch, nvme_dir):
     monkeypatch.setattr(PythonEngine, "_run", broken)
     expected, actual = None, None
     with pytest.warns(RuntimeWarning, match="NVMe write failed.*the I/O worker died"):
-        expected, actual = baseline_and_offloaded(2, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+        expected, actual = baseline_and_offloaded(
+            2, policy="nvme", nvme_dir=nvme_dir, min_bytes=0, io_backend="posix"
+        )
     assert_same_history(expected, actual)
 
 
@@ -360,7 +363,8 @@ def test_a_hung_read_raises_in_the_training_thread(monkeypatch, nvme_dir):
 
     monkeypatch.setattr(PythonEngine, "_run", hanging)
     model = make_model()
-    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0, io_timeout=0.3)
+    settings = {"nvme_dir": nvme_dir, "min_bytes": 0, "io_timeout": 0.3, "io_backend": "posix"}
+    actoff.offload_(model, block_cls=Block, policy="nvme", **settings)
     loss = model.loss(torch.randint(0, 256, (2, 33)))
     try:
         with pytest.raises(RuntimeError, match="back from NVMe failed.*hangs or died"):

@@ -1,0 +1,230 @@
+"""Attention in a chunked block's runs (Note [chunked backward] in
+actoff.runtime.placements.chunked): the forward's watch, which refuses a block that cannot run in
+token chunks, and the backward's, which takes attention's keys and values or serves a chunk's
+attention against every key up to its end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.nn.attention.bias import causal_lower_right
+from torch.overrides import TorchFunctionMode
+
+from actoff.rerun.dropout import dropout_call
+from actoff.rerun.state import RngState
+
+__all__ = ["ChunkMismatchError", "ChunkMode", "ChunkedShapeError", "KeysTaken", "Watch"]
+
+_ATTENTION = F.scaled_dot_product_attention
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class ChunkedShapeError(ValueError):
+    """A block the chunked placement cannot run in token chunks (Note [chunked backward])."""
+
+
+class ChunkMismatchError(RuntimeError):
+    """A chunk's re-run did not give the forward's rows (Note [chunked backward])."""
+
+
+class KeysTaken(BaseException):
+    """Ends a keys-pass run at attention: the rest of the block is not needed."""
+
+
+def _attention_args(args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = {**dict(zip(_SDPA_NAMES, args, strict=False)), **kwargs}
+    bound.setdefault("attn_mask", None)
+    bound.setdefault("dropout_p", 0.0)
+    bound.setdefault("is_causal", False)
+    bound.setdefault("scale", None)
+    bound.setdefault("enable_gqa", False)
+    return bound
+
+
+class Watch(TorchFunctionMode):
+    """The forward: notes attention's calls and refuses what cannot run in chunks.
+
+    As a survey (``survey=True``: the auto policy's measuring forward, which runs with grad) it
+    raises nothing: the first refusal is kept in ``refused``, attention's key and value bytes and
+    its one autograd node's in ``kv_bytes`` and ``node_bytes`` (Note [the chunked placement in the
+    plan] in actoff.budget), and only leaves are checked for gradients (every result of a forward
+    with grad takes them)."""
+
+    def __init__(self, name: str, seq_len: int, known: list[torch.Tensor], *, survey: bool = False) -> None:
+        super().__init__()
+        self.name, self.seq_len, self.calls, self.survey = name, seq_len, 0, survey
+        self.known = {id(tensor) for tensor in known}  # the inputs and weights it takes gradients for
+        self.refused: str | None = None
+        self.kv_bytes = self.node_bytes = 0
+        self.rng: RngState | None = None  # a survey's: the generators before the forward
+
+    def refuse(self, found: str) -> ChunkedShapeError:
+        return ChunkedShapeError(
+            f"actoff: block {self.name!r} cannot run its backward in token chunks: {found}. The chunked "
+            "placement needs one causal scaled_dot_product_attention over the block's own tokens, without "
+            "a mask or dropout, and token-local ops elsewhere (Note [chunked backward]); place this block "
+            "with 'checkpoint' or 'cpu' instead."
+        )
+
+    def object_to(self, found: str) -> None:
+        """Refuse ``found``: raised, or kept as a survey's first (``refused``)."""
+        if not self.survey:
+            raise self.refuse(found)
+        self.refused = self.refused or found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _ATTENTION:
+            self._attention(_attention_args(args, kwargs))
+        elif dropout_call(func, args, kwargs) is not None:
+            self.object_to("it draws dropout in training")
+        # Its gradients are taken for the block's inputs and parameters only: any other tensor that
+        # takes gradients (a weight of another module, reached past the block's own) would get none.
+        for value in pytree.tree_leaves((args, kwargs)):
+            if (
+                isinstance(value, torch.Tensor)
+                and value.requires_grad
+                and (value.is_leaf or not self.survey)
+                and id(value) not in self.known
+            ):
+                self.object_to(
+                    f"it uses a tensor of shape {list(value.shape)} that takes gradients and is neither an "
+                    "input nor a parameter of the block"
+                )
+        return func(*args, **kwargs)
+
+    def _attention(self, bound: dict[str, Any]) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.object_to("it calls scaled_dot_product_attention more than once")
+        if bound["attn_mask"] is not None or not bound["is_causal"]:
+            self.object_to("its attention is not causal, or has an explicit mask (padding, packing)")
+        if bound["dropout_p"]:
+            self.object_to(f"its attention has dropout (p={bound['dropout_p']})")
+        q, k, v = (bound[name] for name in ("query", "key", "value"))
+        lengths = {t.shape[-2] for t in (q, k, v)}
+        if lengths != {self.seq_len}:
+            self.object_to(
+                f"its attention's sequences are {sorted(lengths)} long, the block's {self.seq_len}"
+            )
+        self.kv_bytes = sum(t.numel() * t.element_size() for t in (k, v))  # as the keys pass keeps them
+        # Its node saves q, k, v and its output in the dtype it computes in (autocast's, where on);
+        # the gradients of q, k, v come back in their own dtypes, the output's in the computed one.
+        device = q.device.type
+        size = (
+            torch.get_autocast_dtype(device).itemsize
+            if torch.is_autocast_enabled(device)
+            else q.element_size()
+        )
+        out = q.numel() // max(q.shape[-1], 1) * v.shape[-1]
+        grads = sum(t.numel() * t.element_size() for t in (q, k, v))
+        self.node_bytes = (q.numel() + k.numel() + v.numel() + 2 * out) * size + grads
+
+    def finish(self, rng: RngState | None) -> None:
+        """After the forward: a block that called attention not exactly once is refused, and one
+        that drew random numbers since ``rng`` (`random`)."""
+        if self.calls != 1:
+            self.object_to("it does not call scaled_dot_product_attention")
+        self.random(rng)
+
+    def random(self, rng: RngState | None) -> None:
+        """A block that drew random numbers since ``rng`` is refused: its runs in chunks would draw
+        others (dropout of another kind, noise, a layer dropped at random)."""
+        if rng is not None and rng.drawn_since():
+            self.object_to("it draws random numbers in its forward")
+
+
+class ChunkMode(TorchFunctionMode):
+    """A re-run on tokens ``[start, stop)``: attention's keys and values written into ``keys`` and
+    ``values`` (the keys pass: the run then ends), or attention served from the chunk's queries
+    against their rows up to ``stop``, as leaves (``served``; Note [chunked backward])."""
+
+    def __init__(self, start: int, stop: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        super().__init__()
+        self.start, self.stop, self.keys, self.values = start, stop, keys, values
+        self.taken: tuple[torch.Tensor, torch.Tensor] | None = None  # this chunk's k, v
+        self.served: list[torch.Tensor] = []  # the leaves attention read: keys and values up to stop
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _ATTENTION:
+            return func(*args, **kwargs)
+        bound = _attention_args(args, kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        self.taken = (k, v)
+        if self.keys is None:
+            raise KeysTaken
+        # The chunk's own rows too: the keys pass wrote them, the same kernels on the same rows.
+        k, v = (t[..., : self.stop, :].detach().requires_grad_() for t in (self.keys, self.values))
+        self.served = [k, v]
+        device = q.device.type
+        if torch.is_autocast_enabled(device):  # as autocast casts them for the forward's call
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        extra = {"scale": bound["scale"], "enable_gqa": bound["enable_gqa"]}
+        if not self.start:
+            return _ATTENTION(q, k, v, is_causal=True, **extra)
+        if q.device.type == "cuda":
+            return _lower_right_kernel(q, k, v, self.stop - self.start, extra)
+        return _CausalTail.apply(q, k, v, extra)
+
+
+def _lower_right_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, extra: dict
+) -> torch.Tensor:
+    """The chunk's attention through PyTorch's lower-right causal bias, which its memory-efficient
+    CUDA kernel takes without a mask in memory. That kernel does not take grouped keys
+    (``enable_gqa``): with fewer key heads than query heads SDPA would fall back to the math kernel,
+    with rows x keys scores in memory, so the keys and values are repeated per query head here (their
+    bytes times the group size, for the chunk's call). Not yet run on a GPU."""
+    groups = q.shape[-3] // k.shape[-3]
+    if extra["enable_gqa"] and groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    mask = causal_lower_right(rows, k.shape[-2])
+    return _ATTENTION(q, k, v, attn_mask=mask, scale=extra["scale"])
+
+
+class _CausalTail(torch.autograd.Function):
+    """Causal attention of the last rows of a sequence (queries ``q``, every key up to their last)
+    where no kernel takes the lower-right bias (off CUDA): by blocks of query rows, each with its
+    boolean mask, made again in backward rather than saved. One mask for all the chunk's rows
+    would hold rows x keys bytes (32 MiB for 512 rows of a 16k sequence as floats), more than the
+    rest of the chunk on narrow models. In backward each block of rows is run again (attention's
+    forward twice there) and its gradients taken at once."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict) -> torch.Tensor:
+        ctx.extra = extra
+        ctx.save_for_backward(q, k, v)
+        return torch.cat([_ATTENTION(*_rows(q, k, v, a, b), **extra) for a, b in _row_blocks(q, k)], dim=-2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        q, k, v = ctx.saved_tensors
+        grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+        for a, b in _row_blocks(q, k):
+            *rows, mask = _rows(q, k, v, a, b)
+            leaves = [t.detach().requires_grad_() for t in rows]
+            with torch.enable_grad():
+                out = _ATTENTION(*leaves, mask, **ctx.extra)
+            found = torch.autograd.grad(out, leaves, grad[..., a:b, :])
+            grads[0][..., a:b, :].copy_(found[0])
+            grads[1][..., : rows[1].shape[-2], :].add_(found[1])
+            grads[2][..., : rows[2].shape[-2], :].add_(found[2])
+        return (*grads, None)
+
+
+def _row_blocks(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int]]:
+    """Blocks of query rows whose masks hold about a MiB each."""
+    rows, step = q.shape[-2], max(16, 2**20 // k.shape[-2])
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, ...]:
+    """Query rows ``[a, b)`` of the last ``q`` rows, the keys and values they see, and their mask."""
+    keys = k.shape[-2] - q.shape[-2] + b
+    mask = torch.ones(b - a, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - (b - a))
+    return q[..., a:b, :], k[..., :keys, :], v[..., :keys, :], mask

@@ -1,0 +1,273 @@
+"""The chunked placement: a block's input stored, its backward run in token chunks.
+
+Note [chunked backward]: only the block's inputs are saved (placed on the policy's tier like any
+record). The forward runs the block without grad (whole at first, then in chunks too: Note [a
+chunked forward] in actoff.runtime.placements.chunk_backward); backward runs it again, chunk of
+tokens by chunk, and takes each chunk's gradients before the next, so the device holds one chunk's
+activations at a time (``chunk_tokens``), not the whole block's as a checkpoint does. This works
+because every op of a pre-norm decoder block but attention is token-local: rows ``[a, b)`` of the
+input give rows ``[a, b)`` of every activation. Attention is the one op that mixes tokens, and it
+is exact by query chunks: a query's softmax runs over its own row of keys. So, in backward:
+
+1. The keys pass: the block runs on each chunk without grad up to attention, whose keys and values
+   (after the rotary embedding) are kept for every token; the rest of the block is not run.
+2. The chunks from the last to the first: the block runs on the chunk with grad; attention is
+   served from the chunk's queries against the keys and values of every token up to the chunk's
+   end (the earlier ones from step 1 as leaves, the chunk's own from this run), the mask causal
+   from the lower right. One ``autograd.grad`` takes the chunk's output gradients, plus the key
+   and value gradients the later chunks gave its rows, back to the chunk's inputs and the
+   weights; the earlier rows' key and value gradients are added to theirs. Going from the last
+   chunk to the first, a chunk's keys have all their gradients when its turn comes: causal
+   attention only lets later queries see them.
+
+The full-length tensors of backward are the block's inputs and their gradient, its outputs'
+gradient, and the keys and values with theirs: about ``3 H + 4 kv`` per token. Gradients are those
+of the unchunked block up to float reassociation (weights' gradients summed over chunks; each
+chunk's attention its own kernel call). Each chunk's output is checked against the forward's
+(their per-token sums, kept from forward): a block whose re-run on a chunk does not give the
+forward's rows (a token mixer other than attention, state that changes between calls) stops
+the step with an error instead of training on wrong gradients.
+
+The block must have that shape, and the forward says so before anything is trained: exactly one
+call of ``torch.nn.functional.scaled_dot_product_attention``, causal, without a mask or dropout,
+its queries, keys and values as long as the block's sequence, and no dropout elsewhere. A block
+of another shape raises `ChunkedShapeError` naming what it found and the placements that take
+it (``checkpoint``, ``cpu``). The re-runs leave the block as the forward left it (Note [re-runs
+leave no trace] in actoff.rerun.isolation), without forward hooks, caches or the cache's rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd.function import once_differentiable
+
+from actoff.rerun.isolation import forward_hooks_off, is_cache, left_as_found, without_caches
+from actoff.rerun.state import ForwardState, RngState, autograd_status
+
+from .base import Call
+from .checkpoint import CheckpointPlacement, _holds_rows_read, run_checkpointed
+from .chunk_attention import ChunkedShapeError, ChunkMismatchError, Watch
+from .chunk_backward import Block, backward, probed, row_sums, token_dim
+from .chunk_backward import forward as chunked_forward
+
+if TYPE_CHECKING:
+    from ..step import ScopeRun
+
+__all__ = ["ChunkMismatchError", "ChunkedPlacement", "ChunkedShapeError", "run_chunked", "survey", "surveyed"]
+
+
+class _ChunkedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, block: Block, *tensors: torch.Tensor) -> Any:
+        inputs = tensors[: len(block.where)]
+        values = block.values(inputs)
+        known = [*tensors, *block.params]
+        watch = Watch(block.run.name, block.seq_len, known)
+        # Once a whole run and the probe have shown the block's shape (Note [a chunked forward]).
+        if block.chunk >= block.seq_len or block.has_cache or not probed(block, values):
+            with watch:
+                output = block.call(values)
+            watch.finish(block.rng)
+        else:
+
+            def each(length: int, sliced: list[Any]) -> Watch:
+                tensors = [value for value in sliced if isinstance(value, torch.Tensor)]
+                return Watch(block.run.name, length, [*known, *tensors])
+
+            output = chunked_forward(block, values, each)
+            watch.random(block.rng)
+        leaves, block.out_spec = pytree.tree_flatten(output)
+        for leaf in leaves:
+            floating = isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+            dim = token_dim(leaf, block.seq_len, block.token_dim) if floating else None
+            if floating and dim is None:
+                raise watch.refuse(f"an output of shape {list(leaf.shape)} has no token dimension")
+            block.out_dims.append(dim)
+            block.rows.append(row_sums(leaf, dim) if dim is not None else None)
+            block.kept.append(None if dim is not None else leaf)
+        ctx.block = block
+        ctx.save_for_backward(*inputs)  # through the scope's hooks: the run's records
+        return tuple(leaf for leaf, dim in zip(leaves, block.out_dims, strict=True) if dim is not None)
+
+    @staticmethod
+    @once_differentiable  # its gradients are taken in chunks: no graph of them to differentiate again
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        block: Block = ctx.block
+        values = without_caches(block.values(ctx.saved_tensors))
+        given = iter(grads)
+        out_grads = [next(given) if dim is not None else None for dim in block.out_dims]
+        block.timed = []  # its runs again, as a checkpoint's (`recompute_ms`): not their gradients
+        with left_as_found(block.module, values), forward_hooks_off(block.module):
+            input_grads, param_grads = backward(block, values, out_grads)
+        with block.run.runtime.lock:
+            for ticket in block.timed:
+                block.run.account("recompute_ms", ticket)
+        block.timed = None
+        return (None, *input_grads, *param_grads)
+
+
+def _refusal(run: ScopeRun, call: Call, tensors: list[torch.Tensor]) -> str | None:
+    """Why the call cannot run in chunks, seen before it runs (None: nothing seen)."""
+    config = run.config
+    if call.module is None:
+        return (
+            f"actoff: function scope {run.name!r} cannot run its backward in token chunks: the chunked "
+            "placement takes the weights' gradients itself and needs the block's module. Offload the "
+            "module (offload_ with block_cls) or use 'checkpoint'."
+        )
+    leaves = pytree.tree_leaves((call.args, call.kwargs))
+    if any(is_cache(leaf) and _holds_rows_read(leaf, call.module) for leaf in leaves):
+        return (
+            f"actoff: block {run.name!r} is given a key/value cache that already holds rows it reads; the "
+            "chunked placement re-runs it without them. Place it with 'cpu' instead."
+        )
+    if not tensors or tensors[0].dim() <= config.token_dim:
+        return f"actoff: block {run.name!r} has no tensor input with a token dimension"
+    seq_len = tensors[0].shape[config.token_dim]
+    for tensor in tensors:
+        if tensor.requires_grad and token_dim(tensor, seq_len, config.token_dim) is None:
+            return (
+                f"actoff: block {run.name!r} takes a gradient for an input of shape {list(tensor.shape)} without "
+                f"a token dimension of length {seq_len}; the chunked placement cannot split it. Use 'checkpoint'."
+            )
+    return None
+
+
+def _ambiguous(tensors: list[torch.Tensor], seq_len: int) -> torch.Tensor | None:
+    """An input with several dimensions as long as the sequence (the chunks cannot tell which to split)."""
+    return next((t for t in tensors[1:] if sum(n == seq_len for n in t.shape) > 1), None)
+
+
+def survey(run: ScopeRun, call: Call) -> Watch:
+    """A watch for a forward run otherwise (the auto policy's measuring, with grad) that raises
+    nothing and tells whether the chunked placement would take the block (``refused``: why not)
+    and attention's bytes (Note [the chunked placement in the plan] in actoff.budget); its
+    `surveyed` is called on the forward's output."""
+    tensors = [
+        leaf for leaf in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)
+    ]
+    found = _refusal(run, call, tensors)
+    seq_len = tensors[0].shape[run.config.token_dim] if found is None else 0
+    params = [] if call.module is None else [p for p in call.module.parameters() if p.requires_grad]
+    watch = Watch(run.name, seq_len, [*tensors, *params], survey=True)
+    watch.rng = RngState.capture(run.device)
+    if found is None and _ambiguous(tensors, seq_len) is not None:
+        found = "an input has several dimensions as long as the sequence"
+    watch.refused = found
+    return watch
+
+
+def surveyed(watch: Watch, output: Any, token_dim_: int) -> None:
+    """The end of a `survey`: attention called once, no random number drawn, every floating
+    output with a token dimension."""
+    watch.finish(watch.rng)
+    for leaf in pytree.tree_leaves(output):
+        floating = isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+        if floating and token_dim(leaf, watch.seq_len, token_dim_) is None:
+            watch.object_to(f"an output of shape {list(leaf.shape)} has no token dimension")
+
+
+def run_chunked(run: ScopeRun, call: Call) -> Any:
+    """Run ``call`` as ``run`` under the chunked placement (Note [chunked backward]): the forward
+    without grad, the inputs saved through the scope's hooks, the backward in token chunks."""
+    config = run.config
+    leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in where]
+    found = _refusal(run, call, tensors)
+    if found is not None:
+        raise ChunkedShapeError(found)
+    seq_len = tensors[0].shape[config.token_dim]
+    ambiguous = _ambiguous(tensors, seq_len)
+    if ambiguous is not None:  # Note [no silent downgrade]: said once, and in the statistics
+        run.placement.whole_because = (
+            f"an input of shape {list(ambiguous.shape)} has several dimensions as long as the sequence, "
+            "so the chunks cannot tell which to split: the whole block runs again in backward"
+        )
+        run.runtime.warn_once(
+            "chunked:ambiguous",
+            f"actoff: block {run.name!r} at {seq_len} tokens: {run.placement.whole_because} (a checkpoint); "
+            "lengths no other dimension has run in chunks.",
+        )
+        return run_checkpointed(run, call.fn, call.args, call.kwargs, call.module)
+    state = ForwardState.now(tensors[0].device)
+    block = Block(
+        run=run,
+        fn=call.fn,
+        module=call.module,
+        skeleton=[None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+        spec=spec,
+        where=where,
+        statuses=[autograd_status(leaf) for leaf in leaves],
+        grads_for=[i for i, tensor in enumerate(tensors) if tensor.requires_grad],
+        params=[p for p in call.module.parameters() if p.requires_grad],
+        state=state,
+        seq_len=seq_len,
+        token_dim=config.token_dim,
+        chunk=config.chunk_tokens,
+        half=state.half_precision or tensors[0].dtype in (torch.float16, torch.bfloat16),
+        has_cache=any(is_cache(leaf) for leaf in leaves),
+        falls_back=run.placement.falls_back,
+        rng=RngState.capture(run.device),
+    )
+    run.placement.rng = block.rng
+    outputs = _ChunkedFunction.apply(block, *tensors, *block.params)
+    block.skeleton = without_caches(block.skeleton)  # the forward wrote them; the re-runs get none
+    done = iter(outputs)
+    leaves_out = [
+        next(done) if dim is not None else kept for dim, kept in zip(block.out_dims, block.kept, strict=True)
+    ]
+    return pytree.tree_unflatten(leaves_out, block.out_spec)
+
+
+class ChunkedPlacement(CheckpointPlacement):
+    """A checkpoint whose backward runs in token chunks (Note [chunked backward]): the block's
+    inputs stored on the policy's tier.
+
+    Note [a chunked block the plan misjudged]: the auto policy places a block ``chunked`` only
+    where its measuring forward saw nothing the placement refuses (`survey`), but a survey sees a
+    forward with grad, and the probe (Note [the chunked probe]) runs only in backward. So where
+    auto placed it (``falls_back``), a refusal in forward runs the block as a checkpoint instead:
+    nothing was saved yet, and the generators are set back to where the refused forward found
+    them, so the checkpoint draws what a forward without actoff would (buffers the refused forward
+    changed are not given back). A failed probe takes the whole block's gradients from its stored
+    inputs, the generators as its forward had them (its forward ran whole: a block runs in chunks
+    only once probed). Either way ``refused`` says why, one warning per block says it, and the next
+    plan leaves the block out of the chunked placement; that step holds a checkpoint's memory,
+    over a budget only chunks fit. What still stops the step under auto, as under
+    ``ACTOFF_POLICY=chunked``: a refusal for a block given a key/value cache (not run twice in
+    forward), and a chunk whose rows differ from the forward's once the probe has passed (the
+    forward ran in chunks then: no whole result to fall back on).
+    """
+
+    name = "chunked"
+
+    def __init__(self, run: ScopeRun, *, falls_back: bool = False) -> None:
+        super().__init__(run)
+        self.falls_back = falls_back
+        self.rng: RngState | None = None  # the generators before its forward (`run_chunked`)
+        self.refused: str | None = None  # why it ran otherwise (Note [a chunked block the plan misjudged])
+
+    def forward(self, call: Call) -> Any:
+        try:
+            return run_chunked(self.run, call)
+        except ChunkedShapeError as error:
+            leaves = pytree.tree_leaves((call.args, call.kwargs))
+            if not self.falls_back or any(is_cache(leaf) for leaf in leaves):
+                raise
+            self.say_refused(str(error))
+            if self.rng is not None:  # what the refused forward drew, drawn again by the checkpoint's
+                self.rng.set()
+            return run_checkpointed(self.run, call.fn, call.args, call.kwargs, call.module)
+
+    def say_refused(self, why: str) -> None:
+        """Why it ran otherwise, kept for the next plan and said once (Note [a chunked block the plan misjudged])."""
+        self.refused = why
+        self.run.runtime.warn_once(
+            f"chunked refused:{self.run.name}",
+            f"{why} (auto had placed it in token chunks: this step it runs whole, as a checkpoint, which "
+            "may go over a budget only chunks fit, and the next plan leaves it out of the chunked placement)",
+        )

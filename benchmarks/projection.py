@@ -1,0 +1,230 @@
+"""The longest sequence a Llama-3.1-8B-shaped model trains on one GPU, projected from the device
+bytes per token measured on its CPU proxy (issue 39's arithmetic, from measurements).
+
+Note [a projection from the proxy]: ``long_context.py --preset 8b --shrink K`` trains the 8B
+shape with hidden, MLP and vocabulary divided by K (heads kept) on the simulated device, which
+counts every allocation. Its records give, per policy, the step's activation peak (the device
+bytes over the weights, gradients and tokens live at the step's start) at each length. Here:
+1. Per policy and block count, the line through (length, activation peak) at the `FIT_LENGTHS`
+   longest lengths: its slope is the device bytes per token, its intercept what does not grow
+   with the length (the loss's and the tiles' chunks, LoRA's state, kernels' scratch). The
+   longest only: a step's peak is the most of its phases' peaks, each a line of its own, and at
+   short lengths a flat one (the loss's chunks) can bind where the steepest binds at long ones. Two block counts split the
+   slope into a part per block (what each block leaves on the device: torch_checkpoint's inputs)
+   and a part that does not grow with the blocks (the block at work, the one fetched ahead).
+2. The full model's bytes per token: K times the proxy's at 32 blocks (every width is K times
+   larger; per-head terms such as SDPA's log-sum-exp, 128 B a token a block, are scaled too: an
+   overstatement of at most 4 KiB a token per block whose saves are on the device). The
+   intercept is scaled by K**2 (the chunks' tokens and the vocabulary are both divided by K).
+3. The longest length: the device's budget (actoff's CUDA default, total less max(2 GiB, 5%)),
+   less the weights (bf16; full fine-tune: and their bf16 gradients, the optimizer's state off the
+   device, as ALST runs it) and the scaled intercept, over the bytes per token. The host bytes at
+   that length are the proxy's bytes sent to host memory per token and block, times K and 32;
+   past `HOST_BYTES` the rest is NVMe's.
+Full fine-tune uses LoRA's measured bytes per token: a full fine-tune saves at least those (the
+frozen base's inputs are saved for the adapters anyway), so its lengths are upper bounds.
+
+    python benchmarks/projection.py proxy-l2.jsonl proxy-l4.jsonl --shrink 32 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+
+from _common import format_table
+
+from actoff.budget import cuda_budget
+from actoff.reference import ModelConfig
+
+#: The GPUs projected onto: total memory as CUDA reports it (an H100 80GB HBM3, the H200 of
+#: benchmarks/results/h200-2026-11-28/).
+GPUS = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20}
+#: The host memory the target machine gives the tier (issue 39: 128 GB), NVMe past it.
+HOST_BYTES = 128 * 10**9
+#: Lengths a line is fitted to per policy and block count: the longest measured.
+FIT_LENGTHS = 2
+#: The length the projection is held to.
+TARGET_TOKENS = 2**20
+MODES = ("lora", "full")
+
+
+@dataclass(frozen=True)
+class Line:
+    """``intercept + slope * tokens``, fitted to ``points`` measured ones."""
+
+    intercept: float
+    slope: float
+    points: int
+    worst: float  # the largest relative residual of a point
+
+    def at(self, tokens: float) -> float:
+        return self.intercept + self.slope * tokens
+
+
+def fit(points: list[tuple[int, int]]) -> Line:
+    """The least-squares line through ``(tokens, bytes)`` points (two or more lengths).
+
+    >>> line = fit([(1000, 3000), (2000, 5000), (4000, 9000)])
+    >>> line.intercept, line.slope, line.worst
+    (1000.0, 2.0, 0.0)
+    """
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    if len(set(xs)) < 2:
+        raise ValueError(f"a line needs two lengths or more, got {sorted(set(xs))}")
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    intercept = mean_y - slope * mean_x
+    worst = max(abs(intercept + slope * x - y) / y for x, y in zip(xs, ys, strict=True))
+    return Line(intercept, slope, len(xs), worst)
+
+
+def longest(points: list[tuple[int, int]], count: int = FIT_LENGTHS) -> list[tuple[int, int]]:
+    """The points at the ``count`` longest lengths (Note [a projection from the proxy]).
+
+    >>> longest([(2048, 9), (8192, 30), (4096, 15)])
+    [(4096, 15), (8192, 30)]
+    """
+    lengths = sorted({tokens for tokens, _ in points})[-count:]
+    return sorted(point for point in points if point[0] in lengths)
+
+
+def per_block(lines: dict[int, Line]) -> tuple[float, float, float]:
+    """From lines at two block counts (the fewest and the most): bytes per token per block, per
+    token apart from the blocks, and the intercept (the larger count's).
+
+    >>> per_block({2: Line(10, 700, 3, 0), 4: Line(12, 1100, 3, 0)})
+    (200.0, 300.0, 12)
+
+    A part per block below zero is the slopes' noise (a block cannot hold less than none): zero.
+
+    >>> per_block({2: Line(10, 7804, 2, 0), 4: Line(12, 7756, 2, 0)})
+    (0.0, 7804.0, 12)
+    """
+    if len(lines) < 2:
+        raise ValueError(f"the bytes per block need runs at two block counts, got {sorted(lines)}")
+    (few, low), (many, high) = min(lines.items()), max(lines.items())
+    each = max(0.0, (high.slope - low.slope) / (many - few))  # less than none: the lines' noise
+    return each, low.slope - few * each, high.intercept
+
+
+def weights_bytes(config: ModelConfig, mode: str) -> int:
+    """Device bytes of the model's state: bf16 weights, with their bf16 gradients under a full
+    fine-tune (the optimizer's state off the device); LoRA's adapters and their state are small
+    and left out (they are in the proxy's intercept).
+
+    >>> weights_bytes(ModelConfig.preset("8b"), "lora") / 1e9  # Llama-3.1-8B: 8.03 B parameters
+    16.06...
+    """
+    params = config.num_layers * config.block_params() + 2 * config.vocab_size * config.hidden_size
+    params += config.hidden_size  # the final norm
+    return params * 2 * (2 if mode == "full" else 1)
+
+
+def attention_floor(config: ModelConfig) -> int:
+    """Bytes per token a whole-sequence attention cannot do without at a block's backward: k, v
+    and their gradients, the residual stream and its gradient, in bf16 (issue 39's ~30 KB)."""
+    kv = config.num_kv_heads * config.head_dim
+    return 2 * (4 * kv + 2 * config.hidden_size)
+
+
+def load(paths: list[str]) -> list[dict]:
+    """The ok records of ``long_context.py --jsonl`` files (headers and failures left out)."""
+    records = []
+    for path in paths:
+        with open(path) as lines:
+            records += [r for r in map(json.loads, lines) if r.get("status") == "ok" and "policy" in r]
+    return records
+
+
+def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
+    """A row per policy, mode and GPU: the proxy's figures scaled to the full model (Note [a
+    projection from the proxy]) and the longest length they leave room for."""
+    config = ModelConfig.preset(preset)
+    rows = []
+    for policy in sorted({r["policy"] for r in records}):
+        mine = [r for r in records if r["policy"] == policy]
+        lines = {
+            layers: fit(
+                longest([(r["seq"], r["activation_peak_bytes"]) for r in mine if r["layers"] == layers])
+            )
+            for layers in sorted({r["layers"] for r in mine})
+        }
+        each, apart, intercept = per_block(lines)
+        per_token = shrink * (apart + config.num_layers * each)
+        host_each = statistics.median(r["act_cpu_bytes"] / r["seq"] / r["layers"] for r in mine)
+        host_per_token = shrink * config.num_layers * host_each
+        for mode in MODES:
+            for gpu, total in GPUS.items():
+                room = cuda_budget(total) - weights_bytes(config, mode) - intercept * shrink**2
+                reach = int(room / per_token) if room > 0 else 0
+                host = host_per_token * reach
+                rows.append(
+                    {
+                        "policy": policy,
+                        "mode": mode,
+                        "gpu": gpu,
+                        "kib_per_token": per_token / 2**10,
+                        "kib_per_block": shrink * each / 2**10,
+                        "x_attention_floor": per_token / attention_floor(config),
+                        "longest_k": reach / 2**10,
+                        "x_target": reach / TARGET_TOKENS,
+                        "host_gb": min(host, HOST_BYTES) / 1e9,
+                        "nvme_gb": max(0.0, host - HOST_BYTES) / 1e9,
+                    }
+                )
+    return rows
+
+
+COLUMNS = [
+    ("policy", "policy"),
+    ("mode", "mode"),
+    ("gpu", "GPU"),
+    ("kib_per_token", "KiB/token"),
+    ("kib_per_block", "of which per block"),
+    ("x_attention_floor", "x attention floor"),
+    ("longest_k", "longest (Ki tokens)"),
+    ("x_target", "x 2**20"),
+    ("host_gb", "host GB"),
+    ("nvme_gb", "NVMe GB"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "runs", nargs="+", help="long_context.py --jsonl files of the proxy, two block counts"
+    )
+    parser.add_argument("--shrink", type=int, required=True, help="the runs' --shrink (1: the model itself)")
+    parser.add_argument("--preset", default="8b", help="the runs' --preset (default 8b)")
+    parser.add_argument("--json", help="write the rows to this path")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rows = project(load(args.runs), args.shrink, args.preset)
+    floor = attention_floor(ModelConfig.preset(args.preset))
+    print(
+        f"attention floor (k, v, dk, dv and the residual stream with its gradient, bf16): {floor / 2**10:.0f} KiB/token"
+    )
+    print(format_table(rows, COLUMNS))
+    print(
+        "\nKiB/token: the full model's device bytes per token at 32 blocks (of which per block: what each block "
+        "leaves on the device); longest: in Ki tokens (1024); x 2**20: over 1,048,576 tokens; host and NVMe: "
+        f"what actoff sent off the device at that length, host up to {HOST_BYTES / 1e9:.0f} GB (PyTorch's tools: "
+        "not counted). Note [a projection from the proxy] in benchmarks/projection.py says how it scales."
+    )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"shrink": args.shrink, "preset": args.preset, "rows": rows}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

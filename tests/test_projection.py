@@ -1,0 +1,81 @@
+"""benchmarks/projection.py: the full model's bytes per token and longest length from the proxy's
+records (Note [a projection from the proxy]), on records whose figures are known by construction."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_benchmarks import ROOT, _load_benchmark
+
+from actoff.budget import cuda_budget
+
+pytestmark = pytest.mark.plain_pass_only  # no device involved: one pass is enough
+
+SHRINK = 32
+APART, EACH, INTERCEPT = 3000.0, 250.0, 4 * 2**20  # proxy bytes per token, per block, constant
+HOST_EACH = 96  # proxy bytes per token and block sent to host memory
+
+
+def _records() -> list[dict]:
+    """A policy's ok records at 2 and 4 blocks: three lengths on exact lines and a shorter one off
+    them; a failure beside."""
+    records = [{"system": {"preset": "8b"}}]
+    for layers in (2, 4):
+        for seq in (2048, 4096, 8192):
+            peak = INTERCEPT + seq * (APART + layers * EACH)
+            records.append(
+                {"policy": "p", "status": "ok", "layers": layers, "seq": seq,
+                 "activation_peak_bytes": peak, "act_cpu_bytes": HOST_EACH * seq * layers}
+            )  # fmt: skip
+        # A short length where a flat phase (the loss's chunks) binds, off the line: left out.
+        records.append(
+            {"policy": "p", "status": "ok", "layers": layers, "seq": 512,
+             "activation_peak_bytes": 4 * INTERCEPT, "act_cpu_bytes": HOST_EACH * 512 * layers}
+        )  # fmt: skip
+    records.append({"policy": "p", "status": "oom", "layers": 4, "seq": 16384})
+    return records
+
+
+def test_the_full_models_bytes_per_token_and_longest_length():
+    projection = _load_benchmark("projection")
+    rows = projection.project([r for r in _records() if r.get("status") == "ok"], SHRINK)
+    per_token = SHRINK * (APART + 32 * EACH)
+    assert {(r["mode"], r["gpu"]) for r in rows} == {
+        (m, g) for m in ("lora", "full") for g in projection.GPUS
+    }
+    for row in rows:
+        assert row["kib_per_token"] * 2**10 == pytest.approx(per_token)
+        assert row["kib_per_block"] * 2**10 == pytest.approx(SHRINK * EACH)
+        # Llama-3.1-8B: 8,030,261,248 parameters in bf16, their bf16 gradients too under a full fine-tune.
+        weights = 8_030_261_248 * 2 * (2 if row["mode"] == "full" else 1)
+        room = cuda_budget(projection.GPUS[row["gpu"]]) - weights - INTERCEPT * SHRINK**2
+        assert row["longest_k"] * 2**10 == int(room / per_token)
+        host = SHRINK * 32 * HOST_EACH * int(room / per_token)
+        assert row["host_gb"] * 1e9 == pytest.approx(min(host, projection.HOST_BYTES))
+        assert row["nvme_gb"] * 1e9 == pytest.approx(max(0, host - projection.HOST_BYTES))
+    lora = {r["gpu"]: r["longest_k"] for r in rows if r["mode"] == "lora"}
+    full = {r["gpu"]: r["longest_k"] for r in rows if r["mode"] == "full"}
+    assert all(full[gpu] < lora[gpu] for gpu in projection.GPUS)  # the gradients take room
+
+
+def test_one_block_count_is_refused_with_what_is_missing():
+    projection = _load_benchmark("projection")
+    records = [r for r in _records() if r.get("layers") == 2]
+    with pytest.raises(ValueError, match="two block counts"):
+        projection.project(records, SHRINK)
+    with pytest.raises(ValueError, match="two lengths"):
+        projection.fit([(4096, 1), (4096, 2)])
+
+
+def test_the_command_reads_jsonl_files_and_writes_its_rows(tmp_path):
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    out = tmp_path / "rows.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "projection.py"), str(runs),
+               "--shrink", str(SHRINK), "--json", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "KiB/token" in done.stdout and "attention floor" in done.stdout
+    assert len(json.loads(out.read_text())["rows"]) == 4
