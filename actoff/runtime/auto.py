@@ -282,7 +282,7 @@ class AutoObserver(AutoPlans):
             if id(entry) not in counted:  # once a step, however often the block ran
                 counted.add(id(entry))
                 entry.steps += 1
-            observe(entry, state)
+            observe(entry, state, self.blocks.get(state.key.owner).values())
         stand_in_forwards(entries)
         if not all(entry.ready for entry in entries):
             return None

@@ -28,8 +28,9 @@ import torch
 from actoff.budget import Outside, Placement
 from actoff.rerun.conditions import conditions
 
+from .decisions import fractions, host_room
 from .measured import Measured
-from .planning import fit, fractions, host_room, link_rate
+from .planning import fit, link_rate
 
 if TYPE_CHECKING:
     from actoff.budget import Plan

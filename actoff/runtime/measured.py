@@ -7,6 +7,7 @@ never on it."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -257,12 +258,14 @@ def input_bytes(run: ScopeRun, values: list[Any]) -> int:
     return sum(seen.values())
 
 
-def observe(entry: Measured, state: AutoRun) -> None:
+def observe(entry: Measured, state: AutoRun, others: Iterable[Measured] = ()) -> None:
     """Take a run's measurements into its block's: bytes by class while it measures (the
-    token-wise placement sorts them), the probe's verdict, times from warm steps."""
+    token-wise placement sorts them), the probe's verdict, times from warm steps; ``others``: the
+    block's entries under other conditions (a chunked run's refusal reaches those of its other
+    lengths)."""
     if state.placement is None and state.classes is not None:
         entry.input_bytes, entry.attention_bytes, entry.local_bytes, _ = state.classes
-    _observe_chunks(entry, state)
+    _observe_chunks(entry, state, others)
     if state.placement is PROBE:
         entry.probed, entry.probe_next = True, False
         entry.tokenwise = state.run.placement.probe_passed
@@ -285,11 +288,14 @@ def observe(entry: Measured, state: AutoRun) -> None:
             entry.attention_share = min(mixers / 1e3 / forward_s, 1.0)
 
 
-def _observe_chunks(entry: Measured, state: AutoRun) -> None:
+def _observe_chunks(entry: Measured, state: AutoRun, others: Iterable[Measured]) -> None:
     """What the run told of the chunked placement (Note [the chunked placement in the plan] in
     actoff.budget): a measuring run's survey, or a chunked run's refusal (Note [a chunked block
     the plan misjudged] in actoff.runtime.placements.chunked). A refusal is kept: later runs that
-    see none do not reopen the placement."""
+    see none do not reopen the placement. A chunked run's refusal (a failed probe, a forward that
+    mixes tokens or draws random numbers) holds at every length: the block's entries of its other
+    lengths (``others`` of the same ``any_length``) take it too, where a survey's may be the
+    length's own (an input with two dimensions as long as the sequence) and stays its own."""
     placement = state.run.placement
     survey = getattr(placement, "chunk_survey", None)
     refused = getattr(placement, "refused", None)
@@ -299,7 +305,8 @@ def _observe_chunks(entry: Measured, state: AutoRun) -> None:
         entry.kv_bytes, entry.node_bytes = survey.kv_bytes, survey.node_bytes
         entry.chunk_tokens = state.run.config.chunk_tokens
     if refused is not None:
-        entry.chunk_refusal = refused
+        for same in (entry, *(other for other in others if other.any_length == entry.any_length)):
+            same.chunk_refusal = refused
 
 
 def step_s(watch: Stopwatch, ran: tuple[Placement, ...]) -> float:

@@ -26,16 +26,16 @@ from actoff.budget import (
 from actoff.config import format_bytes
 from actoff.fitting import floor_plan, plans
 from actoff.owners import ByOwner
-from actoff.policy import AutoDecision, budget_share, host_split
+from actoff.policy import AutoDecision
 
 from . import measured
+from .decisions import apply, fractions, host_room
 from .distributed import local_world_size
 from .measured import AutoRun, Measured, figures, measured_s
 from .over_budget import OverBudget, warn_no_fit
 from .trials import Trial, Trials, still_good
 
 if TYPE_CHECKING:
-    from actoff.config import Config
     from actoff.device.base import Stopwatch
 
     from .runtime import Runtime
@@ -103,33 +103,6 @@ class Ended:
         return measured.step_s(self.watch, self.ran)  # looked up here: tests replace it
 
 
-def _decision(
-    placement: Placement,
-    cost: BlockCost,
-    step_plan: StepPlan,
-    fractions: tuple[float, float],
-    per_layer: float | None,
-    why: str,
-) -> AutoDecision:
-    """What a block's plan reports (`actoff.stats().auto`)."""
-    return AutoDecision(
-        placement=str(placement),
-        cpu_fraction=fractions[0],
-        nvme_fraction=fractions[1],
-        prefetch_depth=0,
-        fetch_window=int(step_plan.plan.windows.fetch),
-        copy_window=int(step_plan.plan.windows.copy),
-        bandwidth_gbps=step_plan.link_bytes_per_s / 1e9,
-        t_layer_ms=cost.forward_s * 1e3,
-        attention_ms=cost.attention_s * 1e3,
-        input_bytes=cost.input_bytes,
-        attention_bytes=cost.attention_bytes,
-        other_bytes=cost.local_bytes,
-        host_budget_per_layer=per_layer,
-        reason=f"{step_plan.reason}; {why}",
-    )
-
-
 def link_rate(runtime: Runtime, run: ScopeRun) -> float:
     """The host link in bytes per second: ``ACTOFF_HOST_BANDWIDTH``, else measured once per
     device (ranks on one host copy at the same time: each gets its share)."""
@@ -151,27 +124,6 @@ def fit(
     if not found:
         return floor_plan(costs, link, outside_bytes=outside), True, ()
     return found[0], False, tuple(found)
-
-
-def fractions(
-    placement: Placement, cost: BlockCost, config: Config, per_layer: float | None
-) -> tuple[float, float, str]:
-    """A placement's token fractions ``(cpu, nvme)`` and why (`actoff.policy.host_split`)."""
-    if placement.kind != "tokenwise":
-        return 0.0, 0.0, "planned"
-    return host_split(
-        placement.stored,
-        fixed_bytes=cost.input_bytes + cost.attention_bytes,
-        other_bytes=cost.local_bytes,
-        host_budget_per_layer=per_layer,
-        nvme_available=config.nvme_dir is not None,
-    )
-
-
-def host_room(config: Config, runs: int) -> float | None:
-    """A block's share of this process's host budget (MEMO's ``M_cpu / (n - 2)``), or None."""
-    budget = budget_share(config.host_budget, local_world_size())
-    return None if budget is None else budget / max(runs - 2, 1)
 
 
 class AutoPlans(Trials):
@@ -214,6 +166,8 @@ class AutoPlans(Trials):
         else:
             self._plan(runtime, ended, "planned after measuring")
             figures(ended.states, None)
+        if any(getattr(state.run.placement, "refused", None) for state in ended.states):
+            self._leave_refused_chunks(ended)
 
     def _check(self, runtime: Runtime, ended: Ended, current: StepPlan) -> None:
         """A step ran ``current``: compare it with its prediction, calibrate or replan."""
@@ -281,6 +235,35 @@ class AutoPlans(Trials):
             if not same:
                 self.replans += 1
         self._start_trial(ended)
+
+    def _leave_refused_chunks(self, ended: Ended) -> None:
+        """The plans of the step's other lengths that place a block in chunks that is now refused
+        (a refusal holds at every length: `measured.observe`) are made again from their own
+        figures, a first plan's headroom, before they run a refused step of their own."""
+        by_keys = self.plans.get(ended.states[0].key.owner)
+        config = ended.states[0].run.config
+        for keys, other in list(by_keys.items()):
+            rows = zip(other.entries, other.plan.placements, strict=True)
+            if not any(entry.chunk_refusal and placement.kind == "chunked" for entry, placement in rows):
+                continue
+            costs = tuple(
+                dataclasses.replace(entry.cost(), host_room=cost.host_room)
+                for entry, cost in zip(other.entries, other.costs, strict=True)
+            )
+            chosen, _, found = fit(
+                costs, other.link_bytes_per_s, other.budget_bytes, other.outside, calibrated=False
+            )
+            reason = (
+                "replanned: a block it placed in token chunks cannot run in them (found at another length)"
+            )
+            again = dataclasses.replace(
+                other, plan=chosen, costs=costs, reason=reason, calibrated=False, candidates=found
+            )
+            again.measured_peak_bytes = again.measured_s = again.trial = None
+            again.settled = again.tried = False
+            by_keys[keys] = again
+            self.reasons.append(reason)
+            apply(other.entries, again, config)
 
     def _keep_in_force(self, ended: Ended, current: StepPlan, again: StepPlan) -> bool:
         """Where `still_good` keeps the plan in force against ``again`` (Note [a plan kept
@@ -360,25 +343,8 @@ class AutoPlans(Trials):
                 entry.probe_next = True
 
     def _apply(self, ended: Ended, step_plan: StepPlan) -> None:
-        """Give each block its placement (per occurrence in the step), token fractions and
-        reported decision; the next steps run them."""
-        config = ended.states[0].run.config
-        per_layer = host_room(config, len(ended.states))
-        occurrences: collections.Counter = collections.Counter()
-        rows = zip(ended.entries, step_plan.plan.placements, step_plan.costs, strict=True)
-        for entry, placement, cost in rows:
-            index = occurrences[id(entry)]
-            occurrences[id(entry)] += 1
-            cpu, nvme, why = fractions(placement, cost, config, per_layer)
-            decision = _decision(placement, cost, step_plan, (cpu, nvme), per_layer, why)
-            for listing, value in (
-                (entry.placements, placement),
-                (entry.fractions, (cpu, nvme)),
-                (entry.decisions, decision),
-            ):
-                del listing[index:]
-                listing.append(value)
-            entry.windows = step_plan.plan.windows
+        """Give each block its placement, token fractions and reported decision (`apply`)."""
+        apply(ended.entries, step_plan, ended.states[0].run.config)
 
     # ------------------------------------------------------------------ reports and ranks
     def decisions(self) -> dict[str, AutoDecision]:

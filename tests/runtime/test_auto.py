@@ -38,14 +38,15 @@ def _times(monkeypatch):
     inject_times(monkeypatch)
 
 
-def _steps(model, reference, steps: int, device=None, seq: int = SEQ):
-    """Train ``steps`` SGD steps; per step the placements, the device peak, and the loss and
-    gradients next to those of ``reference`` (the model without actoff) from the same weights."""
+def _steps(model, reference, steps: int, device=None, seq: int | list[int] = SEQ):
+    """Train ``steps`` SGD steps (``seq``: the length of every step, or of each); per step the
+    placements, the device peak, and the loss and gradients next to those of ``reference`` (the
+    model without actoff) from the same weights."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(steps):
-        tokens = torch.randint(0, 256, (2, seq), generator=generator)
+    for length in seq if isinstance(seq, list) else [seq] * steps:
+        tokens = torch.randint(0, 256, (2, length), generator=generator)
         with no_dispatch():  # the reference is not the device's
             reference.load_state_dict(model.state_dict())
             expected_loss = reference.loss(tokens)
@@ -361,7 +362,7 @@ def stream_floor() -> int:
     return device.memory.peak
 
 
-def _auto_chunked(model, budget: int, steps: int, block_cls=Block, link: str = "10GB"):
+def _auto_chunked(model, budget: int, steps: int, block_cls=Block, link: str = "10GB", seq=LONG):
     reference = copy.deepcopy(model)
     actoff.offload_(
         model,
@@ -373,7 +374,7 @@ def _auto_chunked(model, budget: int, steps: int, block_cls=Block, link: str = "
         chunk_tokens=64,
     )
     with pytest.warns(RuntimeWarning) as said, simulated_device(seed=0) as device:  # BudgetWarning too
-        found = _steps(model, reference, steps, device, seq=LONG)
+        found = _steps(model, reference, steps, device, seq=seq)
     return found, [str(w.message) for w in said], get_runtime().auto
 
 
@@ -431,6 +432,28 @@ def test_a_block_the_probe_refuses_gets_the_whole_blocks_gradients_and_leaves_th
     assert any("leaves it out" in message for message in said)
     assert all("'checkpoint' or 'cpu'" in entry.chunk_refusal for entry in auto.current.entries)
     assert "cannot run in token chunks" in "; ".join(auto.reasons)
+
+
+def test_a_refusal_at_one_length_leaves_the_chunks_at_every_length(stream_floor):
+    """A block refused at one length is refused at the others it already has figures for: its
+    next step at another length does not pay a second refused step (a checkpoint's, over a budget
+    only chunks fit). Its entries of both lengths are made before the refusal: the shorter one
+    by the step that runs at it (planned ahead from the longer one's figures, in chunks too,
+    where its floor is still over the budget), the longer one then refused on its own run."""
+    model = make_model(**WIDE)
+    model.layers = torch.nn.ModuleList(_Shifted(layer) for layer in model.layers)
+    short = LONG - 64
+    seqs = [LONG, LONG, short, LONG, short]
+    steps, _, auto = _auto_chunked(model, int(stream_floor * 0.8), len(seqs), _Shifted, seq=seqs)
+    ran = [placements for placements, _, _ in steps]
+    assert ran[2] == ["chunked"] * 4, ran  # the short length, planned ahead: refused there
+    assert "chunked" not in ran[3] and "chunked" not in ran[4], ran
+    for _, _, pairs in steps:
+        _compare(pairs, exact=True)
+    entries = [entry for layer in model.layers for entry in auto.blocks.get(layer).values()]
+    assert {entry.tokens for entry in entries} == {LONG - 1, short - 1}  # the loss's inputs: all but the last
+    assert all("'checkpoint' or 'cpu'" in entry.chunk_refusal for entry in entries)
+    assert any("found at another length" in reason for reason in auto.reasons)
 
 
 class _Dropped(torch.nn.Module):
