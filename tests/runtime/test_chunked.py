@@ -353,23 +353,25 @@ def test_the_chunk_setting_is_validated():
 # bias (a tensor subclass) cannot be made under its modes (the reason for `_CausalTail` off CUDA).
 @pytest.mark.no_sim_device
 @pytest.mark.parametrize("gqa", [True, False], ids=["grouped_keys", "a_key_head_per_query_head"])
-def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa):
+@pytest.mark.parametrize("length, start", [(40, 27), (2100, 700)], ids=["one_row_block", "row_blocks"])
+def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, length, start):
     """The chunk's attention both ways it is served: through PyTorch's lower-right bias (the CUDA
     path: keys repeated per query head for its kernel; here on the CPU, where the bias makes a
-    mask) and by blocks of query rows (`_CausalTail`, off CUDA), values and gradients against the
-    last rows of causal attention over the whole sequence."""
+    mask) and by blocks of query rows (`_CausalTail`, off CUDA: at 2100 keys its 1400 rows run in
+    blocks of 124 or 499, with the query heads of a key head folded into the rows), values and
+    gradients against the last rows of causal attention over the whole sequence."""
     from actoff.runtime.placements.chunk_attention import _CausalTail, _lower_right_kernel
 
     torch.manual_seed(0)
     heads = 2 if gqa else 8
-    q = torch.randn(1, 8, 40, 4, requires_grad=True)
-    k, v = (torch.randn(1, heads, 40, 4, requires_grad=True) for _ in range(2))
+    q = torch.randn(1, 8, length, 4, requires_grad=True)
+    k, v = (torch.randn(1, heads, length, 4, requires_grad=True) for _ in range(2))
     extra = {"scale": None, "enable_gqa": gqa}
-    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[..., 27:, :]
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[..., start:, :]
     wanted = torch.autograd.grad(whole.square().sum(), (q, k, v))
     for served in (
-        _lower_right_kernel(q[..., 27:, :], k, v, 13, extra),
-        _CausalTail.apply(q[..., 27:, :], k, v, extra),
+        _lower_right_kernel(q[..., start:, :], k, v, length - start, extra),
+        _CausalTail.apply(q[..., start:, :], k, v, extra),
     ):
         torch.testing.assert_close(served, whole, **RECOMPUTE_TOL)
         for got, grad in zip(torch.autograd.grad(served.square().sum(), (q, k, v)), wanted, strict=True):

@@ -187,44 +187,87 @@ def _lower_right_kernel(
     return _ATTENTION(q, k, v, attn_mask=mask, scale=extra["scale"])
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 class _CausalTail(torch.autograd.Function):
     """Causal attention of the last rows of a sequence (queries ``q``, every key up to their last)
     where no kernel takes the lower-right bias (off CUDA): by blocks of query rows, each with its
-    boolean mask, made again in backward rather than saved. One mask for all the chunk's rows
-    would hold rows x keys bytes (32 MiB for 512 rows of a 16k sequence as floats), more than the
-    rest of the chunk on narrow models. In backward each block of rows is run again (attention's
-    forward twice there) and its gradients taken at once."""
+    mask, through PyTorch's CPU flash kernels (the ones SDPA dispatches to there), whose backward
+    takes the forward's output and log-sum-exp: attention is not run again in backward. One mask
+    for all the chunk's rows would hold rows x keys entries (32 MiB for 512 rows of a 16k sequence
+    as floats), more than the rest of the chunk on narrow models. Grouped keys (``enable_gqa``)
+    are not repeated: a key head's query heads are folded into the rows (`_folded`). The
+    forward's outputs are SDPA's on the same rows; the key and value gradients are summed over
+    the row blocks (float reassociation)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict) -> torch.Tensor:
-        ctx.extra = extra
-        ctx.save_for_backward(q, k, v)
-        return torch.cat([_ATTENTION(*_rows(q, k, v, a, b), **extra) for a, b in _row_blocks(q, k)], dim=-2)
+        groups = q.shape[-3] // k.shape[-3] if extra["enable_gqa"] else 1
+        outs, sums = [], []
+        for a, b in _row_blocks(q, k, groups):
+            keys, mask = _mask(q, k, a, b, groups)
+            out, logsumexp = _FLASH(
+                _folded(q, a, b, groups),
+                k[..., :keys, :],
+                v[..., :keys, :],
+                attn_mask=mask,
+                scale=extra["scale"],
+            )
+            outs.append(_unfolded(out, groups))
+            sums.append(logsumexp)
+        out = torch.cat(outs, dim=-2)
+        ctx.save_for_backward(q, k, v, out, *sums)
+        ctx.scale, ctx.groups = extra["scale"], groups
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        q, k, v = ctx.saved_tensors
-        grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
-        for a, b in _row_blocks(q, k):
-            *rows, mask = _rows(q, k, v, a, b)
-            leaves = [t.detach().requires_grad_() for t in rows]
-            with torch.enable_grad():
-                out = _ATTENTION(*leaves, mask, **ctx.extra)
-            found = torch.autograd.grad(out, leaves, grad[..., a:b, :])
-            grads[0][..., a:b, :].copy_(found[0])
-            grads[1][..., : rows[1].shape[-2], :].add_(found[1])
-            grads[2][..., : rows[2].shape[-2], :].add_(found[2])
+        q, k, v, out, *sums = ctx.saved_tensors
+        groups = ctx.groups
+        grads = [torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+        for (a, b), logsumexp in zip(_row_blocks(q, k, groups), sums, strict=True):
+            keys, mask = _mask(q, k, a, b, groups)
+            found = _FLASH_BACKWARD(
+                *(_folded(t, a, b, groups) for t in (grad, q)),
+                k[..., :keys, :],
+                v[..., :keys, :],
+                _folded(out, a, b, groups),
+                logsumexp,
+                0.0,
+                False,
+                attn_mask=mask,
+                scale=ctx.scale,
+            )
+            grads[0][..., a:b, :].copy_(_unfolded(found[0], groups))
+            grads[1][..., :keys, :].add_(found[1])
+            grads[2][..., :keys, :].add_(found[2])
         return (*grads, None)
 
 
-def _row_blocks(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int]]:
-    """Blocks of query rows whose masks hold about a MiB each."""
-    rows, step = q.shape[-2], max(16, 2**20 // k.shape[-2])
+def _row_blocks(q: torch.Tensor, k: torch.Tensor, groups: int) -> list[tuple[int, int]]:
+    """Blocks of query rows whose masks hold about a million entries each."""
+    rows, step = q.shape[-2], max(16, 2**20 // (k.shape[-2] * groups))
     return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
-def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, ...]:
-    """Query rows ``[a, b)`` of the last ``q`` rows, the keys and values they see, and their mask."""
+def _folded(rows: torch.Tensor, a: int, b: int, groups: int) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``(..., query heads, rows, dim)``, each key head's ``groups`` query heads
+    folded into its rows: ``(..., key heads, groups x (b - a), dim)``."""
+    heads = rows.shape[-3]
+    return rows[..., a:b, :].unflatten(-3, (heads // groups, groups)).flatten(-3, -2)
+
+
+def _unfolded(rows: torch.Tensor, groups: int) -> torch.Tensor:
+    """`_folded`'s rows back to ``(..., query heads, rows, dim)``."""
+    return rows.unflatten(-2, (groups, rows.shape[-2] // groups)).flatten(-4, -3)
+
+
+def _mask(q: torch.Tensor, k: torch.Tensor, a: int, b: int, groups: int) -> tuple[int, torch.Tensor]:
+    """How many keys rows ``[a, b)`` of the last ``q`` rows see, and their additive mask (0 where
+    a row sees a key, -inf elsewhere), once per folded group."""
     keys = k.shape[-2] - q.shape[-2] + b
-    mask = torch.ones(b - a, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - (b - a))
-    return q[..., a:b, :], k[..., :keys, :], v[..., :keys, :], mask
+    seen = torch.ones(b - a, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - (b - a))
+    mask = torch.zeros(b - a, keys, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+    return keys, mask.repeat(groups, 1)
