@@ -378,6 +378,45 @@ def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, leng
             torch.testing.assert_close(got, grad, **RECOMPUTE_TOL)
 
 
+# Shapes SDPA takes that PyTorch's CPU flash kernels, called directly, do not (a review's
+# reproducers: an error in backward, or NaN rows and a corrupted heap with keys broadcast).
+@pytest.mark.no_sim_device
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 4, 40, 8), (1, 4, 40, 8), (1, 4, 40, 8)),
+        ((1, 4, 40, 8), (1, 4, 40, 8), (1, 4, 40, 12)),
+        ((8, 40, 8), (8, 40, 8), (8, 40, 8)),
+        ((1, 4, 40, 8), (1, 1, 40, 8), (1, 1, 40, 8)),
+    ],
+    ids=[
+        "keys_broadcast_over_the_batch",
+        "value_heads_of_another_size",
+        "three_dim",
+        "one_key_head_broadcast",
+    ],
+)
+def test_a_chunks_attention_of_any_shape_sdpa_takes_gives_the_whole_sequences_rows(shapes):
+    """A chunk's attention served off CUDA (`ChunkMode`: the flash kernels where they take the
+    shapes, else blocks of rows run again in backward) against the last rows of SDPA over the
+    whole sequence: values and the gradients of the queries, keys and values."""
+    from actoff.runtime.placements.chunk_attention import ChunkMode
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(*shape, requires_grad=True) for shape in shapes)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., 27:, :]
+    wanted = torch.autograd.grad(whole.square().sum(), (q, k, v))
+    mode = ChunkMode(27, 40, k.detach(), v.detach())
+    with mode:
+        served = F.scaled_dot_product_attention(
+            q[..., 27:, :], k[..., 27:, :], v[..., 27:, :], is_causal=True
+        )
+    torch.testing.assert_close(served, whole, **RECOMPUTE_TOL)
+    got = torch.autograd.grad(served.square().sum(), (q, *mode.served))
+    for got_grad, grad in zip(got, wanted, strict=True):
+        torch.testing.assert_close(got_grad, grad, **RECOMPUTE_TOL)
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_chunks_hold_less_than_a_checkpoint_and_train_the_same():
     """The CUDA path (the lower-right bias, bf16): gradients within bf16 rounding of the unchunked

@@ -169,7 +169,9 @@ class ChunkMode(TorchFunctionMode):
             return _ATTENTION(q, k, v, is_causal=True, **extra)
         if q.device.type == "cuda":
             return _lower_right_kernel(q, k, v, self.stop - self.start, extra)
-        return _CausalTail.apply(q, k, v, extra)
+        if _flash_takes(q, k, v, extra["enable_gqa"]):
+            return _CausalTail.apply(q, k, v, extra)
+        return _RowBlocks.apply(q, k, v, extra)
 
 
 def _lower_right_kernel(
@@ -189,12 +191,30 @@ def _lower_right_kernel(
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
+    """Whether PyTorch's CPU flash kernels take these shapes as SDPA does: 4-D, one batch size,
+    one head size, as many key as value heads, as many query heads or (``gqa``) a multiple, a
+    dtype they compute in (else `_RowBlocks`: 3-D or 5-D calls, value heads of another size as in
+    multi-head latent attention, keys broadcast over the batch or the heads)."""
+    tensors = (q, k, v)
+    if not all(t.dim() == 4 and t.dtype in _FLASH_DTYPES for t in tensors):
+        return False
+    heads, key_heads = q.shape[1], k.shape[1]
+    return (
+        len({t.shape[0] for t in tensors}) == 1
+        and len({t.shape[-1] for t in tensors}) == 1
+        and key_heads == v.shape[1]
+        and (heads == key_heads or (gqa and heads % key_heads == 0))
+    )
 
 
 class _CausalTail(torch.autograd.Function):
     """Causal attention of the last rows of a sequence (queries ``q``, every key up to their last)
-    where no kernel takes the lower-right bias (off CUDA): by blocks of query rows, each with its
-    mask, through PyTorch's CPU flash kernels (the ones SDPA dispatches to there), whose backward
+    where no kernel takes the lower-right bias (off CUDA, shapes `_flash_takes`): by blocks of
+    query rows, each with its mask, through PyTorch's CPU flash kernels (the ones SDPA dispatches to there), whose backward
     takes the forward's output and log-sum-exp: attention is not run again in backward. One mask
     for all the chunk's rows would hold rows x keys entries (32 MiB for 512 rows of a 16k sequence
     as floats), more than the rest of the chunk on narrow models. Grouped keys (``enable_gqa``)
@@ -271,3 +291,41 @@ def _mask(q: torch.Tensor, k: torch.Tensor, a: int, b: int, groups: int) -> tupl
     seen = torch.ones(b - a, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - (b - a))
     mask = torch.zeros(b - a, keys, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
     return keys, mask.repeat(groups, 1)
+
+
+class _RowBlocks(torch.autograd.Function):
+    """`_CausalTail` for the shapes the CPU flash kernels do not take (`_flash_takes`): SDPA by
+    blocks of query rows, each with its boolean mask, and in backward each block run again and its
+    gradients taken at once (attention's forward twice there)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict) -> torch.Tensor:
+        ctx.extra = extra
+        ctx.save_for_backward(q, k, v)
+        return torch.cat(
+            [_ATTENTION(*_masked_rows(q, k, v, a, b), **extra) for a, b in _row_blocks(q, k, 1)], dim=-2
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        q, k, v = ctx.saved_tensors
+        grads = [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+        for a, b in _row_blocks(q, k, 1):
+            *rows, mask = _masked_rows(q, k, v, a, b)
+            leaves = [t.detach().requires_grad_() for t in rows]
+            with torch.enable_grad():
+                out = _ATTENTION(*leaves, mask, **ctx.extra)
+            found = torch.autograd.grad(out, leaves, grad[..., a:b, :])
+            grads[0][..., a:b, :].copy_(found[0])
+            grads[1][..., : rows[1].shape[-2], :].add_(found[1])
+            grads[2][..., : rows[2].shape[-2], :].add_(found[2])
+        return (*grads, None)
+
+
+def _masked_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: int, b: int
+) -> tuple[torch.Tensor, ...]:
+    """Query rows ``[a, b)`` of the last ``q`` rows, the keys and values they see, and their boolean mask."""
+    keys = k.shape[-2] - q.shape[-2] + b
+    mask = torch.ones(b - a, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - (b - a))
+    return q[..., a:b, :], k[..., :keys, :], v[..., :keys, :], mask
