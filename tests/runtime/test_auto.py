@@ -12,6 +12,7 @@ simulated device's count (its model, built outside the block, does not count aga
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -167,8 +168,11 @@ def test_checkpoint_when_the_link_is_slow(keep_peak):
 def test_a_peak_off_its_prediction_replans(keep_peak, monkeypatch):
     # The first plan and its calibration (Note [calibrated plans]) are told nothing lives
     # outside the blocks: their predicted peak is low, the step that runs the calibrated one
-    # measures more (over the budget: the device itself has room), and the next plan starts
-    # from that measurement.
+    # measures more, and the next plan starts from that measurement (the same plan again, or
+    # another, as the step's copies landed: `stats.replans` counts only another). Whether it goes over
+    # the budget depends on when the simulated device's copies land (12.5 to 13.4 MB seen against
+    # 13.8 MB: asserting it made the test fail one run in three); where it does, it is counted
+    # and said once (Note [every step over the budget is said]).
     real = actoff.runtime.planning.outside_from
     calls = []
 
@@ -177,11 +181,12 @@ def test_a_peak_off_its_prediction_replans(keep_peak, monkeypatch):
         return Outside() if len(calls) <= 2 else calls[-1]
 
     monkeypatch.setattr(actoff.runtime.planning, "outside_from", forgetful)
-    with pytest.warns(actoff.BudgetWarning, match="over the device budget") as said:
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", actoff.BudgetWarning)
         _, stats = _auto(keep_peak * 2, "10GB", steps=5, gpu_budget=int(keep_peak * 0.55))
-    assert stats.replans >= 1
-    over = stats.over_budget_causes["planned"]
-    assert stats.steps_over_budget == over >= 1 and len(said) == 1  # counted; the first of its cause said
+    over = stats.over_budget_causes.get("planned", 0)
+    assert stats.steps_over_budget == over
+    assert sum("over the device budget" in str(w.message) for w in said) == min(over, 1)
     auto = get_runtime().auto
     reasons = [reason for reason in auto.reasons if reason != "planned after the probes"]
     assert reasons[:2] == ["planned after measuring", "calibrated on its own step"], auto.reasons
@@ -454,6 +459,32 @@ def test_a_refusal_at_one_length_leaves_the_chunks_at_every_length(stream_floor)
     assert {entry.tokens for entry in entries} == {LONG - 1, short - 1}  # the loss's inputs: all but the last
     assert all("'checkpoint' or 'cpu'" in entry.chunk_refusal for entry in entries)
     assert any("found at another length" in reason for reason in auto.reasons)
+
+
+def test_a_last_chunk_of_one_token_is_causal_as_transformers_calls_it(stream_floor, monkeypatch):
+    """transformers' SDPA call passes ``is_causal`` only for more than one query: at a length
+    whose last chunk is one token, the chunk's call is not causal and was refused in forward,
+    and (a review's reproducer) that refusal then reached every length, the full one streaming
+    over the budget for good. One query against one key is causal either way: every length runs
+    in chunks within the budget, gradients within reassociation."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def as_transformers_calls_it(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal=query.shape[-2] > 1, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", as_transformers_calls_it)
+    odd = 64 * 15 + 2  # the blocks see all tokens but the last: 961, a last chunk of one
+    seqs = [LONG, LONG, LONG, odd, LONG]
+    budget = int(stream_floor * 0.8)
+    model = make_model(**WIDE)
+    steps, _, auto = _auto_chunked(model, budget, len(seqs), seq=seqs)
+    for placements, peak, pairs in steps[2:]:
+        assert placements == ["chunked"] * 4
+        assert peak <= budget, (peak, budget)
+        _compare(pairs, exact=False)
+    entries = [entry for layer in model.layers for entry in auto.blocks.get(layer).values()]
+    assert {entry.tokens for entry in entries} == {LONG - 1, odd - 1}
+    assert all(entry.chunk_refusal == "" for entry in entries)
 
 
 class _Dropped(torch.nn.Module):
