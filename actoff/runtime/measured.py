@@ -292,10 +292,10 @@ def _observe_chunks(entry: Measured, state: AutoRun, others: Iterable[Measured])
     """What the run told of the chunked placement (Note [the chunked placement in the plan] in
     actoff.budget): a measuring run's survey, or a chunked run's refusal (Note [a chunked block
     the plan misjudged] in actoff.runtime.placements.chunked). A refusal is kept: later runs that
-    see none do not reopen the placement. A chunked run's refusal (a failed probe, a forward that
-    mixes tokens or draws random numbers) holds at every length: the block's entries of its other
-    lengths (``others`` of the same ``any_length``) take it too, where a survey's may be the
-    length's own (an input with two dimensions as long as the sequence) and stays its own."""
+    see none do not reopen the placement. A failed probe (the block mixes tokens) holds at every
+    length: the block's entries of its other lengths (``others`` of the same ``any_length``) take
+    it too; a forward's or a survey's refusal may be its length's own (a last chunk of one token,
+    an input with two dimensions as long as the sequence) and stays with it."""
     placement = state.run.placement
     survey = getattr(placement, "chunk_survey", None)
     refused = getattr(placement, "refused", None)
@@ -305,8 +305,11 @@ def _observe_chunks(entry: Measured, state: AutoRun, others: Iterable[Measured])
         entry.kv_bytes, entry.node_bytes = survey.kv_bytes, survey.node_bytes
         entry.chunk_tokens = state.run.config.chunk_tokens
     if refused is not None:
-        for same in (entry, *(other for other in others if other.any_length == entry.any_length)):
-            same.chunk_refusal = refused
+        entry.chunk_refusal = refused
+        if placement.refused_every_length:
+            for other in others:
+                if other.any_length == entry.any_length:
+                    other.chunk_refusal = refused
 
 
 def step_s(watch: Stopwatch, ran: tuple[Placement, ...]) -> float:

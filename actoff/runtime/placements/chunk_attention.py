@@ -100,11 +100,14 @@ class Watch(TorchFunctionMode):
         self.calls += 1
         if self.calls > 1:
             self.object_to("it calls scaled_dot_product_attention more than once")
-        if bound["attn_mask"] is not None or not bound["is_causal"]:
+        q, k, v = (bound[name] for name in ("query", "key", "value"))
+        # One query against one key is causal either way: transformers' SDPA call passes
+        # is_causal only for more than one query, as a chunk of one token has.
+        one = q.shape[-2] == 1 and k.shape[-2] == 1
+        if bound["attn_mask"] is not None or not (bound["is_causal"] or one):
             self.object_to("its attention is not causal, or has an explicit mask (padding, packing)")
         if bound["dropout_p"]:
             self.object_to(f"its attention has dropout (p={bound['dropout_p']})")
-        q, k, v = (bound[name] for name in ("query", "key", "value"))
         lengths = {t.shape[-2] for t in (q, k, v)}
         if lengths != {self.seq_len}:
             self.object_to(

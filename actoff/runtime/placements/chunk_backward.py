@@ -216,7 +216,7 @@ def backward(block: Block, values: list[Any], out_grads: list[torch.Tensor | Non
         except ChunkMismatchError as error:
             if not block.falls_back:
                 raise
-            block.run.placement.say_refused(str(error))
+            block.run.placement.say_refused(str(error), every_length=True)
             return whole(block, values, out_grads)
         _PROBED.setdefault(block.module, set()).add(_conditions(block, values))
     grads = _chunks(block, values, out_grads)

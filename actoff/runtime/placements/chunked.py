@@ -250,6 +250,7 @@ class ChunkedPlacement(CheckpointPlacement):
         self.falls_back = falls_back
         self.rng: RngState | None = None  # the generators before its forward (`run_chunked`)
         self.refused: str | None = None  # why it ran otherwise (Note [a chunked block the plan misjudged])
+        self.refused_every_length = False
 
     def forward(self, call: Call) -> Any:
         try:
@@ -263,9 +264,11 @@ class ChunkedPlacement(CheckpointPlacement):
                 self.rng.set()
             return run_checkpointed(self.run, call.fn, call.args, call.kwargs, call.module)
 
-    def say_refused(self, why: str) -> None:
-        """Why it ran otherwise, kept for the next plan and said once (Note [a chunked block the plan misjudged])."""
-        self.refused = why
+    def say_refused(self, why: str, *, every_length: bool = False) -> None:
+        """Why it ran otherwise, kept for the next plan and said once (Note [a chunked block the
+        plan misjudged]); ``every_length``: the refusal holds at the block's other lengths too (a
+        failed probe: the block mixes tokens), where a forward's may be its length's own."""
+        self.refused, self.refused_every_length = why, every_length
         self.run.runtime.warn_once(
             f"chunked refused:{self.run.name}",
             f"{why} (auto had placed it in token chunks: this step it runs whole, as a checkpoint, which "
