@@ -167,7 +167,7 @@ class AutoPlans(Trials):
             self._plan(runtime, ended, "planned after measuring")
             figures(ended.states, None)
         if any(getattr(state.run.placement, "refused", None) for state in ended.states):
-            self._leave_refused_chunks(ended)
+            _leave_refused_chunks(self, ended)
 
     def _check(self, runtime: Runtime, ended: Ended, current: StepPlan) -> None:
         """A step ran ``current``: compare it with its prediction, calibrate or replan."""
@@ -235,46 +235,6 @@ class AutoPlans(Trials):
             if not same:
                 self.replans += 1
         self._start_trial(ended)
-
-    def _leave_refused_chunks(self, ended: Ended) -> None:
-        """Plans of the step's blocks at other lengths that place a block in chunks that is now
-        refused there (a failed probe holds at every length: `measured.observe`) are made again
-        from their own figures, a first plan's headroom, before they run a refused step of their
-        own; their candidates and trials lose such plans (Note [a plan tried against its runner-up])."""
-        by_keys = self.plans.get(ended.states[0].key.owner)
-        config = ended.states[0].run.config
-        for keys, other in list(by_keys.items()):
-            other.candidates = tuple(
-                plan for plan in other.candidates if not _refused_chunks(plan, other.entries)
-            )
-            if other.trial is not None and _refused_chunks(other.trial.challenger, other.entries):
-                other.trial = None
-                apply(other.entries, other, config)  # the incumbent, where the challenger was placed
-            if not _refused_chunks(other.plan, other.entries):
-                continue
-            costs = tuple(
-                dataclasses.replace(entry.cost(), host_room=cost.host_room)
-                for entry, cost in zip(other.entries, other.costs, strict=True)
-            )
-            chosen, at_floor, found = fit(
-                costs, other.link_bytes_per_s, other.budget_bytes, other.outside, calibrated=False
-            )
-            reason = (
-                "replanned: a block it placed in token chunks cannot run in them (found at another length)"
-            )
-            if at_floor:
-                reason += "; nothing fits the budget: the least memory"
-            again = dataclasses.replace(
-                other, plan=chosen, costs=costs, reason=reason, calibrated=False, candidates=found
-            )
-            again.measured_peak_bytes = again.measured_s = again.trial = None
-            again.settled = again.tried = False
-            by_keys[keys] = again
-            if self.current is other:
-                self.current = again
-            self.reasons.append(reason)
-            self.replans += 1
-            apply(other.entries, again, config)
 
     def _keep_in_force(self, ended: Ended, current: StepPlan, again: StepPlan) -> bool:
         """Where `still_good` keeps the plan in force against ``again`` (Note [a plan kept
@@ -430,3 +390,48 @@ def _refused_chunks(plan: Plan, entries: tuple[Measured, ...]) -> bool:
     """Whether ``plan`` places a block in chunks that its figures say cannot run in them."""
     rows = zip(entries, plan.placements, strict=True)
     return any(entry.chunk_refusal and placement.kind == "chunked" for entry, placement in rows)
+
+
+def _leave_refused_chunks(plans: AutoPlans, ended: Ended) -> None:
+    """Plans of the step's blocks at other lengths that place a block in chunks that is now
+    refused there (a failed probe holds at every length: `measured.observe`) are made again
+    from their own figures, a first plan's headroom, before they run a refused step of their
+    own; their candidates and trials lose such plans (Note [a plan tried against its runner-up])."""
+    by_keys = plans.plans.get(ended.states[0].key.owner)
+    config = ended.states[0].run.config
+    for keys, other in list(by_keys.items()):
+        other.candidates = tuple(
+            plan for plan in other.candidates if not _refused_chunks(plan, other.entries)
+        )
+        if other.trial is not None and _refused_chunks(other.trial.challenger, other.entries):
+            if other.plan == other.trial.challenger:  # a trial's plan in force is the one it runs
+                other.plan = other.trial.incumbent
+                apply(other.entries, other, config)
+            other.trial, other.settled = None, True  # as a decided trial leaves it
+        if not _refused_chunks(other.plan, other.entries):
+            continue
+        costs = tuple(
+            dataclasses.replace(entry.cost(), host_room=cost.host_room)
+            for entry, cost in zip(other.entries, other.costs, strict=True)
+        )
+        chosen, at_floor, found = fit(
+            costs, other.link_bytes_per_s, other.budget_bytes, other.outside, calibrated=False
+        )
+        reason = "replanned: a block it placed in token chunks cannot run in them (found at another length)"
+        if at_floor:
+            reason += "; nothing fits the budget: the least memory"
+        again = dataclasses.replace(
+            other, plan=chosen, costs=costs, reason=reason, calibrated=False, candidates=found
+        )
+        again.measured_peak_bytes = again.measured_s = again.trial = None
+        again.settled = again.tried = False
+        by_keys[keys] = again
+        if plans.current is other:
+            plans.current = again
+        plans.reasons.append(reason)
+        plans.replans += 1
+        apply(other.entries, again, config)
+    # Plans of blocks this step shares with another length's (an encoder at a fixed length)
+    # gave them theirs: this step's blocks run its own plan.
+    if ended.keys in by_keys:
+        apply(ended.entries, by_keys[ended.keys], config)

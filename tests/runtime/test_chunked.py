@@ -78,6 +78,41 @@ def test_a_key_bias_whose_gradient_is_rounding_noise_is_not_refused():
         torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6 * largest)
 
 
+class _GatedShift(nn.Module):
+    """Causal attention whose input takes a token shift behind a per-channel gate starting at zero
+    (RWKV's time mix): the shift's whole gradient is the gate's, 0.14% of the block's largest."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.norm = heads, nn.LayerNorm(hidden)
+        self.gate = nn.Parameter(torch.zeros(hidden))
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        for linear in (self.q, self.k, self.v, self.o):
+            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        y = self.norm(x)
+        y = y + self.gate * (F.pad(y, (0, 0, 1, 0))[:, :-1] - y)
+        q, k, v = (p(y).view(batch, seq, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(out.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bf16_autocast"])
+def test_a_token_shift_behind_a_gate_at_zero_is_refused(half):
+    """The probe holds a gradient that is rounding noise to a share of the block's largest in
+    float32 only: in half precision that floor let this shift through, its gate's gradient 2.4%
+    off (a review's reproducer)."""
+    torch.manual_seed(0)
+    model = _chunked(nn.Sequential(_GatedShift(), _GatedShift()), 256, block_cls=_GatedShift)
+    with pytest.raises(ChunkMismatchError, match="first 512 tokens"):
+        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+            loss = model(torch.randn(2, 520, 32)).square().sum()
+        loss.backward()
+
+
 def test_only_the_inputs_are_stored():
     model = _chunked(make_model(), 8)
     train(model, 1, seq=33)

@@ -50,3 +50,59 @@ def test_a_plan_that_no_longer_fits_the_budget_gives_way_however_fast():
     again = _again([Placement("stream")] * 2, Windows(5 * 10**6, 5 * 10**6), outside=Outside.flat(9 * 10**7))
     assert still_good(Plan((Placement("keep"),) * 2, Windows(), 0.0, 0.0), again) is None
     assert still_good(again.plan, again) is not None  # the new plan itself passes its own test
+
+
+def test_a_trial_whose_runner_up_is_refused_in_chunks_gives_the_plan_in_force_back():
+    """(Note [a plan tried against its runner-up]) A length's plan is under trial, its runner-up
+    in force, when another length's failed probe refuses that plan's chunked block: the trial
+    ends with the plan it challenged back in force, calibrated as it was, not a plan made again
+    from a first plan's headroom (a review's reproducer: the runner-up had been applied again)."""
+    import types
+
+    import torch
+
+    from actoff.config import Config
+    from actoff.runtime.measured import Measured
+    from actoff.runtime.planning import AutoPlans, _leave_refused_chunks
+    from actoff.runtime.trials import Trial
+
+    def entry(name: str) -> Measured:
+        return Measured(
+            name,
+            5,
+            input_bytes=2**20,
+            attention_bytes=2**20,
+            local_bytes=8 * 2**20,
+            forward_s=0.01,
+            tokenwise=True,
+            probed=True,
+            chunk_refusal="",
+            kv_bytes=2**19,
+            node_bytes=2**20,
+            chunk_tokens=1024,
+            tokens=4096,
+            numel=4096 * 64,
+        )
+
+    owner, entries = torch.nn.Linear(1, 1), (entry("b0"), entry("b1"))
+    incumbent = Plan((Placement("stream"), Placement("stream")), Windows(), 30 * 2**20, 0.004)
+    challenger = Plan((Placement("chunked"), Placement("stream")), Windows(), 25 * 2**20, 0.005)
+    costs = tuple(e.cost() for e in entries)
+    other = StepPlan(
+        ("K2",), ("b0", "b1"), entries, challenger, costs, 64 * 2**20, 1e9, Outside(), "calibrated", True
+    )
+    other.candidates = (incumbent, challenger)
+    other.trial = Trial(
+        incumbent, challenger, incumbent_s=[0.1, 0.1], challenger_s=[0.09], running=challenger
+    )
+    plans = AutoPlans()
+    plans.plans.setdefault(owner, dict)[("K2",)] = plans.current = other
+    entries[0].chunk_refusal = "its probe failed at another length"
+    state = types.SimpleNamespace(
+        key=types.SimpleNamespace(owner=owner), run=types.SimpleNamespace(config=Config())
+    )
+    _leave_refused_chunks(plans, types.SimpleNamespace(states=[state], keys=("K1",), entries=()))
+    after = plans.plans.get(owner)[("K2",)]
+    assert after is other and after.plan == incumbent and after.calibrated and after.trial is None
+    assert after.candidates == (incumbent,) and plans.replans == 0
+    assert [str(p) for e in entries for p in e.placements] == ["stream", "stream"]

@@ -372,11 +372,14 @@ def _probe(block: Block, values: list[Any], out_grads: list[torch.Tensor | None]
         if wanted is not None
     ]
     # A gradient that is zero in exact arithmetic (a key projection's bias: softmax does not see a
-    # shift of a query's scores) is rounding noise either way: it is held to a hundredth of the
-    # block's largest gradient, not to its own noise.
+    # shift of a query's scores) is rounding noise either way: in float32 it is held to a hundredth
+    # of the block's largest gradient, not to its own noise. Not in half precision, where that
+    # floor (2.3e-4 of the largest) let a token shift behind a gate of 0.14% of it pass (a
+    # review's reproducer): there such a block is refused, as before.
     largest = max((wanted.detach().abs().max().item() for _, _, wanted in rows), default=0.0)
+    floor = 0.0 if block.half else 1e-2 * largest
     for what, got, wanted in rows:
-        scale = max(wanted.detach().abs().max().item(), 1e-2 * largest)
+        scale = max(wanted.detach().abs().max().item(), floor)
         # Reassociation: float32 sums in another order (1e-4 of the largest entry, 5e-7 seen);
         # half precision: each chunk's product rounded once more (6 roundings of 2**-8).
         if (got - wanted).abs().max().item() > (6 * 2**-8 if block.half else 1e-4) * scale + 1e-12:
