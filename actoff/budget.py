@@ -62,6 +62,7 @@ transients, are not credited (a step bound in its forward, or in a norm's node, 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,6 +143,9 @@ class BlockCost:
     chunk_share: float | None = None
     kv_bytes: int = 0
     node_bytes: int = 0
+    #: Only chunks fit (Note [measuring where only chunks fit] in actoff.runtime.placements.measuring):
+    #: the one placement open while it takes the block (its steps' peaks tell of no other's).
+    chunks_only: bool = False
 
     @property
     def saved_bytes(self) -> int:
@@ -198,6 +202,8 @@ def allowed(block: BlockCost) -> tuple[Placement, ...]:
     >>> allowed(BlockCost(0.01, 0.0, 1, 1, 1, chunk_share=0.25))[-2:]
     (Placement(kind='checkpoint', stored=1.0), Placement(kind='chunked', stored=1.0))
     """
+    if block.chunks_only and block.rerun and block.chunk_share is not None:
+        return (Placement("chunked"),)
     streams = block.host_room is None or block.saved_bytes <= block.host_room
 
     def open_to(placement: Placement) -> bool:
@@ -227,7 +233,8 @@ def least(block: BlockCost) -> Placement:
     open_, chunked = allowed(block), Placement("chunked")
     others = (Placement("stream"), Placement("checkpoint"), Placement("tokenwise", 0.0))
     other = next((placement for placement in others if placement in open_), Placement("stream"))
-    if chunked in open_ and _working_bytes(block, chunked) < _working_bytes(block, other):
+    less = block.chunks_only or _working_bytes(block, chunked) < _working_bytes(block, other)
+    if chunked in open_ and less:
         return chunked
     return other
 
@@ -332,10 +339,6 @@ class Outside:
         return max(self.forward, self.head, self.backward)
 
 
-def _outside(outside: Outside | float) -> Outside:
-    return outside if isinstance(outside, Outside) else Outside.flat(outside)
-
-
 @dataclass(frozen=True)
 class Plan:
     """Placements per block (in forward order), the step's windows, and what they predict."""
@@ -346,9 +349,7 @@ class Plan:
     seconds: float
 
     def describe(self) -> str:
-        counts: dict[str, int] = {}
-        for placement in self.placements:
-            counts[str(placement)] = counts.get(str(placement), 0) + 1
+        counts = collections.Counter(str(placement) for placement in self.placements)
         return ", ".join(f"{n} {name}" for name, n in counts.items()) + f"; {self.windows}"
 
 
@@ -380,7 +381,7 @@ def moments(
     blocks: Sequence[BlockCost], placements: Sequence[Placement], outside: Outside | float, windows: Windows
 ) -> tuple[float, float, float]:
     """Bytes on the device at the worst forward moment, the head and the worst backward one."""
-    outside = _outside(outside)
+    outside = outside if isinstance(outside, Outside) else Outside.flat(outside)
     pairs = list(zip(blocks, placements, strict=True))
     kept = [b.saved_bytes if p.kind == "keep" else 0 for b, p in pairs]
     leaving = [_leaving(b, p) for b, p in pairs]
@@ -395,9 +396,8 @@ def moments(
     head = outside.head + sum(kept) + leaving[-1] + streaming[-1]
     offloaded = any(p.kind != "keep" for p in placements)
     fetch = windows.fetch if offloaded else 0.0
-    backward = -float(
-        "inf"
-    )  # a chunked block's working bytes may be negative (Note [the chunked placement in the plan])
+    # A chunked block's working bytes may be negative (Note [the chunked placement in the plan]).
+    backward = -float("inf")
     for index, (block, placement) in enumerate(pairs):
         own = kept[index] if placement.kind == "keep" else _working_bytes(block, placement)
         ahead = fetch if index and any(p.kind != "keep" for p in placements[:index]) else 0.0

@@ -32,6 +32,18 @@ def test_every_placement_is_open_unless_the_block_says_otherwise():
     assert Placement("checkpoint") not in allowed(BlockCost(0.01, 0.002, 10, 10, 30, rerun=False))
 
 
+def test_a_block_only_chunks_fit_is_open_to_the_chunked_placement_alone_while_it_takes_the_block():
+    """(Note [measuring where only chunks fit]) its steps' peaks tell of no other placement; a
+    block the chunked placement no longer takes (refused: no chunk share) gets the others back."""
+    only = BlockCost(0.01, 0.002, 10, 10, 30, chunk_share=0.25, chunks_only=True)
+    assert allowed(only) == (Placement("chunked"),) and least(only) == Placement("chunked")
+    refused = BlockCost(0.01, 0.002, 10, 10, 30, chunks_only=True)
+    assert allowed(refused) == allowed(BLOCK)
+    assert Placement("chunked") not in allowed(
+        BlockCost(0.01, 0.002, 10, 10, 30, rerun=False, chunks_only=True)
+    )
+
+
 def test_a_host_budget_too_small_for_a_blocks_saves_closes_stream():
     roomy = BlockCost(0.01, 0.002, 10, 10, 30, host_room=50)
     assert Placement("stream") in allowed(roomy) and least(roomy) == Placement("stream")

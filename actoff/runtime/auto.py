@@ -51,7 +51,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from actoff.budget import Placement, Windows
+from actoff.budget import PLAN_HEADROOM, BlockCost, Placement, Windows, least
 from actoff.owners import ByOwner, Recent
 
 from .lengths import Ahead, new_entry, plan_ahead
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from actoff.device.base import Stopwatch
 
     from .placements.base import Placement as RunPlacement
+    from .placements.chunk_attention import Watch
     from .runtime import Runtime
     from .step import ScopeRun, Step
 
@@ -79,6 +80,8 @@ MEASURE_STEPS = 2
 MEASURING = Placement("stream")
 #: What a measuring step that ran blocks again (a small host budget) is described as.
 MEASURED_AGAIN = Placement("checkpoint")
+#: A measured run that went on in chunks (Note [measuring where only chunks fit]).
+CHUNKED = Placement("chunked")
 
 
 @dataclass
@@ -136,9 +139,30 @@ class AutoObserver(AutoPlans):
         run.placement.time_mixers()
 
     def forward_ends(self, run: ScopeRun) -> None:
+        """A run's forward ended (called once more after a measured forward that went on in chunks)."""
         state = self._runs.get(run)
-        if state is not None and state.forward_watch is not None:
+        if state is not None and state.forward_watch is not None and not state.forward_timed:
             state.forward_watch.stop()
+            state.forward_timed = True
+
+    def only_chunks_fit(self, run: ScopeRun, survey: Watch) -> bool:
+        """Whether a measured run goes on in chunks (Note [measuring where only chunks fit] in
+        actoff.runtime.placements.measuring): the device's peak in the block's forward and attention's
+        node go over the budget less `PLAN_HEADROOM`, and the chunked placement holds less than
+        streaming."""
+        state, budget, memory = self._runs.get(run), self.budget(run), self.watch(run)
+        tokens, chunk = survey.seq_len, run.config.chunk_tokens
+        if state is None or budget is None or memory is None or not memory.counted() or chunk >= tokens:
+            return False
+        saved = sum(record.geometry.nbytes for record in run.records)
+        inputs = min(state.input_bytes, saved)
+        kv, node = survey.kv_bytes, survey.node_bytes
+        cost = BlockCost(
+            0.0, 0.0, inputs, 0, saved - inputs, chunk_share=chunk / tokens, kv_bytes=kv, node_bytes=node
+        )
+        memory.sample()
+        streamed = memory.peak + node  # the block's forward window, and its node back whole
+        return least(cost) == CHUNKED and streamed > (1.0 - PLAN_HEADROOM) * budget
 
     def sealing(self, run: ScopeRun) -> None:
         """A run's placement decided what to place: its bytes by class are taken, and while it
@@ -302,6 +326,8 @@ def _ran(state: AutoRun) -> Placement:
     for a stream step's it would be charged to the memory outside the blocks."""
     if state.placement is not None:
         return state.placement
+    if getattr(state.run.placement, "measured", None) is not None:
+        return CHUNKED  # Note [measuring where only chunks fit]
     return MEASURED_AGAIN if state.run.stats.run_again_bytes else MEASURING
 
 

@@ -70,6 +70,7 @@ class AutoRun:
     classes: tuple[int, int, int, bool] | None = None  # bytes by class (`Placement.saved_by_class`)
     input_bytes: int = 0  # its tensor inputs' bytes, while it measures
     forward_watch: Stopwatch | None = None
+    forward_timed: bool = False  # its watch stopped (Note [measuring where only chunks fit])
 
     @property
     def run(self) -> ScopeRun:
@@ -165,6 +166,9 @@ class Measured:
     kv_bytes: int = 0
     node_bytes: int = 0
     chunk_tokens: int = 0
+    # Its measuring steps went on in chunks: only chunks fit (Note [measuring where only chunks
+    # fit] in actoff.runtime.placements.measuring).
+    chunks_only: bool = False
     forward_s: float | None = None  # the least warm forward time seen
     # The least warm forward time measured apart from waits (Note [a forward timed through its
     # waits]); None: every forward seen was timed through them.
@@ -212,6 +216,7 @@ class Measured:
             kv_bytes=round(self.kv_bytes * linear),
             node_bytes=round(self.node_bytes * linear),
             chunk_tokens=self.chunk_tokens,
+            chunks_only=self.chunks_only and tokens >= self.tokens,  # a shorter length may fit otherwise
             forward_s=attention_s + local_s,
             attention_share=attention_s / max(attention_s + local_s, 1e-12),
             any_length=self.any_length,
@@ -241,6 +246,7 @@ class Measured:
             chunk_share=self.chunk_tokens / self.tokens if chunks else None,
             kv_bytes=self.kv_bytes,
             node_bytes=self.node_bytes,
+            chunks_only=self.chunks_only,
         )
 
 
@@ -300,6 +306,7 @@ def _observe_chunks(entry: Measured, state: AutoRun, others: Iterable[Measured])
     survey = getattr(placement, "chunk_survey", None)
     refused = getattr(placement, "refused", None)
     if survey is not None:
+        entry.chunks_only = entry.chunks_only or getattr(placement, "measured", None) is not None
         if survey.refused or entry.chunk_refusal is None:
             entry.chunk_refusal = survey.refused or ""
         entry.kv_bytes, entry.node_bytes = survey.kv_bytes, survey.node_bytes

@@ -20,6 +20,7 @@ from _helpers import RECOMPUTE_TOL, inject_times, make_model
 from torch.utils._mode_utils import no_dispatch
 
 import actoff
+import actoff.runtime.auto
 import actoff.runtime.measured
 import actoff.runtime.planning
 from actoff.budget import PLAN_HEADROOM, Outside
@@ -378,31 +379,32 @@ def _auto_chunked(model, budget: int, steps: int, block_cls=Block, link: str = "
         gpu_budget=budget,
         chunk_tokens=64,
     )
-    with pytest.warns(RuntimeWarning) as said, simulated_device(seed=0) as device:  # BudgetWarning too
+    with warnings.catch_warnings(record=True) as said, simulated_device(seed=0) as device:
+        warnings.simplefilter("always")  # what each test asserts it said (BudgetWarning too)
         found = _steps(model, reference, steps, device, seq=seq)
     return found, [str(w.message) for w in said], get_runtime().auto
 
 
 @pytest.mark.parametrize("link", ["10GB", "1000GB"])
 def test_below_every_other_floor_the_blocks_run_their_backward_in_token_chunks(stream_floor, link):
-    """Under a budget below the stream floor (what the measuring steps hold: over it, said) auto
-    plans the chunked placement, and each of its steps peaks within the budget; the gradients are
-    the unchunked run's within reassociation (a chunked backward sums over chunks). On a link
-    where copies cost nothing, calibrating on a chunked step had made streaming look as if it
-    fit: the next step streamed at 1.21x the budget (a review's reproducer)."""
+    """Under a budget below the stream floor (what measuring streamed had held: over it) the
+    measuring steps go on in chunks once each block's forward is measured (Note [measuring where
+    only chunks fit]), then auto plans the chunked placement; every step peaks within the budget
+    and nothing is said over it. The gradients are the unchunked run's within reassociation (a
+    chunked backward sums over chunks). On a link where copies cost nothing, calibrating on a
+    chunked step had made streaming look as if it fit: the next step streamed at 1.21x the
+    budget (a review's reproducer)."""
     budget = int(stream_floor * 0.8)
     steps, said, auto = _auto_chunked(make_model(**WIDE), budget, 6, link=link)
-    for placements, peak, pairs in steps[:2]:
-        assert placements == ["measuring"] * 4 and peak > budget
-        _compare(pairs, exact=True)
-    for placements, peak, pairs in steps[2:]:
-        assert placements == ["chunked"] * 4
+    assert [placements for placements, _, _ in steps] == [["measuring"] * 4] * 2 + [["chunked"] * 4] * 4
+    for _, peak, pairs in steps:
         assert peak <= budget, (peak, budget)
         _compare(pairs, exact=False)
     assert all(
-        entry.chunk_refusal == "" and entry.kv_bytes and entry.node_bytes for entry in auto.current.entries
+        entry.chunk_refusal == "" and entry.kv_bytes and entry.node_bytes and entry.forward_s
+        for entry in auto.current.entries
     )
-    assert any("measuring" in message for message in said)  # the measuring steps, over it
+    assert not any("over" in message for message in said), said
 
 
 class _Shifted(torch.nn.Module):
@@ -421,25 +423,81 @@ class _Shifted(torch.nn.Module):
         return x + self.inner.mlp(self.inner.post_norm(x))
 
 
-def test_a_block_the_probe_refuses_gets_the_whole_blocks_gradients_and_leaves_the_chunks(stream_floor):
+class _Counting(torch.nn.Module):
+    """A reference block that counts its forward calls in an attribute."""
+
+    def __init__(self, inner: Block) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x, cos, sin):
+        self.calls += 1
+        return self.inner(x, cos, sin)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_measured_forward_that_goes_on_in_chunks_leaves_the_block_as_one_forward_would(
+    stream_floor, hooked
+):
+    """(Note [measuring where only chunks fit]) a measuring step that goes on in chunks runs the
+    block's forward twice: what the second changes is given back (the block counts one call a
+    step). A block with a forward hook, which the second forward would call again, measures
+    streamed instead (over the budget, said): its hook runs once a forward."""
+    model = make_model(**WIDE)
+    model.layers = torch.nn.ModuleList(_Counting(layer) for layer in model.layers)
+    hooked_calls = []
+    if hooked:
+        for layer in model.layers:
+            layer.register_forward_hook(lambda module, args, output: hooked_calls.append(id(module)))
+    budget = int(stream_floor * 0.8)
+    steps, said, _ = _auto_chunked(model, budget, 2, block_cls=_Counting)  # the measuring steps
+    assert [placements for placements, _, _ in steps] == [["measuring"] * 4] * 2
+    assert [layer.calls for layer in model.layers] == [2] * 4
+    assert all((peak > budget) == hooked for _, peak, _ in steps), ([peak for _, peak, _ in steps], budget)
+    assert any("measuring" in message for message in said) == hooked
+    ours = {id(layer) for layer in model.layers}  # the reference's copies call theirs too
+    assert len([module for module in hooked_calls if module in ours]) == (2 * 4 if hooked else 0)
+    for _, _, pairs in steps:
+        _compare(pairs, exact=hooked)  # streamed: the same kernels on the same shapes
+
+
+@pytest.fixture
+def measured_streamed(monkeypatch):
+    """Auto's measuring steps stream, as where a block's forward says streaming fits: a chunked
+    run first comes from a plan (Note [measuring where only chunks fit] turned off)."""
+    monkeypatch.setattr(actoff.runtime.auto.AutoObserver, "only_chunks_fit", lambda self, run, survey: False)
+
+
+@pytest.mark.parametrize("measuring", ["in chunks", "streamed"])
+def test_a_block_the_probe_refuses_gets_the_whole_blocks_gradients_and_leaves_the_chunks(
+    stream_floor, measuring, request
+):
     """(Note [a chunked block the plan misjudged]) the survey cannot see a token shift, so auto
-    plans chunks; the probe sees it in the first chunked backward, which then takes the whole
-    block's gradients from its stored inputs (the same kernels on the same shapes as without
-    actoff: bit for bit), says so once, and the next plan leaves the chunks out."""
+    runs the block in chunks: its measuring steps go on in chunks where only chunks fit (Note
+    [measuring where only chunks fit]), else its plan places it in chunks. The probe sees the
+    shift in the first chunked backward, which then takes the whole block's gradients from its
+    stored inputs (the same kernels on the same shapes as without actoff: bit for bit), says so
+    once, and the next plan leaves the chunks out."""
+    if measuring == "streamed":
+        request.getfixturevalue("measured_streamed")
     model = make_model(**WIDE)
     model.layers = torch.nn.ModuleList(_Shifted(layer) for layer in model.layers)
     steps, said, auto = _auto_chunked(model, int(stream_floor * 0.8), 4, block_cls=_Shifted)
-    assert steps[2][0] == ["chunked"] * 4 and "chunked" not in steps[3][0]
+    if measuring == "streamed":
+        assert steps[2][0] == ["chunked"] * 4 and "chunked" not in steps[3][0]
+        assert "cannot run in token chunks" in "; ".join(auto.reasons)
+    else:
+        assert [placements for placements, _, _ in steps[:2]] == [["measuring"] * 4] * 2
+        assert all("chunked" not in placements for placements, _, _ in steps[2:])
     for _, _, pairs in steps:
         _compare(pairs, exact=True)
     # The probe's verdict: other gradients, or (where the shift shows in the outputs once the
     # projection has trained) other rows; either way the placement that takes the block is named.
     assert any("leaves it out" in message for message in said)
     assert all("'checkpoint' or 'cpu'" in entry.chunk_refusal for entry in auto.current.entries)
-    assert "cannot run in token chunks" in "; ".join(auto.reasons)
 
 
-def test_a_refusal_at_one_length_leaves_the_chunks_at_every_length(stream_floor):
+def test_a_refusal_at_one_length_leaves_the_chunks_at_every_length(stream_floor, measured_streamed):
     """A block refused at one length is refused at the others it already has figures for: its
     next step at another length does not pay a second refused step (a checkpoint's, over a budget
     only chunks fit). Its entries of both lengths are made before the refusal: the shorter one
@@ -537,7 +595,9 @@ class _NoisyLater(torch.nn.Module):
         return out + 0.5 * torch.randn_like(out) if self.calls >= 3 else out
 
 
-def test_a_forward_refused_after_the_survey_runs_as_a_checkpoint_drawing_what_it_would_have(stream_floor):
+def test_a_forward_refused_after_the_survey_runs_as_a_checkpoint_drawing_what_it_would_have(
+    stream_floor, measured_streamed
+):
     """(Note [a chunked block the plan misjudged]) the refused chunked forward had drawn its noise:
     the generators go back before the checkpoint runs, so it draws what the block without actoff
     draws; the gradients are bit for bit (the same kernels on the same shapes) and the generator

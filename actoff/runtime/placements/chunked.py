@@ -38,6 +38,7 @@ leave no trace] in actoff.rerun.isolation), without forward hooks, caches or the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +57,15 @@ from .chunk_backward import forward as chunked_forward
 if TYPE_CHECKING:
     from ..step import ScopeRun
 
-__all__ = ["ChunkMismatchError", "ChunkedPlacement", "ChunkedShapeError", "run_chunked", "survey", "surveyed"]
+__all__ = [
+    "ChunkMismatchError",
+    "ChunkedPlacement",
+    "ChunkedShapeError",
+    "MeasuredForward",
+    "run_chunked",
+    "survey",
+    "surveyed",
+]
 
 
 class _ChunkedFunction(torch.autograd.Function):
@@ -223,6 +232,22 @@ def run_chunked(run: ScopeRun, call: Call) -> Any:
     return pytree.tree_unflatten(leaves_out, block.out_spec)
 
 
+@dataclass
+class MeasuredForward:
+    """What the auto policy's measuring forward of a run took before the run went on in chunks
+    (Note [measuring where only chunks fit] in actoff.runtime.placements.measuring): its bytes by
+    class, its survey, and the token mixers' timers of its forward."""
+
+    classes: tuple[int, int, int, bool] | None
+    survey: Watch
+    mixer_watches: list | None
+
+    def mixers_ms(self) -> float | None:
+        if self.mixer_watches is None:
+            return None
+        return sum(watch.synchronize() or watch.elapsed_ms() for watch in self.mixer_watches)
+
+
 class ChunkedPlacement(CheckpointPlacement):
     """A checkpoint whose backward runs in token chunks (Note [chunked backward]): the block's
     inputs stored on the policy's tier.
@@ -245,9 +270,14 @@ class ChunkedPlacement(CheckpointPlacement):
 
     name = "chunked"
 
-    def __init__(self, run: ScopeRun, *, falls_back: bool = False) -> None:
+    def __init__(
+        self, run: ScopeRun, *, falls_back: bool = False, measured: MeasuredForward | None = None
+    ) -> None:
         super().__init__(run)
         self.falls_back = falls_back
+        # What a measuring forward took before the run went on in chunks (Note [measuring where
+        # only chunks fit] in actoff.runtime.placements.measuring): the auto policy reads it here.
+        self.measured = measured
         self.rng: RngState | None = None  # the generators before its forward (`run_chunked`)
         self.refused: str | None = None  # why it ran otherwise (Note [a chunked block the plan misjudged])
         self.refused_every_length = False
@@ -263,6 +293,19 @@ class ChunkedPlacement(CheckpointPlacement):
             if self.rng is not None:  # what the refused forward drew, drawn again by the checkpoint's
                 self.rng.set()
             return run_checkpointed(self.run, call.fn, call.args, call.kwargs, call.module)
+
+    @property
+    def chunk_survey(self) -> Watch | None:
+        """The measuring forward's survey (None: the run was placed in chunks by a plan)."""
+        return None if self.measured is None else self.measured.survey
+
+    def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:
+        if self.measured is not None:
+            return self.measured.classes
+        return super().saved_by_class(input_bytes)
+
+    def mixers_ms(self) -> float | None:
+        return None if self.measured is None else self.measured.mixers_ms()
 
     def say_refused(self, why: str, *, every_length: bool = False) -> None:
         """Why it ran otherwise, kept for the next plan and said once (Note [a chunked block the

@@ -17,6 +17,23 @@ collective, would not give the same values run again: its refused records stay o
 counted in ``over_budget_bytes`` and said once, and its gradients stay exact (a changed saved
 tensor then raises autograd's error, as without actoff). A block with forward hooks is not run
 again at all: the run again calls none (Note [hooks that change outputs] in .checkpoint).
+
+Note [measuring where only chunks fit]: the measuring forward holds no more than the least any
+placement holds in forward, but its backward brings back attention's node whole (its saves and
+gradients at full length): at a length only the chunked placement fits, the first step would run
+out of memory before auto had a figure. So once a measured block's forward has run, where its
+survey found nothing the chunked placement refuses, and the device's peak in the block's forward
+(its transients stand for those of backward's nodes, which the model does not hold) and
+attention's node (`BlockCost.node_bytes`) go over the budget less the first plan's headroom
+while chunks hold less
+(`actoff.budget.least`), the run goes on in chunks: the measured forward's output is dropped (its
+records go with its graph), the block runs again as the chunked placement runs it (without grad,
+its input saved, backward in token chunks), and its output is the step's. The auto policy takes
+the measured forward's figures (`MeasuredForward`) and reads the step as a chunked one. Only a
+block whose second forward changes nothing the first did: no forward hook, no key/value cache, no
+collective, no input written in place, no random number (the survey refuses those); buffers the
+second forward writes are given back. The measured forward's time is the block's (the second is
+not timed).
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
+from actoff.rerun.isolation import is_cache, left_as_found
 from actoff.tiers.record import Record, State
 from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 
@@ -34,7 +52,7 @@ from ..hooks import AliasHandle, Handle, unpack
 from .base import Call, Placement
 from .checkpoint import has_forward_hooks, run_checkpointed
 from .chunk_attention import Watch
-from .chunked import survey, surveyed
+from .chunked import ChunkedPlacement, MeasuredForward, survey, surveyed
 from .tokenwise import TokenwisePlacement
 
 if TYPE_CHECKING:
@@ -69,7 +87,37 @@ class MeasuringPlacement(TokenwisePlacement):
         with CaptureMode(self.split), CollectiveWatch(self.split), watch:
             output = call.run() if not self._runs_again(call) else self._forward_inside_checkpoint(call)
         surveyed(watch, output, self.run.config.token_dim)
+        if self._goes_on_in_chunks(call, watch):
+            del output  # its graph, and with it the measured records (Note [measuring where only chunks fit])
+            return self._in_chunks(call, watch)
         return output
+
+    def _goes_on_in_chunks(self, call: Call, watch: Watch) -> bool:
+        """Whether the run goes on in chunks (Note [measuring where only chunks fit]): the block
+        runs a second forward unchanged, and the auto policy finds only chunks fit."""
+        split, leaves = self.split, pytree.tree_leaves((call.args, call.kwargs))
+        if watch.refused or self.hooks is not None or not torch.is_grad_enabled():
+            return False
+        if split.collective is not None or split.writes_inputs or has_forward_hooks(call.module):
+            return False
+        if any(is_cache(leaf) for leaf in leaves):
+            return False
+        return self.run.runtime.auto.only_chunks_fit(self.run, watch)
+
+    def _in_chunks(self, call: Call, watch: Watch) -> Any:
+        """The block run again as the chunked placement runs it, as the run's placement from now
+        on; the measured forward's figures go with it (Note [measuring where only chunks fit])."""
+        run = self.run
+        run.runtime.auto.forward_ends(run)  # the measured forward's time: the second is not the block's
+        measured = MeasuredForward(self.saved_by_class(0), watch, self.split.mixer_watches)
+        chunked = ChunkedPlacement(run, falls_back=True, measured=measured)
+        with run.runtime.lock:
+            unneeded = self.seal()
+        del unneeded
+        run.place(chunked)
+        values = pytree.tree_leaves((call.args, call.kwargs))
+        with left_as_found(call.module, values):
+            return chunked.forward(call)
 
     def _runs_again(self, call: Call) -> bool:
         """Whether the block runs inside the checkpoint (Note [measuring where the host is
