@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["forward_hooks_off", "is_cache", "left_as_found", "without_caches"]
+__all__ = ["Found", "forward_hooks_off", "is_cache", "left_as_found", "without_caches"]
 
 # torch's own attributes of every module (parameters, buffers, submodules, hook tables): the
 # parameters and submodules are never bound back (a pre-hook may rebind parameters, as FSDP
@@ -102,6 +102,15 @@ class _Attributes:
             and value.numel() * value.element_size() <= _ATTRIBUTE_VALUES_UP_TO
         }
 
+    def changed(self) -> bool:
+        """Whether a binding, a list's or dictionary's items or a small tensor's values differ now."""
+        now, bindings = vars(self.owner), self.bindings
+        if now.keys() != bindings.keys() or any(now[name] is not value for name, value in bindings.items()):
+            return True
+        if any(not _same(bindings[name], items) for name, items in self.items.items()):
+            return True
+        return any(not torch.equal(bindings[name].detach(), copy) for name, copy in self.values.items())
+
     def restore(self) -> None:
         now, bindings = vars(self.owner), self.bindings
         for name in [name for name in now if name not in bindings]:
@@ -121,6 +130,13 @@ class _Attributes:
                     container.extend(items)
                 else:
                     container.update(items)
+
+
+def _same(now: list | dict, then: list | dict) -> bool:
+    """Whether a list or dictionary holds the same objects (by identity) as a copy of it did."""
+    if type(now) is list:
+        return len(now) == len(then) and all(a is b for a, b in zip(now, then, strict=False))
+    return now.keys() == then.keys() and all(now[key] is then[key] for key in then)
 
 
 _MISSING = object()
@@ -148,41 +164,48 @@ def _modules_of(module: torch.nn.Module | None, touched: list[torch.nn.Module]) 
     return list(found.values())
 
 
-@contextlib.contextmanager
-def left_as_found(
-    module: torch.nn.Module | None, inputs: list[Any], touched: list[torch.nn.Module] = ()
-) -> Iterator[None]:
-    """Run a re-run of ``module`` (``None``: a function scope, whose forward ran the modules
-    ``touched``) on the flattened ``inputs`` and give back what it changed (Note [re-runs
-    leave no trace]): the buffers of the modules (values and bindings), their attributes, and the
-    attributes of the plain objects among the inputs.
+class Found:
+    """The state a block's forward may change, as it is now (Note [re-runs leave no trace]): the
+    buffers of ``module``'s modules (``None``: a function scope, whose forward ran the modules
+    ``touched``), values and bindings, their attributes, and the attributes of the plain objects
+    among the flattened ``inputs``. `restore` gives it back; `changed` tells whether it differs.
 
     >>> norm = torch.nn.BatchNorm1d(2)
-    >>> with left_as_found(norm, []):
-    ...     norm.stat = norm(torch.randn(4, 2)).mean()
-    >>> int(norm.num_batches_tracked), hasattr(norm, "stat")
-    (0, False)
+    >>> found = Found(norm, [])
+    >>> _ = norm(torch.randn(4, 2))
+    >>> found.changed(), (found.restore(), found.changed())[1], int(norm.num_batches_tracked)
+    (True, False, 0)
     """
-    kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
-    # Not held while suspended: a checkpointed block's run again stays open until its backward
-    # node is done (actoff.runtime.placements.checkpoint), and its inputs would stay on the device as long.
-    del inputs
-    buffers = []
-    with torch.no_grad():
-        for sub in _modules_of(module, touched):
-            kept.append(_Attributes(sub, _TORCH_OWN))
-            bound = dict(sub._buffers)
-            # A copy of each buffer's values, written back where the re-run changed them: by
-            # value, as writes through ``.data`` and BatchNorm's kernel leave the version as it was.
-            values = [(buffer, buffer.clone()) for buffer in bound.values() if buffer is not None]
-            buffers.append((sub, bound, values))
-    try:
-        yield
-    finally:
+
+    def __init__(
+        self, module: torch.nn.Module | None, inputs: list[Any], touched: list[torch.nn.Module] = ()
+    ) -> None:
+        self.kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
+        self.buffers = []
         with torch.no_grad():
-            for attributes in kept:
+            for sub in _modules_of(module, touched):
+                self.kept.append(_Attributes(sub, _TORCH_OWN))
+                bound = dict(sub._buffers)
+                # A copy of each buffer's values, written back where the re-run changed them: by
+                # value, as writes through ``.data`` and BatchNorm's kernel leave the version as it was.
+                values = [(buffer, buffer.clone()) for buffer in bound.values() if buffer is not None]
+                self.buffers.append((sub, bound, values))
+
+    def changed(self) -> bool:
+        with torch.no_grad():
+            if any(attributes.changed() for attributes in self.kept):
+                return True
+            return any(
+                not _same(sub._buffers, bound)
+                or any(not torch.equal(buffer, copy) for buffer, copy in values)
+                for sub, bound, values in self.buffers
+            )
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for attributes in self.kept:
                 attributes.restore()
-            for sub, bound, values in buffers:
+            for sub, bound, values in self.buffers:
                 sub._buffers.clear()
                 sub._buffers.update(bound)
                 for buffer, copy in values:
@@ -190,6 +213,30 @@ def left_as_found(
                         # The forward's values again, through .data: what saved them is at
                         # their version, and sees them as it saved them.
                         buffer.data.copy_(copy)
+
+
+@contextlib.contextmanager
+def left_as_found(
+    module: torch.nn.Module | None, inputs: list[Any], touched: list[torch.nn.Module] = ()
+) -> Iterator[None]:
+    """Run a re-run of ``module`` (``None``: a function scope, whose forward ran the modules
+    ``touched``) on the flattened ``inputs`` and give back what it changed (`Found`, Note
+    [re-runs leave no trace]).
+
+    >>> norm = torch.nn.BatchNorm1d(2)
+    >>> with left_as_found(norm, []):
+    ...     norm.stat = norm(torch.randn(4, 2)).mean()
+    >>> int(norm.num_batches_tracked), hasattr(norm, "stat")
+    (0, False)
+    """
+    found = Found(module, inputs, touched)
+    # Not held while suspended: a checkpointed block's run again stays open until its backward
+    # node is done (actoff.runtime.placements.checkpoint), and its inputs would stay on the device as long.
+    del inputs
+    try:
+        yield
+    finally:
+        found.restore()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import RECOMPUTE_TOL, inject_times, make_model
+from _helpers import RECOMPUTE_TOL, inject_times, make_model, tiny_llama
 from torch.utils._mode_utils import no_dispatch
 
 import actoff
@@ -24,7 +24,7 @@ import actoff.runtime.auto
 import actoff.runtime.measured
 import actoff.runtime.planning
 from actoff.budget import PLAN_HEADROOM, Outside
-from actoff.reference import Block
+from actoff.reference import MLP, Block
 from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
 from actoff.tiers.record import State
@@ -423,42 +423,102 @@ class _Shifted(torch.nn.Module):
         return x + self.inner.mlp(self.inner.post_norm(x))
 
 
-class _Counting(torch.nn.Module):
-    """A reference block that counts its forward calls in an attribute."""
+def test_a_tiled_mlp_does_not_close_the_chunks_to_its_block():
+    """A tiled MLP checks its first rows under no_grad, with views of its input that report
+    requires_grad: the measuring forward's survey took one for a tensor outside the block that
+    takes gradients, and refused the chunked placement to every tiled block (auto never placed
+    the 8B proxy's ``+tile`` blocks in chunks)."""
+    model = make_model(**WIDE)
+    actoff.tile_(model, module_cls=MLP, chunks=4)
+    _, _, auto = _auto_chunked(model, 1 << 40, 2)  # the measuring steps' surveys
+    entries = [entry for layer in model.layers for entry in auto.blocks.get(layer).values()]
+    assert len(entries) == 4 and all(entry.chunk_refusal == "" and entry.node_bytes for entry in entries)
 
-    def __init__(self, inner: Block) -> None:
+
+class _Counting(torch.nn.Module):
+    """A reference block that counts its forward calls in an attribute, or writes into its input."""
+
+    def __init__(self, inner: Block, writes: bool) -> None:
         super().__init__()
-        self.inner, self.calls = inner, 0
+        self.inner, self.writes, self.calls = inner, writes, 0
 
     def forward(self, x, cos, sin):
-        self.calls += 1
+        if self.writes:
+            with torch.no_grad():
+                x.mul_(0.5)
+        else:
+            self.calls += 1
         return self.inner(x, cos, sin)
 
 
-@pytest.mark.parametrize("hooked", [False, True])
-def test_a_measured_forward_that_goes_on_in_chunks_leaves_the_block_as_one_forward_would(
-    stream_floor, hooked
+@pytest.mark.parametrize("kind", [None, "looks", "replaces", "counts", "writes its input"])
+def test_a_measured_forward_goes_on_in_chunks_only_where_a_second_forward_starts_as_the_first(
+    stream_floor, kind
 ):
     """(Note [measuring where only chunks fit]) a measuring step that goes on in chunks runs the
-    block's forward twice: what the second changes is given back (the block counts one call a
-    step). A block with a forward hook, which the second forward would call again, measures
-    streamed instead (over the budget, said): its hook runs once a forward."""
+    block's forward twice: a forward hook inside the block that only looks is called once a
+    forward, and the steps peak within the budget. A block whose second forward would not start
+    where the first did, or not give its output, measures streamed instead (over the budget,
+    said), with its gradients bit for bit: a hook that replaces an output (the second forward
+    calls none), a block that changes its own state (a review's reproducer: a buffer the output
+    reads, halved each call, gave a loss 0.028 off), one that writes into its input (a review's
+    reproducer: written twice, the loss 0.038 off and gradients far off)."""
     model = make_model(**WIDE)
-    model.layers = torch.nn.ModuleList(_Counting(layer) for layer in model.layers)
+    block_cls = Block
+    if kind in ("counts", "writes its input"):
+        model.layers = torch.nn.ModuleList(
+            _Counting(layer, kind == "writes its input") for layer in model.layers
+        )
+        block_cls = _Counting
     hooked_calls = []
-    if hooked:
+
+    def looks(module, args, output):
+        hooked_calls.append(id(module))
+
+    def replaces(module, args, output):
+        return output * 1.0  # the same values: another tensor all the same
+
+    if kind in ("looks", "replaces"):
         for layer in model.layers:
-            layer.register_forward_hook(lambda module, args, output: hooked_calls.append(id(module)))
+            layer.mlp.register_forward_hook(looks if kind == "looks" else replaces)
     budget = int(stream_floor * 0.8)
-    steps, said, _ = _auto_chunked(model, budget, 2, block_cls=_Counting)  # the measuring steps
+    steps, said, _ = _auto_chunked(model, budget, 2, block_cls=block_cls)  # the measuring steps
+    streamed = kind not in (None, "looks")
     assert [placements for placements, _, _ in steps] == [["measuring"] * 4] * 2
-    assert [layer.calls for layer in model.layers] == [2] * 4
-    assert all((peak > budget) == hooked for _, peak, _ in steps), ([peak for _, peak, _ in steps], budget)
-    assert any("measuring" in message for message in said) == hooked
-    ours = {id(layer) for layer in model.layers}  # the reference's copies call theirs too
-    assert len([module for module in hooked_calls if module in ours]) == (2 * 4 if hooked else 0)
+    assert all((peak > budget) == streamed for _, peak, _ in steps), ([peak for _, peak, _ in steps], budget)
+    assert any("measuring" in message for message in said) == streamed
+    ours = {id(getattr(layer, "mlp", None)) for layer in model.layers}  # the reference's copies call theirs
+    assert len([module for module in hooked_calls if module in ours]) == (2 * 4 if kind == "looks" else 0)
     for _, _, pairs in steps:
-        _compare(pairs, exact=hooked)  # streamed: the same kernels on the same shapes
+        _compare(pairs, exact=streamed)  # streamed: the same kernels on the same shapes
+
+
+def test_a_hugging_face_layer_given_its_fresh_cache_goes_on_in_chunks_and_writes_the_cache_once():
+    """Hugging Face's default in training hands every layer a fresh cache, which the measured
+    forward writes: the second forward gets none (Note [a cache in checkpointed training]), so
+    the layers still go on in chunks (before, the cache's new rows counted as a change and every
+    layer measured streamed). The cache holds each layer's rows once; loss and gradients are the
+    run without actoff's within reassociation."""
+    model = tiny_llama(max_position_embeddings=2048, hidden_size=128, intermediate_size=512, vocab_size=64)
+    reference = copy.deepcopy(model)
+    layer_cls = type(model.model.layers[0])
+    settings = {"host_bandwidth": "10GB", "gpu_budget": 19 * 2**20, "chunk_tokens": 64}
+    actoff.offload_(model, block_cls=layer_cls, policy="auto", min_bytes=0, **settings)
+    tokens = torch.randint(0, 64, (2, 1024), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(), simulated_device(seed=0):
+        warnings.simplefilter("ignore")  # the step goes over the budget in its forward, measured whole
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+    expected = reference(input_ids=tokens, labels=tokens)
+    expected.loss.backward()
+    entries = [
+        entry for layer in model.model.layers for entry in get_runtime().auto.blocks.get(layer).values()
+    ]
+    assert len(entries) == 2 and all(entry.chunks_only for entry in entries)
+    assert all(layer.keys.shape[-2] == 1024 for layer in out.past_key_values.layers)  # written once
+    torch.testing.assert_close(out.loss, expected.loss, **RECOMPUTE_TOL)
+    for actual, wanted in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, wanted.grad, **RECOMPUTE_TOL)
 
 
 @pytest.fixture

@@ -60,7 +60,14 @@ from .base import Call, Placement
 if TYPE_CHECKING:
     from ..step import ScopeRun
 
-__all__ = ["CheckpointPlacement", "HookChangedOutputError", "InputChangedError", "has_forward_hooks"]
+__all__ = [
+    "CheckpointPlacement",
+    "HookChangedOutputError",
+    "InputChangedError",
+    "has_forward_hooks",
+    "holds_rows_read",
+    "hooks_watched",
+]
 
 
 class InputChangedError(RuntimeError):
@@ -92,9 +99,17 @@ def has_forward_hooks(module: torch.nn.Module | None) -> bool:
 
 
 @contextlib.contextmanager
-def _hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
+def hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
     """While the forward runs, the forward hooks of ``module``'s modules note in ``changed`` the
-    modules whose output one of them replaced (Note [hooks that change outputs])."""
+    modules whose output one of them replaced (Note [hooks that change outputs]).
+
+    >>> layer, changed = torch.nn.Linear(2, 2), []
+    >>> _ = layer.register_forward_hook(lambda module, args, output: output * 2)
+    >>> with hooks_watched(torch.nn.Sequential(layer), changed):
+    ...     _ = layer(torch.ones(2))
+    >>> changed
+    ['Linear']
+    """
     watched = [sub for sub in (module.modules() if module is not None else ()) if sub._forward_hooks]
     originals = [sub._forward_hooks for sub in watched]
 
@@ -144,7 +159,7 @@ def run_checkpointed(
     the forward whether anything the body saved is left to the checkpoint (else a changed input
     harms nothing: nothing runs again)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    if any(is_cache(leaf) and _holds_rows_read(leaf, module) for leaf in leaves):
+    if any(is_cache(leaf) and holds_rows_read(leaf, module) for leaf in leaves):
         run.placement.whole_because = "it is given a key/value cache that already holds rows it reads"
         run.runtime.warn_once(
             "checkpoint:cache",
@@ -173,7 +188,7 @@ def run_checkpointed(
         return inside(), _RunAgain(run, module, skeleton)
 
     changed_output: list[str] = []
-    with _hooks_watched(module, changed_output):
+    with hooks_watched(module, changed_output):
         output = torch.utils.checkpoint.checkpoint(
             body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
         )
@@ -200,10 +215,14 @@ def run_checkpointed(
     return output
 
 
-def _holds_rows_read(cache: Any, module: torch.nn.Module | None) -> bool:
+def holds_rows_read(cache: Any, module: torch.nn.Module | None) -> bool:
     """Whether ``cache`` holds rows the block of ``module`` reads (Note [a cache in checkpointed
     training]): rows in the cache layers its submodules name by ``layer_idx``, or in any layer
-    when it names none. A cache without Hugging Face's ``layers`` counts as holding rows."""
+    when it names none. A cache without Hugging Face's ``layers`` counts as holding rows.
+
+    >>> holds_rows_read(object(), torch.nn.Linear(2, 2))  # not Hugging Face's: counted as holding rows
+    True
+    """
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list):
         return True

@@ -83,7 +83,11 @@ class Watch(TorchFunctionMode):
             self.object_to("it draws dropout in training")
         # Its gradients are taken for the block's inputs and parameters only: any other tensor that
         # takes gradients (a weight of another module, reached past the block's own) would get none.
-        for value in pytree.tree_leaves((args, kwargs)):
+        # A survey's forward runs with grad, so under no_grad there nothing reaches such a tensor
+        # (a tiled module's check of its rows: views of the input, leaves that report requires_grad);
+        # the chunked forward runs all of it under no_grad, and is checked.
+        checked = torch.is_grad_enabled() or not self.survey
+        for value in pytree.tree_leaves((args, kwargs)) if checked else ():
             if (
                 isinstance(value, torch.Tensor)
                 and value.requires_grad

@@ -49,7 +49,7 @@ from actoff.rerun.isolation import forward_hooks_off, is_cache, left_as_found, w
 from actoff.rerun.state import ForwardState, RngState, autograd_status
 
 from .base import Call
-from .checkpoint import CheckpointPlacement, _holds_rows_read, run_checkpointed
+from .checkpoint import CheckpointPlacement, holds_rows_read, run_checkpointed
 from .chunk_attention import ChunkedShapeError, ChunkMismatchError, Watch
 from .chunk_backward import Block, backward, probed, row_sums, token_dim
 from .chunk_backward import forward as chunked_forward
@@ -128,7 +128,7 @@ def _refusal(run: ScopeRun, call: Call, tensors: list[torch.Tensor]) -> str | No
             "module (offload_ with block_cls) or use 'checkpoint'."
         )
     leaves = pytree.tree_leaves((call.args, call.kwargs))
-    if any(is_cache(leaf) and _holds_rows_read(leaf, call.module) for leaf in leaves):
+    if any(is_cache(leaf) and holds_rows_read(leaf, call.module) for leaf in leaves):
         return (
             f"actoff: block {run.name!r} is given a key/value cache that already holds rows it reads; the "
             "chunked placement re-runs it without them. Place it with 'cpu' instead."

@@ -30,10 +30,17 @@ while chunks hold less
 records go with its graph), the block runs again as the chunked placement runs it (without grad,
 its input saved, backward in token chunks), and its output is the step's. The auto policy takes
 the measured forward's figures (`MeasuredForward`) and reads the step as a chunked one. Only a
-block whose second forward changes nothing the first did: no forward hook, no key/value cache, no
-collective, no input written in place, no random number (the survey refuses those); buffers the
-second forward writes are given back. The measured forward's time is the block's (the second is
-not timed).
+block whose second forward starts from what the first found: its measured forward changed no
+buffer or attribute of the block's modules or of its inputs (`Found`: an auxiliary loss kept on
+the module would also hold the measured graph), wrote into no input, called no collective, drew
+no random number (the survey refuses those), and no forward hook inside the block replaced an
+output (watched as a checkpoint watches them: Note [hooks that change outputs]); a key/value
+cache it was given held no rows it reads, and the second forward gets none (the first wrote its
+rows: Note [a cache in checkpointed training]). The second forward calls no forward hook inside
+the block (the first did), gives back what it changes, and starts from a clean table of saved
+tensors (the measured records' handles go with the graph). The measured forward's time is the
+block's (the second is not timed). Not under a host budget too small for a block (Note
+[measuring where the host is small]).
 """
 
 from __future__ import annotations
@@ -44,13 +51,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from actoff.rerun.isolation import is_cache, left_as_found
+from actoff.rerun.isolation import Found, forward_hooks_off, is_cache, left_as_found, without_caches
 from actoff.tiers.record import Record, State
 from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 
 from ..hooks import AliasHandle, Handle, unpack
 from .base import Call, Placement
-from .checkpoint import has_forward_hooks, run_checkpointed
+from .checkpoint import has_forward_hooks, holds_rows_read, hooks_watched, run_checkpointed
 from .chunk_attention import Watch
 from .chunked import ChunkedPlacement, MeasuredForward, survey, surveyed
 from .tokenwise import TokenwisePlacement
@@ -84,39 +91,57 @@ class MeasuringPlacement(TokenwisePlacement):
         if not self.active:
             return call.run()
         self.chunk_survey = watch = survey(self.run, call)
-        with CaptureMode(self.split), CollectiveWatch(self.split), watch:
-            output = call.run() if not self._runs_again(call) else self._forward_inside_checkpoint(call)
+        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+        runs_again = self._runs_again(call)
+        # What a second forward would start from (Note [measuring where only chunks fit]).
+        # A cache is not: the second forward gets none (`_in_chunks`).
+        found = (
+            Found(call.module, without_caches(leaves))
+            if not runs_again and self._may_chunk(call, leaves)
+            else None
+        )
+        versions = [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        changed: list[str] = []  # forward hooks inside the block that replaced an output
+        with CaptureMode(self.split), CollectiveWatch(self.split), watch, hooks_watched(call.module, changed):
+            output = call.run() if not runs_again else self._forward_inside_checkpoint(call)
         surveyed(watch, output, self.run.config.token_dim)
-        if self._goes_on_in_chunks(call, watch):
-            del output  # its graph, and with it the measured records (Note [measuring where only chunks fit])
-            return self._in_chunks(call, watch)
+        unchanged = found is not None and not changed and not found.changed()
+        unchanged = unchanged and all(leaf._version == version for leaf, version in versions)
+        unchanged = unchanged and not watch.refused and self.split.collective is None
+        if unchanged and self.run.runtime.auto.only_chunks_fit(self.run, watch):
+            del output  # its graph, and with it the measured records
+            return self._in_chunks(call, watch, leaves, spec)
         return output
 
-    def _goes_on_in_chunks(self, call: Call, watch: Watch) -> bool:
-        """Whether the run goes on in chunks (Note [measuring where only chunks fit]): the block
-        runs a second forward unchanged, and the auto policy finds only chunks fit."""
-        split, leaves = self.split, pytree.tree_leaves((call.args, call.kwargs))
-        if watch.refused or self.hooks is not None or not torch.is_grad_enabled():
+    def _may_chunk(self, call: Call, leaves: list[Any]) -> bool:
+        """Whether the run may go on in chunks, as far as can be told before its forward: a budget
+        to fit, grad on, a module, and no cache holding rows the block reads."""
+        if (
+            self.run.runtime.auto.budget(self.run) is None
+            or not torch.is_grad_enabled()
+            or call.module is None
+        ):
             return False
-        if split.collective is not None or split.writes_inputs or has_forward_hooks(call.module):
-            return False
-        if any(is_cache(leaf) for leaf in leaves):
-            return False
-        return self.run.runtime.auto.only_chunks_fit(self.run, watch)
+        return not any(is_cache(leaf) and holds_rows_read(leaf, call.module) for leaf in leaves)
 
-    def _in_chunks(self, call: Call, watch: Watch) -> Any:
+    def _in_chunks(self, call: Call, watch: Watch, leaves: list[Any], spec: Any) -> Any:
         """The block run again as the chunked placement runs it, as the run's placement from now
         on; the measured forward's figures go with it (Note [measuring where only chunks fit])."""
         run = self.run
         run.runtime.auto.forward_ends(run)  # the measured forward's time: the second is not the block's
         measured = MeasuredForward(self.saved_by_class(0), watch, self.split.mixer_watches)
         chunked = ChunkedPlacement(run, falls_back=True, measured=measured)
+        chunked.streams_out = self.streams_out  # as the runtime set it for the run (``keep_last``)
         with run.runtime.lock:
             unneeded = self.seal()
+            run.dedup.clear()  # they held the measured records' handles: the records go with
+            run.spans.clear()  # the measured graph
         del unneeded
         run.place(chunked)
-        values = pytree.tree_leaves((call.args, call.kwargs))
-        with left_as_found(call.module, values):
+        if any(is_cache(leaf) for leaf in leaves):  # written by the measured forward, once
+            args, kwargs = pytree.tree_unflatten(without_caches(leaves), spec)
+            call = Call(call.fn, args, kwargs, call.module)
+        with left_as_found(call.module, leaves), forward_hooks_off(call.module):
             return chunked.forward(call)
 
     def _runs_again(self, call: Call) -> bool:
