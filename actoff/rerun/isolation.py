@@ -101,13 +101,18 @@ class _Attributes:
             and isinstance(value, torch.Tensor)
             and value.numel() * value.element_size() <= _ATTRIBUTE_VALUES_UP_TO
         }
+        # For `changed`: the versions of the tensors bound, and of those the lists and dictionaries hold.
+        self.versions = _versions([value for name, value in self.bindings.items() if name not in own])
 
     def changed(self) -> bool:
-        """Whether a binding, a list's or dictionary's items or a small tensor's values differ now."""
+        """Whether a binding, a list's or dictionary's items, a tensor's version (one bound, or an
+        item) or a small tensor's values differ now."""
         now, bindings = vars(self.owner), self.bindings
         if now.keys() != bindings.keys() or any(now[name] is not value for name, value in bindings.items()):
             return True
         if any(not _same(bindings[name], items) for name, items in self.items.items()):
+            return True
+        if any(tensor._version != version for tensor, version in self.versions):
             return True
         return any(not torch.equal(bindings[name].detach(), copy) for name, copy in self.values.items())
 
@@ -130,6 +135,16 @@ class _Attributes:
                     container.extend(items)
                 else:
                     container.update(items)
+
+
+def _versions(values: list[Any]) -> list[tuple[torch.Tensor, int]]:
+    """The version of each tensor among ``values`` and the items of the lists and dictionaries
+    among them (one level)."""
+    found = []
+    for value in values:
+        items = value if type(value) is list else value.values() if type(value) is dict else (value,)
+        found.extend((item, item._version) for item in items if isinstance(item, torch.Tensor))
+    return found
 
 
 def _same(now: list | dict, then: list | dict) -> bool:
@@ -182,8 +197,10 @@ class Found:
     ) -> None:
         self.kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
         self.buffers = []
+        modules = _modules_of(module, touched)
+        self.parameters = _versions([list(sub._parameters.values()) for sub in modules])  # for `changed`
         with torch.no_grad():
-            for sub in _modules_of(module, touched):
+            for sub in modules:
                 self.kept.append(_Attributes(sub, _TORCH_OWN))
                 bound = dict(sub._buffers)
                 # A copy of each buffer's values, written back where the re-run changed them: by
@@ -192,14 +209,20 @@ class Found:
                 self.buffers.append((sub, bound, values))
 
     def changed(self) -> bool:
-        with torch.no_grad():
-            if any(attributes.changed() for attributes in self.kept):
-                return True
-            return any(
-                not _same(sub._buffers, bound)
-                or any(not torch.equal(buffer, copy) for buffer, copy in values)
-                for sub, bound, values in self.buffers
-            )
+        """Whether the state differs now (also where it cannot be compared: a sparse tensor)."""
+        if any(parameter._version != version for parameter, version in self.parameters):
+            return True
+        try:
+            with torch.no_grad():
+                if any(attributes.changed() for attributes in self.kept):
+                    return True
+                return any(
+                    not _same(sub._buffers, bound)
+                    or any(not torch.equal(buffer, copy) for buffer, copy in values)
+                    for sub, bound, values in self.buffers
+                )
+        except (NotImplementedError, RuntimeError):
+            return True
 
     def restore(self) -> None:
         with torch.no_grad():

@@ -154,7 +154,8 @@ class AutoObserver(AutoPlans):
         tokens, chunk = survey.seq_len, run.config.chunk_tokens
         if state is None or budget is None or memory is None or not memory.counted() or chunk >= tokens:
             return False
-        if self.blocks.get(state.key.owner)[state.key.conditions].chunk_refusal:
+        entry = self.blocks.get(state.key.owner).get(state.key.conditions)
+        if entry is None or entry.chunk_refusal:
             return False  # a probe refused it in an earlier measuring step
         saved = sum(record.geometry.nbytes for record in run.records)
         inputs = min(state.input_bytes, saved)

@@ -435,44 +435,48 @@ def test_a_tiled_mlp_does_not_close_the_chunks_to_its_block():
     assert len(entries) == 4 and all(entry.chunk_refusal == "" and entry.node_bytes for entry in entries)
 
 
-class _Counting(torch.nn.Module):
-    """A reference block that counts its forward calls in an attribute, or writes into its input."""
+class _Stateful(torch.nn.Module):
+    """A reference block that changes something in its forward: counts its calls in an attribute,
+    writes into its input, or halves a tensor it holds in a list, by which it scales its output."""
 
-    def __init__(self, inner: Block, writes: bool) -> None:
+    def __init__(self, inner: Block, kind: str) -> None:
         super().__init__()
-        self.inner, self.writes, self.calls = inner, writes, 0
+        self.inner, self.kind, self.calls, self.state = inner, kind, 0, [torch.ones(1)]
 
     def forward(self, x, cos, sin):
-        if self.writes:
+        if self.kind == "writes its input":
             with torch.no_grad():
                 x.mul_(0.5)
-        else:
+        elif self.kind == "counts":
             self.calls += 1
-        return self.inner(x, cos, sin)
+        else:
+            self.state[0].mul_(0.5)
+        return self.inner(x, cos, sin) * self.state[0]
 
 
-@pytest.mark.parametrize("kind", [None, "looks", "replaces", "counts", "writes its input"])
+STATEFUL = ["counts", "writes its input", "halves a listed tensor"]
+
+
+@pytest.mark.parametrize("kind", [None, "looks", "replaces", *STATEFUL])
 def test_a_measured_forward_goes_on_in_chunks_only_where_a_second_forward_starts_as_the_first(
     stream_floor, kind
 ):
     """(Note [measuring where only chunks fit]) a measuring step that goes on in chunks runs the
-    block's forward twice: a forward hook inside the block that only looks is called once a
-    forward, and the steps peak within the budget. A block whose second forward would not start
-    where the first did, or not give its output, measures streamed instead (over the budget,
-    said), with its gradients bit for bit: a hook that replaces an output (the second forward
-    calls none), a block that changes its own state (a review's reproducer: a buffer the output
-    reads, halved each call, gave a loss 0.028 off), one that writes into its input (a review's
-    reproducer: written twice, the loss 0.038 off and gradients far off)."""
+    block's forward twice, and its steps peak within the budget. A block whose second forward
+    would not start where the first did, or not give its output, measures streamed instead (over
+    the budget, said), its gradients bit for bit, its hooks called once a forward: a forward hook
+    inside the block, even one that returns nothing (a review's reproducer: one that scales the
+    output in place gave a loss 1.4e-2 off; one that hooks the output's gradient never fired), a
+    block that changes its own state (a review's: a tensor in a list the output reads, halved each
+    call, gave a loss 0.08 off), one that writes into its input (written twice: the loss 0.038 off)."""
     model = make_model(**WIDE)
     block_cls = Block
-    if kind in ("counts", "writes its input"):
-        model.layers = torch.nn.ModuleList(
-            _Counting(layer, kind == "writes its input") for layer in model.layers
-        )
-        block_cls = _Counting
+    if kind in STATEFUL:
+        model.layers = torch.nn.ModuleList(_Stateful(layer, kind) for layer in model.layers)
+        block_cls = _Stateful
     hooked_calls = []
 
-    def looks(module, args, output):
+    def looks(module, args, output):  # returns nothing
         hooked_calls.append(id(module))
 
     def replaces(module, args, output):
@@ -483,7 +487,7 @@ def test_a_measured_forward_goes_on_in_chunks_only_where_a_second_forward_starts
             layer.mlp.register_forward_hook(looks if kind == "looks" else replaces)
     budget = int(stream_floor * 0.8)
     steps, said, _ = _auto_chunked(model, budget, 2, block_cls=block_cls)  # the measuring steps
-    streamed = kind not in (None, "looks")
+    streamed = kind is not None
     assert [placements for placements, _, _ in steps] == [["measuring"] * 4] * 2
     assert all((peak > budget) == streamed for _, peak, _ in steps), ([peak for _, peak, _ in steps], budget)
     assert any("measuring" in message for message in said) == streamed

@@ -83,16 +83,16 @@ class Watch(TorchFunctionMode):
             self.object_to("it draws dropout in training")
         # Its gradients are taken for the block's inputs and parameters only: any other tensor that
         # takes gradients (a weight of another module, reached past the block's own) would get none.
-        # A survey's forward runs with grad, so under no_grad there nothing reaches such a tensor
-        # (a tiled module's check of its rows: views of the input, leaves that report requires_grad);
-        # the chunked forward runs all of it under no_grad, and is checked.
-        checked = torch.is_grad_enabled() or not self.survey
-        for value in pytree.tree_leaves((args, kwargs)) if checked else ():
+        # A survey's forward runs with grad: a view made under no_grad there (a tiled module's check
+        # of its rows) reports requires_grad as a leaf would, and nothing reaches it through this call.
+        quiet = self.survey and not torch.is_grad_enabled()
+        for value in pytree.tree_leaves((args, kwargs)):
             if (
                 isinstance(value, torch.Tensor)
                 and value.requires_grad
                 and (value.is_leaf or not self.survey)
                 and id(value) not in self.known
+                and not (quiet and value._base is not None)
             ):
                 self.object_to(
                     f"it uses a tensor of shape {list(value.shape)} that takes gradients and is neither an "

@@ -25,22 +25,23 @@ out of memory before auto had a figure. So once a measured block's forward has r
 survey found nothing the chunked placement refuses, and the device's peak in the block's forward
 (its transients stand for those of backward's nodes, which the model does not hold) and
 attention's node (`BlockCost.node_bytes`) go over the budget less the first plan's headroom
-while chunks hold less
-(`actoff.budget.least`), the run goes on in chunks: the measured forward's output is dropped (its
-records go with its graph), the block runs again as the chunked placement runs it (without grad,
-its input saved, backward in token chunks), and its output is the step's. The auto policy takes
-the measured forward's figures (`MeasuredForward`) and reads the step as a chunked one. Only a
-block whose second forward starts from what the first found: its measured forward changed no
-buffer or attribute of the block's modules or of its inputs (`Found`: an auxiliary loss kept on
-the module would also hold the measured graph), wrote into no input, called no collective, drew
-no random number (the survey refuses those), and no forward hook inside the block replaced an
-output (watched as a checkpoint watches them: Note [hooks that change outputs]); a key/value
-cache it was given held no rows it reads, and the second forward gets none (the first wrote its
-rows: Note [a cache in checkpointed training]). The second forward calls no forward hook inside
-the block (the first did), gives back what it changes, and starts from a clean table of saved
-tensors (the measured records' handles go with the graph). The measured forward's time is the
-block's (the second is not timed). Not under a host budget too small for a block (Note
-[measuring where the host is small]).
+while chunks hold less (`actoff.budget.least`), the run goes on in chunks: the measured forward's
+output is dropped (its records go with its graph), the block runs again as the chunked placement
+runs it (without grad, its input saved, backward in token chunks), and its output is the step's.
+The auto policy takes the measured forward's figures (`MeasuredForward`) and reads the step as a
+chunked one. Only a block whose second forward starts from what the first found: its measured
+forward changed no buffer, attribute or tensor (by version) of the block's modules or of its
+inputs (`Found`: an auxiliary loss kept on the module would also hold the measured graph), wrote
+into no input, called no collective, drew no random number (the survey refuses those); no forward
+hook inside the block (one that writes an output in place, or hooks its gradient, would act on
+the measured forward alone; the block's own hooks fire outside the scope, once); a key/value cache
+it was given held no rows it reads, and the second forward gets none (the first wrote its rows:
+Note [a cache in checkpointed training]). The second forward gives back what it changes, and
+starts from a clean table of saved tensors (the measured records' handles go with the graph).
+The measured forward's time is the block's (the second is not timed). Not under a host budget
+too small for a block (Note [measuring where the host is small]). What it cannot see: a side
+effect outside the block's modules and inputs (a collector of auxiliary losses held elsewhere
+gets the second forward's too).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 
 from ..hooks import AliasHandle, Handle, unpack
 from .base import Call, Placement
-from .checkpoint import has_forward_hooks, holds_rows_read, hooks_watched, run_checkpointed
+from .checkpoint import has_forward_hooks, holds_rows_read, run_checkpointed
 from .chunk_attention import Watch
 from .chunked import ChunkedPlacement, MeasuredForward, survey, surveyed
 from .tokenwise import TokenwisePlacement
@@ -101,11 +102,10 @@ class MeasuringPlacement(TokenwisePlacement):
             else None
         )
         versions = [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        changed: list[str] = []  # forward hooks inside the block that replaced an output
-        with CaptureMode(self.split), CollectiveWatch(self.split), watch, hooks_watched(call.module, changed):
+        with CaptureMode(self.split), CollectiveWatch(self.split), watch:
             output = call.run() if not runs_again else self._forward_inside_checkpoint(call)
         surveyed(watch, output, self.run.config.token_dim)
-        unchanged = found is not None and not changed and not found.changed()
+        unchanged = found is not None and not found.changed()
         unchanged = unchanged and all(leaf._version == version for leaf, version in versions)
         unchanged = unchanged and not watch.refused and self.split.collective is None
         if unchanged and self.run.runtime.auto.only_chunks_fit(self.run, watch):
@@ -115,14 +115,13 @@ class MeasuringPlacement(TokenwisePlacement):
 
     def _may_chunk(self, call: Call, leaves: list[Any]) -> bool:
         """Whether the run may go on in chunks, as far as can be told before its forward: a budget
-        to fit, grad on, a module, and no cache holding rows the block reads."""
-        if (
-            self.run.runtime.auto.budget(self.run) is None
-            or not torch.is_grad_enabled()
-            or call.module is None
-        ):
+        to fit, grad on, a module without forward hooks inside, no cache holding rows it reads."""
+        module = call.module
+        if self.run.runtime.auto.budget(self.run) is None or not torch.is_grad_enabled() or module is None:
             return False
-        return not any(is_cache(leaf) and holds_rows_read(leaf, call.module) for leaf in leaves)
+        if any(sub._forward_hooks for sub in module.modules() if sub is not module):
+            return False  # a hook inside the block would see the measured forward's tensors alone
+        return not any(is_cache(leaf) and holds_rows_read(leaf, module) for leaf in leaves)
 
     def _in_chunks(self, call: Call, watch: Watch, leaves: list[Any], spec: Any) -> Any:
         """The block run again as the chunked placement runs it, as the run's placement from now
