@@ -105,11 +105,16 @@ class Ended:
 
 def link_rate(runtime: Runtime, run: ScopeRun) -> float:
     """The host link in bytes per second: ``ACTOFF_HOST_BANDWIDTH``, else measured once per
-    device (ranks on one host copy at the same time: each gets its share)."""
+    device (ranks on one host copy at the same time: each gets its share), with a copy of at most
+    half the budget's room left: its buffer is the probe's, not the next step's peak."""
     if run.config.host_bandwidth is not None:
         return float(run.config.host_bandwidth)
     if run.device not in runtime.bandwidths:
-        runtime.bandwidths[run.device] = run.backend.host_bandwidth() / local_world_size()
+        watch, budget = runtime.auto.watch(run), runtime.auto.budget(run)
+        room = 2**26 if watch is None or budget is None else max(2**20, (budget - watch.live()) // 2)
+        runtime.bandwidths[run.device] = run.backend.host_bandwidth(min(2**26, room)) / local_world_size()
+        if watch is not None:
+            watch.reset()
     return runtime.bandwidths[run.device]
 
 
