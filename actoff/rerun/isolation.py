@@ -46,12 +46,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["Found", "forward_hooks_off", "is_cache", "left_as_found", "without_caches"]
+__all__ = ["Found", "forward_hooks_off", "hooks_inside", "is_cache", "left_as_found", "without_caches"]
 
 # torch's own attributes of every module (parameters, buffers, submodules, hook tables): the
 # parameters and submodules are never bound back (a pre-hook may rebind parameters, as FSDP
@@ -116,6 +117,26 @@ class _Attributes:
             return True
         return any(not torch.equal(bindings[name].detach(), copy) for name, copy in self.values.items())
 
+    def kept_tensors(self) -> list[str]:
+        """The floating tensors bound since (an attribute set or rebound to one, or to a list or
+        dictionary holding one), or added to a list or dictionary held then, by name."""
+        now, bindings, found = vars(self.owner), self.bindings, []
+        for name, value in now.items():
+            if name in self.own:
+                continue
+            before = bindings.get(name, _MISSING)
+            if before is value:  # the same binding: its items, if any, compared with the copy's
+                old = self.items.get(name)
+                if old is None:
+                    continue
+                known = {id(item) for item in (old if type(old) is list else old.values())}
+            else:
+                known = set()
+            items = value if type(value) is list else value.values() if type(value) is dict else (value,)
+            if any(_floating(item) and id(item) not in known for item in items):
+                found.append(f"{type(self.owner).__name__}.{name}")
+        return found
+
     def restore(self) -> None:
         now, bindings = vars(self.owner), self.bindings
         for name in [name for name in now if name not in bindings]:
@@ -145,6 +166,10 @@ def _versions(values: list[Any]) -> list[tuple[torch.Tensor, int]]:
         items = value if type(value) is list else value.values() if type(value) is dict else (value,)
         found.extend((item, item._version) for item in items if isinstance(item, torch.Tensor))
     return found
+
+
+def _floating(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _same(now: list | dict, then: list | dict) -> bool:
@@ -224,6 +249,19 @@ class Found:
         except (NotImplementedError, RuntimeError):
             return True
 
+    def kept_tensors(self) -> list[str]:
+        """The floating tensors the forward kept since on the block's modules or on the plain
+        objects among its inputs (an auxiliary loss: ``self.aux = ...``, or one appended to
+        ``self.losses``), named ``Class.attribute``.
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> found = Found(layer, [])
+        >>> layer.aux = layer(torch.ones(2)).square().mean()
+        >>> found.kept_tensors()
+        ['Linear.aux']
+        """
+        return [name for attributes in self.kept for name in attributes.kept_tensors()]
+
     def restore(self) -> None:
         with torch.no_grad():
             for attributes in self.kept:
@@ -260,6 +298,39 @@ def left_as_found(
         yield
     finally:
         found.restore()
+
+
+def hooks_inside(module: torch.nn.Module) -> list[str]:
+    """The submodules of ``module`` (not ``module`` itself, whose hooks fire outside its forward)
+    with a forward hook that may act in its forward, by class: Hugging Face's output capture is
+    left out while the model's forward records nothing it captures (it returns at once then).
+
+    >>> block = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> _ = block.register_forward_hook(lambda *_: None)
+    >>> before = hooks_inside(block)
+    >>> _ = block[0].register_forward_hook(lambda *_: None)
+    >>> before, hooks_inside(block)
+    ([], ['Linear'])
+    """
+    return [
+        type(sub).__name__
+        for sub in module.modules()
+        if sub is not module and any(not _idle_capture(hook) for hook in sub._forward_hooks.values())
+    ]
+
+
+def _idle_capture(hook: Any) -> bool:
+    """Whether ``hook`` is Hugging Face's output capture and its model's forward now records
+    nothing under its key (found by name, so transformers is not imported)."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    if capturing is None or getattr(hook, "__module__", None) != capturing.__name__:
+        return False
+    try:
+        key = dict(zip(hook.__code__.co_freevars, hook.__closure__ or (), strict=True))["key"].cell_contents
+        collected = capturing._active_collector.get()
+    except (AttributeError, KeyError, LookupError, TypeError, ValueError):
+        return False  # another version's hook: taken as acting
+    return collected is None or key not in collected
 
 
 @contextlib.contextmanager

@@ -499,13 +499,21 @@ def test_a_measured_forward_goes_on_in_chunks_only_where_a_second_forward_starts
         _compare(pairs, exact=streamed)  # streamed: the same kernels on the same shapes
 
 
-def test_a_hugging_face_layer_given_its_fresh_cache_goes_on_in_chunks_and_writes_the_cache_once():
+@pytest.mark.parametrize("captured_before", [False, True], ids=["fresh", "output_capture_hooked"])
+def test_a_hugging_face_layer_given_its_fresh_cache_goes_on_in_chunks_and_writes_the_cache_once(
+    captured_before,
+):
     """Hugging Face's default in training hands every layer a fresh cache, which the measured
     forward writes: the second forward gets none (Note [a cache in checkpointed training]), so
     the layers still go on in chunks (before, the cache's new rows counted as a change and every
     layer measured streamed). The cache holds each layer's rows once; loss and gradients are the
-    run without actoff's within reassociation."""
+    run without actoff's within reassociation. A model asked once for its hidden states keeps the
+    output capture's hooks on its layers and their attention: idle while the forward asks for
+    none, they do not keep the layers streamed (before, they did)."""
     model = tiny_llama(max_position_embeddings=2048, hidden_size=128, intermediate_size=512, vocab_size=64)
+    if captured_before:
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), output_hidden_states=True)
+        assert model.model.layers[0].self_attn._forward_hooks
     reference = copy.deepcopy(model)
     layer_cls = type(model.model.layers[0])
     settings = {"host_bandwidth": "10GB", "gpu_budget": 19 * 2**20, "chunk_tokens": 64}
@@ -691,3 +699,58 @@ def test_a_forward_refused_after_the_survey_runs_as_a_checkpoint_drawing_what_it
                 mine.grad, theirs.grad = None, None
     assert placements[2] == ["chunked"] * 4 and "chunked" not in placements[3]
     assert any("draws random numbers" in str(warning.message) for warning in said)
+
+
+class _KeepsFrom(torch.nn.Module):
+    """A reference block that keeps an auxiliary loss on itself from its ``first`` call on."""
+
+    def __init__(self, inner: Block, first: int) -> None:
+        super().__init__()
+        self.inner, self.first, self.calls = inner, first, 0
+
+    def forward(self, x, cos, sin):
+        self.calls += 1
+        out = self.inner(x, cos, sin)
+        if self.calls >= self.first:
+            self.aux = out.square().mean()
+        return out
+
+
+@pytest.mark.parametrize("first", [1, 3], ids=["from_the_first_call", "after_the_survey"])
+def test_an_auxiliary_loss_kept_on_the_block_keeps_its_gradient(stream_floor, measured_streamed, first):
+    """(Note [state a chunked forward changes]) a chunked forward runs without grad: an auxiliary
+    loss the block keeps would have no graph, and a loss adding it gave the weights none of its
+    gradient (before: the plan's chunked steps trained on). The survey refuses a block that keeps
+    one when measured; one that starts after the survey is refused in its chunked forward and runs
+    as a checkpoint. Every step's gradients are the run without actoff's, bit for bit (the same
+    kernels on the same shapes)."""
+    model = make_model(**WIDE)
+    model.layers = torch.nn.ModuleList(_KeepsFrom(layer, first) for layer in model.layers)
+    reference = copy.deepcopy(model)
+    settings = {"host_bandwidth": "10GB", "gpu_budget": int(stream_floor * 0.8), "chunk_tokens": 64}
+    actoff.offload_(model, block_cls=_KeepsFrom, policy="auto", min_bytes=0, **settings)
+    generator = torch.Generator().manual_seed(1)
+
+    def loss(net, tokens):
+        return net.loss(tokens) + sum(getattr(layer, "aux", 0.0) for layer in net.layers)
+
+    placements = []
+    with warnings.catch_warnings(record=True) as said, simulated_device(seed=0):
+        warnings.simplefilter("always")
+        for _ in range(4):
+            tokens = torch.randint(0, 256, (2, LONG), generator=generator)
+            with no_dispatch():
+                loss(reference, tokens).backward()
+            loss(model, tokens).backward()
+            placements.append([block.placement for block in actoff.stats().blocks.values()])
+            for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
+                mine.grad, theirs.grad = None, None
+    if first == 1:
+        assert all("chunked" not in ran for ran in placements), placements
+        assert all(
+            "keeps _KeepsFrom.aux" in entry.chunk_refusal for entry in get_runtime().auto.current.entries
+        )
+    else:
+        assert placements[2] == ["chunked"] * 4 and "chunked" not in placements[3], placements
+        assert any("keeps _KeepsFrom.aux" in str(warning.message) for warning in said)

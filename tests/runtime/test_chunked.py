@@ -404,6 +404,67 @@ def test_the_re_runs_leave_the_block_as_the_forward_left_it():
     assert int(model.layers[0].calls) == 1
 
 
+def test_state_a_block_changes_changes_once_a_step_as_without_actoff():
+    """(Note [state a chunked forward changes]) once probed, the forward runs in chunks, which
+    called the block's forward once per chunk and per keys pass: its counter stood at 17 after 3
+    steps (before). The changed state is given back and the block runs whole from then on: the
+    counter goes up once a step, and the gradients are the unchunked block's."""
+    model = _scratch_model("plain")
+    expected = train(copy.deepcopy(model), 3)
+    actual = train(_chunked(model, 8, block_cls=_Scratch), 3)
+    assert int(model.layers[0].calls) == 3
+    assert_close_history(expected, actual)
+
+
+class _Keeps(nn.Module):
+    """A reference block that keeps an auxiliary loss: as an attribute, or appended to a list."""
+
+    def __init__(self, inner: nn.Module, how: str) -> None:
+        super().__init__()
+        self.inner, self.how, self.losses = inner, how, []
+
+    def forward(self, x, cos, sin):
+        out = self.inner(x, cos, sin)
+        if self.how == "attribute":
+            self.aux = out.square().mean()
+        else:
+            self.losses.append(out.square().mean())
+        return out
+
+
+@pytest.mark.parametrize("how", ["attribute", "list"])
+def test_an_auxiliary_loss_kept_on_the_block_is_refused_not_left_without_its_gradient(how):
+    """Run without grad, the kept loss had no graph: a loss adding it gave the weights none of its
+    gradient (before: the step trained on). Refused, naming it, the block as it was."""
+    model = make_model()
+    model.layers = nn.ModuleList(_Keeps(layer, how) for layer in model.layers)
+    _chunked(model, 8, block_cls=_Keeps)
+    with pytest.raises(ChunkedShapeError, match=r"keeps _Keeps\.(aux|losses).*no gradient") as raised:
+        model.loss(torch.randint(0, 256, (2, 33)))
+    assert "'checkpoint'" in str(raised.value)
+    assert all(not hasattr(layer, "aux") and layer.losses == [] for layer in model.layers)
+
+
+def test_a_forward_hook_inside_the_block_sees_one_whole_forward_a_step():
+    """A hook that only looks is called once a forward, on the whole block's rows (before: once per
+    chunk and keys pass once probed, on the chunks' rows); the gradients are the unchunked block's."""
+    model = make_model()
+    expected = train(copy.deepcopy(model), 3)
+    _chunked(model, 8)
+    seen = []
+    model.layers[0].mlp.register_forward_hook(lambda module, args, output: seen.append(output.shape[1]))
+    actual = train(model, 3)
+    assert seen == [32] * 3  # the blocks see all tokens but the last
+    assert_close_history(expected, actual)
+
+
+def test_a_forward_hook_that_replaces_an_output_inside_the_block_is_refused():
+    model = _chunked(make_model(), 8)
+    model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 1.5)
+    with pytest.raises(ChunkedShapeError, match="hook on its .* replaces"):
+        model.loss(torch.randint(0, 256, (2, 33)))
+
+
 def test_a_function_scope_is_refused():
     @actoff.offload(policy="chunked", min_bytes=0, name="fn")
     def block(x):

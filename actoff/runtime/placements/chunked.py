@@ -34,10 +34,28 @@ its queries, keys and values as long as the block's sequence, and no dropout els
 of another shape raises `ChunkedShapeError` naming what it found and the placements that take
 it (``checkpoint``, ``cpu``). The re-runs leave the block as the forward left it (Note [re-runs
 leave no trace] in actoff.rerun.isolation), without forward hooks, caches or the cache's rows.
+
+Note [state a chunked forward changes]: the forward runs without grad, and once probed in chunks,
+calling the block once per chunk and per keys pass. What a forward changes outside its output
+is therefore watched (`Found`, around the forward):
+- a floating tensor it keeps on its modules or on an object given to it (``self.aux = ...``, an
+  auxiliary loss appended to a list) would have no graph: a loss that reads it would give the
+  weights no gradient, without a word. The block is refused (`ChunkedShapeError`, naming it).
+- a forward hook inside the block that replaces an output acts in forward only (the runs again
+  in backward call none): refused too. Hooks that only look fire once a forward: a block with
+  one inside runs its forward whole (Hugging Face's output capture counts only while its model
+  records what it captures).
+- state it changes in place or rebinds (a counter, a running statistic) would change once per
+  chunk: where a forward in chunks changed any, it is given back and the block runs whole
+  instead, that call and every later one, so the state changes once a call, as without actoff.
+A refused forward gives back what it changed before the error (or, under ``auto``, before the
+checkpoint runs in its place). The backward's runs again give back theirs (Note [re-runs leave no
+trace]). Side effects outside the block's modules and inputs are not seen (a global list).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,11 +63,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 
-from actoff.rerun.isolation import forward_hooks_off, is_cache, left_as_found, without_caches
+from actoff.rerun.isolation import (
+    Found,
+    forward_hooks_off,
+    hooks_inside,
+    is_cache,
+    left_as_found,
+    without_caches,
+)
 from actoff.rerun.state import ForwardState, RngState, autograd_status
 
 from .base import Call
-from .checkpoint import CheckpointPlacement, holds_rows_read, run_checkpointed
+from .checkpoint import CheckpointPlacement, holds_rows_read, hooks_watched, run_checkpointed
 from .chunk_attention import ChunkedShapeError, ChunkMismatchError, Watch
 from .chunk_backward import Block, backward, probed, row_sums, token_dim
 from .chunk_backward import forward as chunked_forward
@@ -57,11 +82,16 @@ from .chunk_backward import forward as chunked_forward
 if TYPE_CHECKING:
     from ..step import ScopeRun
 
+#: Modules whose forward changed their state under the chunked placement: their forward runs
+#: whole, so the state changes once a call (Note [state a chunked forward changes]).
+_CHANGES_STATE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
 __all__ = [
     "ChunkMismatchError",
     "ChunkedPlacement",
     "ChunkedShapeError",
     "MeasuredForward",
+    "keeps",
     "run_chunked",
     "survey",
     "surveyed",
@@ -75,19 +105,13 @@ class _ChunkedFunction(torch.autograd.Function):
         values = block.values(inputs)
         known = [*tensors, *block.params]
         watch = Watch(block.run.name, block.seq_len, known)
-        # Once a whole run and the probe have shown the block's shape (Note [a chunked forward]).
-        if block.chunk >= block.seq_len or block.has_cache or not probed(block, values):
-            with watch:
-                output = block.call(values)
-            watch.finish(block.rng)
-        else:
-
-            def each(length: int, sliced: list[Any]) -> Watch:
-                tensors = [value for value in sliced if isinstance(value, torch.Tensor)]
-                return Watch(block.run.name, length, [*known, *tensors])
-
-            output = chunked_forward(block, values, each)
-            watch.random(block.rng)
+        found = Found(block.module, without_caches(values))
+        try:
+            output = _forward(block, values, known, watch, found)
+        except ChunkedShapeError:
+            found.restore()  # Note [state a chunked forward changes]
+            raise
+        leaves, block.out_spec = pytree.tree_flatten(output)
         leaves, block.out_spec = pytree.tree_flatten(output)
         for leaf in leaves:
             floating = isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
@@ -116,6 +140,50 @@ class _ChunkedFunction(torch.autograd.Function):
                 block.run.account("recompute_ms", ticket)
         block.timed = None
         return (None, *input_grads, *param_grads)
+
+
+def _forward(block: Block, values: list[Any], known: list[torch.Tensor], watch: Watch, found: Found) -> Any:
+    """The block's output without grad: in chunks once a whole run and the probe have shown its
+    shape (Note [a chunked forward]), else whole; state it changes in chunks, or keeps, as Note
+    [state a chunked forward changes] says."""
+    whole = block.chunk >= block.seq_len or block.has_cache or not probed(block, values)
+    if not whole and block.module not in _CHANGES_STATE and not hooks_inside(block.module):
+
+        def each(length: int, sliced: list[Any]) -> Watch:
+            tensors = [value for value in sliced if isinstance(value, torch.Tensor)]
+            return Watch(block.run.name, length, [*known, *tensors])
+
+        output = chunked_forward(block, values, each)
+        watch.random(block.rng)
+        if not found.changed():
+            return output
+        del output
+        found.restore()  # changed once a chunk: once, by the whole block, as without actoff
+        _CHANGES_STATE.add(block.module)
+    replaced: list[str] = []
+    with watch, hooks_watched(block.module, replaced):
+        output = block.call(values)
+    watch.finish(block.rng)
+    if replaced:
+        raise watch.refuse(
+            f"a forward hook on its {replaced[0]} replaces that module's output, and the runs again in "
+            "backward call no hooks (Note [re-runs without forward hooks])"
+        )
+    kept = found.kept_tensors()
+    if kept:
+        raise watch.refuse(keeps(kept))
+    if found.changed():
+        _CHANGES_STATE.add(block.module)
+    return output
+
+
+def keeps(kept: list[str]) -> str:
+    """Why a block whose forward keeps the tensors named ``kept`` is refused (Note [state a
+    chunked forward changes])."""
+    return (
+        f"its forward keeps {', '.join(kept)}: run without grad, a tensor kept there has no graph, and a "
+        "loss that reads it would give its weights no gradient"
+    )
 
 
 def _refusal(run: ScopeRun, call: Call, tensors: list[torch.Tensor]) -> str | None:
@@ -257,8 +325,8 @@ class ChunkedPlacement(CheckpointPlacement):
     forward with grad, and the probe (Note [the chunked probe]) runs only in backward. So where
     auto placed it (``falls_back``), a refusal in forward runs the block as a checkpoint instead:
     nothing was saved yet, and the generators are set back to where the refused forward found
-    them, so the checkpoint draws what a forward without actoff would (buffers the refused forward
-    changed are not given back). A failed probe takes the whole block's gradients from its stored
+    them, so the checkpoint draws what a forward without actoff would, from the state the refused
+    forward found (Note [state a chunked forward changes]). A failed probe takes the whole block's gradients from its stored
     inputs, the generators as its forward had them (its forward ran whole: a block runs in chunks
     only once probed). Either way ``refused`` says why, one warning per block says it, and the next
     plan leaves the block out of the chunked placement; that step holds a checkpoint's memory,

@@ -34,11 +34,14 @@ forward changed no buffer, attribute or tensor (by version) of the block's modul
 inputs (`Found`: an auxiliary loss kept on the module would also hold the measured graph), wrote
 into no input, called no collective, drew no random number (the survey refuses those); no forward
 hook inside the block (one that writes an output in place, or hooks its gradient, would act on
-the measured forward alone; the block's own hooks fire outside the scope, once); a key/value cache
+the measured forward alone; the block's own hooks fire outside the scope, once; Hugging Face's
+output capture counts only while its model records what it captures); a key/value cache
 it was given held no rows it reads, and the second forward gets none (the first wrote its rows:
 Note [a cache in checkpointed training]). The second forward gives back what it changes, and
 starts from a clean table of saved tensors (the measured records' handles go with the graph).
-The measured forward's time is the block's (the second is not timed). Not under a host budget
+The measured forward's time is the block's (the second is not timed). A block whose measured
+forward keeps a floating tensor on its modules or inputs (an auxiliary loss) is refused by the
+survey: in chunks it would have no graph (Note [state a chunked forward changes] in .chunked). Not under a host budget
 too small for a block (Note [measuring where the host is small]). What it cannot see: a side
 effect outside the block's modules and inputs (a collector of auxiliary losses held elsewhere
 gets the second forward's too).
@@ -52,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from actoff.rerun.isolation import Found, forward_hooks_off, is_cache, left_as_found, without_caches
+from actoff.rerun import isolation
 from actoff.tiers.record import Record, State
 from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 
@@ -60,7 +63,7 @@ from ..hooks import AliasHandle, Handle, unpack
 from .base import Call, Placement
 from .checkpoint import has_forward_hooks, holds_rows_read, run_checkpointed
 from .chunk_attention import Watch
-from .chunked import ChunkedPlacement, MeasuredForward, survey, surveyed
+from .chunked import ChunkedPlacement, MeasuredForward, keeps, survey, surveyed
 from .tokenwise import TokenwisePlacement
 
 if TYPE_CHECKING:
@@ -94,18 +97,19 @@ class MeasuringPlacement(TokenwisePlacement):
         self.chunk_survey = watch = survey(self.run, call)
         leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
         runs_again = self._runs_again(call)
-        # What a second forward would start from (Note [measuring where only chunks fit]).
-        # A cache is not: the second forward gets none (`_in_chunks`).
-        found = (
-            Found(call.module, without_caches(leaves))
-            if not runs_again and self._may_chunk(call, leaves)
-            else None
-        )
+        # What a second forward would start from (Note [measuring where only chunks fit]), and
+        # what the forward keeps (a tensor kept there has no graph in chunks: the survey refuses
+        # it). A cache is not: the second forward gets none (`_in_chunks`).
+        found = isolation.Found(call.module, isolation.without_caches(leaves)) if not runs_again else None
+        may_chunk = found is not None and self._may_chunk(call, leaves)  # before the forward writes a cache
         versions = [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
         with CaptureMode(self.split), CollectiveWatch(self.split), watch:
             output = call.run() if not runs_again else self._forward_inside_checkpoint(call)
         surveyed(watch, output, self.run.config.token_dim)
-        unchanged = found is not None and not found.changed()
+        kept = found.kept_tensors() if found is not None else []
+        if kept:
+            watch.object_to(keeps(kept))
+        unchanged = may_chunk and not found.changed()
         unchanged = unchanged and all(leaf._version == version for leaf, version in versions)
         unchanged = unchanged and not watch.refused and self.split.collective is None
         if unchanged and self.run.runtime.auto.only_chunks_fit(self.run, watch):
@@ -119,9 +123,9 @@ class MeasuringPlacement(TokenwisePlacement):
         module = call.module
         if self.run.runtime.auto.budget(self.run) is None or not torch.is_grad_enabled() or module is None:
             return False
-        if any(sub._forward_hooks for sub in module.modules() if sub is not module):
+        if isolation.hooks_inside(module):
             return False  # a hook inside the block would see the measured forward's tensors alone
-        return not any(is_cache(leaf) and holds_rows_read(leaf, module) for leaf in leaves)
+        return not any(isolation.is_cache(leaf) and holds_rows_read(leaf, module) for leaf in leaves)
 
     def _in_chunks(self, call: Call, watch: Watch, leaves: list[Any], spec: Any) -> Any:
         """The block run again as the chunked placement runs it, as the run's placement from now
@@ -137,10 +141,10 @@ class MeasuringPlacement(TokenwisePlacement):
             run.spans.clear()  # the measured graph
         del unneeded
         run.place(chunked)
-        if any(is_cache(leaf) for leaf in leaves):  # written by the measured forward, once
-            args, kwargs = pytree.tree_unflatten(without_caches(leaves), spec)
+        if any(isolation.is_cache(leaf) for leaf in leaves):  # written by the measured forward, once
+            args, kwargs = pytree.tree_unflatten(isolation.without_caches(leaves), spec)
             call = Call(call.fn, args, kwargs, call.module)
-        with left_as_found(call.module, leaves), forward_hooks_off(call.module):
+        with isolation.left_as_found(call.module, leaves), isolation.forward_hooks_off(call.module):
             return chunked.forward(call)
 
     def _runs_again(self, call: Call) -> bool:
