@@ -509,6 +509,38 @@ def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, leng
             torch.testing.assert_close(got, grad, **RECOMPUTE_TOL)
 
 
+@pytest.mark.no_sim_device
+@pytest.mark.parametrize("flash", [True, False], ids=["flash_takes_the_groups", "keys_repeated"])
+def test_grouped_keys_go_to_the_lower_right_kernel_unrepeated_where_flash_takes_them(monkeypatch, flash):
+    """Where the flash kernel takes grouped keys (a recent GPU, half precision: told here by
+    patching PyTorch's check), the chunk's call gets the key heads as they are (before: repeated
+    per query head, 4x Llama-3.1-8B's keys and their gradients up to the chunk's end); else
+    repeated for the memory-efficient kernel. Values and gradients as the whole sequence's either way."""
+    from actoff.runtime.placements import chunk_attention
+
+    monkeypatch.setattr(chunk_attention, "can_use_flash_attention", lambda params, debug=False: flash)
+    heads_seen = []
+    real = chunk_attention._ATTENTION
+
+    def spy(q, k, v, **kwargs):
+        heads_seen.append(k.shape[-3])
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(chunk_attention, "_ATTENTION", spy)
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 40, 4, requires_grad=True)
+    k, v = (torch.randn(1, 2, 40, 4, requires_grad=True) for _ in range(2))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[..., 27:, :]
+    served = chunk_attention._lower_right_kernel(
+        q[..., 27:, :], k, v, 13, {"scale": None, "enable_gqa": True}
+    )
+    assert heads_seen == [2 if flash else 8]
+    torch.testing.assert_close(served, whole, **RECOMPUTE_TOL)
+    wanted = torch.autograd.grad(whole.square().sum(), (q, k, v))
+    for got, grad in zip(torch.autograd.grad(served.square().sum(), (q, k, v)), wanted, strict=True):
+        torch.testing.assert_close(got, grad, **RECOMPUTE_TOL)
+
+
 # Shapes SDPA takes that PyTorch's CPU flash kernels, called directly, do not (a review's
 # reproducers: an error in backward, or NaN rows and a corrupted heap with keys broadcast).
 @pytest.mark.no_sim_device

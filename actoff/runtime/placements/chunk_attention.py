@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 
@@ -184,16 +185,23 @@ class ChunkMode(TorchFunctionMode):
 def _lower_right_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, extra: dict
 ) -> torch.Tensor:
-    """The chunk's attention through PyTorch's lower-right causal bias, which its memory-efficient
-    CUDA kernel takes without a mask in memory. That kernel does not take grouped keys
-    (``enable_gqa``): with fewer key heads than query heads SDPA would fall back to the math kernel,
-    with rows x keys scores in memory, so the keys and values are repeated per query head here (their
-    bytes times the group size, for the chunk's call). Not yet run on a GPU."""
+    """The chunk's attention through PyTorch's lower-right causal bias, which its CUDA kernels take
+    without a mask in memory. Grouped keys (``enable_gqa``) go as they are where the flash kernel
+    takes the call (half precision on a recent GPU: it reads a key head for its query heads);
+    the memory-efficient kernel does not take them, and SDPA would fall back to the math kernel,
+    with rows x keys scores in memory, so there the keys and values are repeated per query head (their
+    bytes, and their gradients', times the group size for the chunk's call: 32 KB per token of
+    Llama-3.1-8B's keys up to the chunk's end). Not yet run on a GPU."""
     groups = q.shape[-3] // k.shape[-3]
-    if extra["enable_gqa"] and groups > 1:
+    if (
+        extra["enable_gqa"]
+        and groups > 1
+        and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
+    ):
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+        extra = {**extra, "enable_gqa": False}
     mask = causal_lower_right(rows, k.shape[-2])
-    return _ATTENTION(q, k, v, attn_mask=mask, scale=extra["scale"])
+    return _ATTENTION(q, k, v, attn_mask=mask, **extra)
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
