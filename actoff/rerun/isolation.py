@@ -21,8 +21,9 @@ gets:
   statistic logged in forward) are restored to the forward's values, graphs included,
   attributes it adds are removed, lists and dictionaries they hold get their items back (an
   auxiliary loss appended to ``self.aux_losses``; one level deep: a list inside a dictionary
-  keeps what was appended to it), and tensors up to 1 MiB held as attributes get their values
-  back (``self.tally += 1``): the loss that reads them after forward reads the forward's. So
+  keeps what was appended to it), and tensors up to 1 MiB held as attributes, or in the lists
+  and dictionaries they hold, get their values back (``self.tally += 1``,
+  ``self.scales[0].mul_(0.5)``): the loss that reads them after forward reads the forward's. So
   are the attributes of plain objects given to the block.
 - forward hooks of those modules do not fire (`forward_hooks_off`, Note [re-runs without
   forward hooks]).
@@ -93,17 +94,15 @@ class _Attributes:
             for name, value in self.bindings.items()
             if name not in own and type(value) in (list, dict)
         }
-        # Small tensors held as plain attributes (a counter, a running statistic): their values,
-        # for writes in place (``self.tally += 1``).
-        self.values = {
-            name: value.detach().clone()
-            for name, value in self.bindings.items()
-            if name not in own
-            and isinstance(value, torch.Tensor)
-            and value.numel() * value.element_size() <= _ATTRIBUTE_VALUES_UP_TO
-        }
         # For `changed`: the versions of the tensors bound, and of those the lists and dictionaries hold.
         self.versions = _versions([value for name, value in self.bindings.items() if name not in own])
+        # Of those, the small ones (a counter, a running statistic, a scale kept in a list): their
+        # values, for writes in place (``self.tally += 1``, ``self.state[0].mul_(0.5)``).
+        self.values = [
+            (tensor, tensor.detach().clone())
+            for tensor, _ in self.versions
+            if tensor.numel() * tensor.element_size() <= _ATTRIBUTE_VALUES_UP_TO
+        ]
 
     def changed(self) -> bool:
         """Whether a binding, a list's or dictionary's items, a tensor's version (one bound, or an
@@ -115,7 +114,7 @@ class _Attributes:
             return True
         if any(tensor._version != version for tensor, version in self.versions):
             return True
-        return any(not torch.equal(bindings[name].detach(), copy) for name, copy in self.values.items())
+        return any(not torch.equal(tensor.detach(), copy) for tensor, copy in self.values)
 
     def kept_tensors(self) -> list[str]:
         """The floating tensors bound since (an attribute set or rebound to one, or to a list or
@@ -144,8 +143,7 @@ class _Attributes:
         for name, value in bindings.items():
             if name not in _NEVER_BOUND_BACK and now.get(name, _MISSING) is not value:
                 now[name] = value
-        for name, copy in self.values.items():
-            tensor = bindings[name]
+        for tensor, copy in self.values:
             if not torch.equal(tensor.detach(), copy):
                 tensor.data.copy_(copy)  # unversioned, as buffers are (`left_as_found`)
         for name, items in self.items.items():

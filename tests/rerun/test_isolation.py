@@ -398,6 +398,20 @@ def test_left_as_found_gives_back_attributes_lists_and_buffers():
     assert module.history == [1] and not hasattr(module, "new") and given.calls == 0
 
 
+def test_left_as_found_gives_back_the_values_of_tensors_held_in_a_list_or_a_dictionary():
+    """A scale kept in a list, halved in place by each run: the runs again in a chunked backward
+    halved it once more each (before: only the list's items were compared, by identity), and the
+    next step's forward read a quarter of it instead of a half."""
+    from actoff.rerun.isolation import left_as_found
+
+    module = nn.Linear(2, 2)
+    module.scales, module.stats = [torch.ones(1)], {"sum": torch.zeros(2)}
+    with left_as_found(module, []):
+        module.scales[0].mul_(0.5)
+        module.stats["sum"] += 1
+    assert module.scales[0].item() == 1 and module.stats["sum"].tolist() == [0, 0]
+
+
 # ---------------------------------------------------------------------------------- once per call
 class CountedBlock(Block):
     """Counts its body's runs in a list it closes over (a side effect outside the block's modules,

@@ -25,6 +25,7 @@ import actoff.runtime.measured
 import actoff.runtime.planning
 from actoff.budget import PLAN_HEADROOM, Outside
 from actoff.reference import MLP, Block
+from actoff.runtime.placements.chunked import ChunkMismatchError
 from actoff.runtime.runtime import get_runtime
 from actoff.testing import simulated_device
 from actoff.tiers.record import State
@@ -754,3 +755,15 @@ def test_an_auxiliary_loss_kept_on_the_block_keeps_its_gradient(stream_floor, me
     else:
         assert placements[2] == ["chunked"] * 4 and "chunked" not in placements[3], placements
         assert any("keeps _KeepsFrom.aux" in str(warning.message) for warning in said)
+
+
+def test_a_block_whose_state_changes_its_output_stops_the_chunked_step(stream_floor, measured_streamed):
+    """A block that halves a tensor it holds and scales its output by it gives other rows run
+    again. Placed in chunks by the plan, its probe's runs saw other states, and the probe's
+    failure took the whole block's gradients from one more run, unchecked: 0.14 off, said as a
+    checkpoint's (before). Every run again in backward is now checked against the forward's
+    rows: the step stops."""
+    model = make_model(**WIDE)
+    model.layers = torch.nn.ModuleList(_Stateful(layer, "halves a listed tensor") for layer in model.layers)
+    with pytest.raises(ChunkMismatchError, match="did not give the rows"):
+        _auto_chunked(model, int(stream_floor * 0.8), 4, block_cls=_Stateful)

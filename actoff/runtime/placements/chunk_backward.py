@@ -239,19 +239,16 @@ def whole(block: Block, values: list[Any], out_grads: list[torch.Tensor | None])
 def _run_and_take(
     block: Block, values: list[Any], leaves: list[torch.Tensor], out_grads: list[torch.Tensor | None]
 ) -> tuple | None:
-    """The block run on ``values`` with grad, and the gradients of ``leaves`` and the weights from
-    ``out_grads``; None where no output takes a gradient."""
+    """The block run on ``values`` with grad (its rows checked against the forward's), and the
+    gradients of ``leaves`` and the weights from ``out_grads``; None where no output takes a gradient."""
     with torch.enable_grad():
         output = block.call(values)
-    pairs = [
-        (leaf, grad)
-        for leaf, dim, grad in zip(pytree.tree_flatten(output)[0], block.out_dims, out_grads, strict=True)
-        if dim is not None and grad is not None and leaf.requires_grad
-    ]
-    if not pairs:
+    # Checked as a chunk's are: a block whose state changes its output (it scales by a tensor it
+    # halves each call) gives other rows run again, and its gradients would be wrong.
+    outs, grads = _chunk_outputs(block, output, out_grads, 0, block.seq_len)
+    if not outs:
         return None
-    outs, grads = zip(*pairs, strict=True)
-    return torch.autograd.grad(list(outs), [*leaves, *block.params], list(grads), allow_unused=True)
+    return torch.autograd.grad(outs, [*leaves, *block.params], grads, allow_unused=True)
 
 
 def _conditions(block: Block, values: list[Any]) -> tuple:
