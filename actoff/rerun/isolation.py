@@ -53,7 +53,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Found", "forward_hooks_off", "hooks_inside", "is_cache", "left_as_found", "without_caches"]
+__all__ = [
+    "Found",
+    "Reached",
+    "forward_hooks_off",
+    "hooks_inside",
+    "is_cache",
+    "left_as_found",
+    "without_caches",
+]
 
 # torch's own attributes of every module (parameters, buffers, submodules, hook tables): the
 # parameters and submodules are never bound back (a pre-hook may rebind parameters, as FSDP
@@ -116,26 +124,6 @@ class _Attributes:
             return True
         return any(not torch.equal(tensor.detach(), copy) for tensor, copy in self.values)
 
-    def kept_tensors(self) -> list[str]:
-        """The floating tensors bound since (an attribute set or rebound to one, or to a list or
-        dictionary holding one), or added to a list or dictionary held then, by name."""
-        now, bindings, found = vars(self.owner), self.bindings, []
-        for name, value in now.items():
-            if name in self.own:
-                continue
-            before = bindings.get(name, _MISSING)
-            if before is value:  # the same binding: its items, if any, compared with the copy's
-                old = self.items.get(name)
-                if old is None:
-                    continue
-                known = {id(item) for item in (old if type(old) is list else old.values())}
-            else:
-                known = set()
-            items = value if type(value) is list else value.values() if type(value) is dict else (value,)
-            if any(_floating(item) and id(item) not in known for item in items):
-                found.append(f"{type(self.owner).__name__}.{name}")
-        return found
-
     def restore(self) -> None:
         now, bindings = vars(self.owner), self.bindings
         for name in [name for name in now if name not in bindings]:
@@ -164,10 +152,6 @@ def _versions(values: list[Any]) -> list[tuple[torch.Tensor, int]]:
         items = value if type(value) is list else value.values() if type(value) is dict else (value,)
         found.extend((item, item._version) for item in items if isinstance(item, torch.Tensor))
     return found
-
-
-def _floating(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _same(now: list | dict, then: list | dict) -> bool:
@@ -247,19 +231,6 @@ class Found:
         except (NotImplementedError, RuntimeError):
             return True
 
-    def kept_tensors(self) -> list[str]:
-        """The floating tensors the forward kept since on the block's modules or on the plain
-        objects among its inputs (an auxiliary loss: ``self.aux = ...``, or one appended to
-        ``self.losses``), named ``Class.attribute``.
-
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> found = Found(layer, [])
-        >>> layer.aux = layer(torch.ones(2)).square().mean()
-        >>> found.kept_tensors()
-        ['Linear.aux']
-        """
-        return [name for attributes in self.kept for name in attributes.kept_tensors()]
-
     def restore(self) -> None:
         with torch.no_grad():
             for attributes in self.kept:
@@ -272,6 +243,93 @@ class Found:
                         # The forward's values again, through .data: what saved them is at
                         # their version, and sees them as it saved them.
                         buffer.data.copy_(copy)
+
+
+class Reached:
+    """The tensors a block's forward can reach outside its output, as they are now: the buffers
+    and attributes of ``module``'s modules and the attributes of the plain objects among the
+    flattened ``inputs``, through lists, tuples, dictionaries and plain objects' attributes, up
+    to `_DEPTH` levels. `kept` names the floating ones the forward bound or wrote since.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> layer.logs = {"losses": []}
+    >>> reached = Reached(layer, [])
+    >>> layer.logs["losses"].append(layer(torch.ones(2)).square().mean())
+    >>> reached.kept()
+    ["Linear.logs['losses'][0]"]
+    """
+
+    def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
+        self.module, self.inputs = module, [value for value in inputs if _plain_object(value)]
+        # The lists and dictionaries walked (plain objects' attributes too), with their items then.
+        self.containers: list[tuple[Any, Any]] = []
+        self.then = {id(tensor): (tensor, tensor._version) for _, tensor in self._walk(self.containers)}
+
+    def _walk(self, containers: list | None = None) -> list[tuple[str, torch.Tensor]]:
+        found: list[tuple[str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for sub in self.module.modules() if self.module is not None else ():
+            kind = type(sub).__name__
+            for name, value in vars(sub).items():
+                if name not in _TORCH_OWN:
+                    _reach(value, f"{kind}.{name}", _DEPTH, (found, seen, containers))
+            for name, buffer in sub._buffers.items():
+                _reach(buffer, f"{kind}.{name}", 0, (found, seen, containers))
+        for value in self.inputs:
+            _reach(value, f"a given {type(value).__name__}", _DEPTH, (found, seen, containers))
+        return found
+
+    def restore(self) -> None:
+        """Give the lists and dictionaries walked their items back, at every depth walked (`Found`
+        gives back the modules' attributes and the first level)."""
+        for container, items in self.containers:
+            if type(container) is list:
+                container[:] = items
+            else:
+                container.clear()
+                container.update(items)
+
+    def kept(self, *, requiring_grad: bool = False) -> list[str]:
+        """Where the floating tensors (``requiring_grad``: those that require it) bound since, or
+        written in place, are held (``Class.attribute[0]``)."""
+        kept = []
+        for where, tensor in self._walk():
+            if not tensor.is_floating_point() or (requiring_grad and not tensor.requires_grad):
+                continue
+            then = self.then.get(id(tensor))
+            if then is None or then[0] is not tensor or then[1] != tensor._version:
+                kept.append(where)
+        return kept
+
+
+#: How deep `Reached` looks: ``self.aux``, ``self.logs["losses"][0]``, ``self.holder.stats.loss``.
+_DEPTH = 3
+
+
+def _reach(value: Any, where: str, depth: int, into: tuple[list, set[int], list | None]) -> None:
+    found, seen, containers = into
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        found.append((where, value))
+    elif depth <= 0 or isinstance(value, (torch.nn.Module, str, bytes)):
+        return
+    elif isinstance(value, (list, tuple)):
+        if containers is not None and type(value) is list:
+            containers.append((value, list(value)))
+        for index, item in enumerate(value):
+            _reach(item, f"{where}[{index}]", depth - 1, into)
+    elif isinstance(value, dict):
+        if containers is not None and type(value) is dict:
+            containers.append((value, dict(value)))
+        for key, item in value.items():
+            _reach(item, f"{where}[{key!r}]", depth - 1, into)
+    elif _plain_object(value):
+        if containers is not None:
+            containers.append((vars(value), dict(vars(value))))
+        for name, item in vars(value).items():
+            _reach(item, f"{where}.{name}", depth - 1, into)
 
 
 @contextlib.contextmanager
@@ -300,8 +358,8 @@ def left_as_found(
 
 def hooks_inside(module: torch.nn.Module) -> list[str]:
     """The submodules of ``module`` (not ``module`` itself, whose hooks fire outside its forward)
-    with a forward hook that may act in its forward, by class: Hugging Face's output capture is
-    left out while the model's forward records nothing it captures (it returns at once then).
+    with a forward hook or pre-hook that may act in its forward, by class: Hugging Face's output
+    capture is left out while the model's forward records nothing it captures (it returns at once then).
 
     >>> block = torch.nn.Sequential(torch.nn.Linear(2, 2))
     >>> _ = block.register_forward_hook(lambda *_: None)
@@ -313,7 +371,8 @@ def hooks_inside(module: torch.nn.Module) -> list[str]:
     return [
         type(sub).__name__
         for sub in module.modules()
-        if sub is not module and any(not _idle_capture(hook) for hook in sub._forward_hooks.values())
+        if sub is not module
+        and (sub._forward_pre_hooks or any(not _idle_capture(hook) for hook in sub._forward_hooks.values()))
     ]
 
 

@@ -411,57 +411,105 @@ def test_state_a_block_changes_changes_once_a_step_as_without_actoff():
     counter goes up once a step, and the gradients are the unchunked block's."""
     model = _scratch_model("plain")
     expected = train(copy.deepcopy(model), 3)
-    actual = train(_chunked(model, 8, block_cls=_Scratch), 3)
+    with pytest.warns(RuntimeWarning, match="changes its own state"):  # said once, and in the statistics
+        actual = train(_chunked(model, 8, block_cls=_Scratch), 3)
     assert int(model.layers[0].calls) == 3
+    assert "changes its own state" in actoff.stats().blocks["layers.0"].stored_whole
     assert_close_history(expected, actual)
+
+
+class _Holder:
+    """A plain object a block keeps its figures in."""
+
+    def __init__(self) -> None:
+        self.stats = {"losses": []}
 
 
 class _Keeps(nn.Module):
-    """A reference block that keeps an auxiliary loss: as an attribute, or appended to a list."""
+    """A reference block that keeps an auxiliary loss outside its output, ``how`` says where (a
+    review's reproducers, all of which trained on without the loss's gradient)."""
 
     def __init__(self, inner: nn.Module, how: str) -> None:
         super().__init__()
-        self.inner, self.how, self.losses = inner, how, []
+        self.inner, self.how, self.losses, self.logs, self.holder = inner, how, [], {"aux": []}, _Holder()
+        self.register_buffer("aux_buffer", torch.zeros(()))
+        self.written = torch.zeros(())
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, given=None):
         out = self.inner(x, cos, sin)
+        aux = out.square().mean()
         if self.how == "attribute":
-            self.aux = out.square().mean()
-        else:
-            self.losses.append(out.square().mean())
+            self.aux = aux
+        elif self.how == "list":
+            self.losses.append(aux)
+        elif self.how == "buffer":
+            self.aux_buffer = aux
+        elif self.how == "tuple":
+            self.pair = (aux, 1)
+        elif self.how == "list in a dict":
+            self.logs["aux"].append(aux)
+        elif self.how == "plain object":
+            self.holder.stats["losses"].append(aux)
+        elif self.how == "written in place":
+            self.written.copy_(aux)
+        elif self.how == "list given":
+            given.append(aux)
         return out
 
 
-@pytest.mark.parametrize("how", ["attribute", "list"])
-def test_an_auxiliary_loss_kept_on_the_block_is_refused_not_left_without_its_gradient(how):
+class _Gives(nn.Module):
+    """Calls a `_Keeps` block with a list of its own as an argument."""
+
+    def __init__(self, keeps: _Keeps, given: list) -> None:
+        super().__init__()
+        self.keeps, self.given = keeps, given
+
+    def forward(self, x, cos, sin):
+        return self.keeps(x, cos, sin, given=self.given)
+
+
+KEPT = [
+    "attribute",
+    "list",
+    "buffer",
+    "tuple",
+    "list in a dict",
+    "plain object",
+    "written in place",
+    "list given",
+]
+
+
+@pytest.mark.parametrize("how", KEPT)
+def test_an_auxiliary_loss_kept_outside_the_output_is_refused_not_left_without_its_gradient(how):
     """Run without grad, the kept loss had no graph: a loss adding it gave the weights none of its
-    gradient (before: the step trained on). Refused, naming it, the block as it was."""
+    gradient (before: the step trained on; a list given to the block got nothing at all, the
+    block's call getting a copy). Refused, naming where, the block as it was."""
     model = make_model()
-    model.layers = nn.ModuleList(_Keeps(layer, how) for layer in model.layers)
+    given: list = []
+    model.layers = nn.ModuleList(_Gives(_Keeps(layer, how), given) for layer in model.layers)
     _chunked(model, 8, block_cls=_Keeps)
-    with pytest.raises(ChunkedShapeError, match=r"keeps _Keeps\.(aux|losses).*no gradient") as raised:
+    with pytest.raises(ChunkedShapeError, match="keeps a tensor outside its output") as raised:
         model.loss(torch.randint(0, 256, (2, 33)))
     assert "'checkpoint'" in str(raised.value)
-    assert all(not hasattr(layer, "aux") and layer.losses == [] for layer in model.layers)
+    for layer in (outer.keeps for outer in model.layers):
+        assert not hasattr(layer, "aux") and not hasattr(layer, "pair") and layer.losses == []
+        assert layer.logs == {"aux": []} and layer.holder.stats == {"losses": []} and given == []
+        assert layer.aux_buffer.item() == 0 and layer.written.item() == 0
 
 
-def test_a_forward_hook_inside_the_block_sees_one_whole_forward_a_step():
-    """A hook that only looks is called once a forward, on the whole block's rows (before: once per
-    chunk and keys pass once probed, on the chunks' rows); the gradients are the unchunked block's."""
-    model = make_model()
-    expected = train(copy.deepcopy(model), 3)
-    _chunked(model, 8)
-    seen = []
-    model.layers[0].mlp.register_forward_hook(lambda module, args, output: seen.append(output.shape[1]))
-    actual = train(model, 3)
-    assert seen == [32] * 3  # the blocks see all tokens but the last
-    assert_close_history(expected, actual)
-
-
-def test_a_forward_hook_that_replaces_an_output_inside_the_block_is_refused():
+@pytest.mark.parametrize("kind", ["looks", "replaces", "pre"])
+def test_a_block_with_a_forward_hook_inside_is_refused(kind):
+    """A hook inside the block would see its forward run without grad and in chunks (once per
+    chunk and keys pass once probed: before, a hook that looks saw 8-token rows 8 times a step,
+    one that replaces an output acted in forward only, and an output it keeps had no graph)."""
     model = _chunked(make_model(), 8)
-    model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 1.5)
-    with pytest.raises(ChunkedShapeError, match="hook on its .* replaces"):
+    mlp = model.layers[0].mlp
+    if kind == "pre":
+        mlp.register_forward_pre_hook(lambda module, args: None)
+    else:
+        mlp.register_forward_hook(lambda module, args, output: None if kind == "looks" else output * 1.5)
+    with pytest.raises(ChunkedShapeError, match="forward hook on its MLP"):
         model.loss(torch.randint(0, 256, (2, 33)))
 
 

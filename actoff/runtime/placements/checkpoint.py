@@ -66,7 +66,6 @@ __all__ = [
     "InputChangedError",
     "has_forward_hooks",
     "holds_rows_read",
-    "hooks_watched",
 ]
 
 
@@ -99,13 +98,13 @@ def has_forward_hooks(module: torch.nn.Module | None) -> bool:
 
 
 @contextlib.contextmanager
-def hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
+def _hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
     """While the forward runs, the forward hooks of ``module``'s modules note in ``changed`` the
     modules whose output one of them replaced (Note [hooks that change outputs]).
 
     >>> layer, changed = torch.nn.Linear(2, 2), []
     >>> _ = layer.register_forward_hook(lambda module, args, output: output * 2)
-    >>> with hooks_watched(torch.nn.Sequential(layer), changed):
+    >>> with _hooks_watched(torch.nn.Sequential(layer), changed):
     ...     _ = layer(torch.ones(2))
     >>> changed
     ['Linear']
@@ -188,7 +187,7 @@ def run_checkpointed(
         return inside(), _RunAgain(run, module, skeleton)
 
     changed_output: list[str] = []
-    with hooks_watched(module, changed_output):
+    with _hooks_watched(module, changed_output):
         output = torch.utils.checkpoint.checkpoint(
             body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
         )

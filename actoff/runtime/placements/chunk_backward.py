@@ -68,6 +68,7 @@ class Block:
     falls_back: bool = False  # Note [a chunked block the plan misjudged] (actoff.runtime.placements.chunked)
     rng: RngState | None = None  # the generators before its forward (`whole` draws what it drew)
     timed: list[Any] | None = None  # in backward: each run's stopwatch (the run's ``recompute_ms``)
+    inputs_grew: bool = False  # a call added to a list or dictionary it was given (`call`)
     out_spec: Any = None
     out_dims: list[int | None] = field(default_factory=list)  # per output leaf: its token dim
     rows: list[torch.Tensor | None] = field(default_factory=list)  # per output leaf: `row_sums`
@@ -91,6 +92,12 @@ class Block:
         finally:
             if watch is not None:
                 self.timed.append(watch.stop())
+            # The call got copies of the lists and dictionaries it was given: what it added to
+            # them would reach no caller (Note [state a chunked forward changes] in .chunked).
+            after = pytree.tree_leaves((args, kwargs))
+            self.inputs_grew |= len(after) != len(values) or any(
+                a is not b for a, b in zip(after, values, strict=True)
+            )
 
     def chunks(self) -> list[tuple[int, int]]:
         return [(a, min(a + self.chunk, self.seq_len)) for a in range(0, self.seq_len, self.chunk)]

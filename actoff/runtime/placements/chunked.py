@@ -36,21 +36,30 @@ it (``checkpoint``, ``cpu``). The re-runs leave the block as the forward left it
 leave no trace] in actoff.rerun.isolation), without forward hooks, caches or the cache's rows.
 
 Note [state a chunked forward changes]: the forward runs without grad, and once probed in chunks,
-calling the block once per chunk and per keys pass. What a forward changes outside its output
-is therefore watched (`Found`, around the forward):
-- a floating tensor it keeps on its modules or on an object given to it (``self.aux = ...``, an
-  auxiliary loss appended to a list) would have no graph: a loss that reads it would give the
-  weights no gradient, without a word. The block is refused (`ChunkedShapeError`, naming it).
-- a forward hook inside the block that replaces an output acts in forward only (the runs again
-  in backward call none): refused too. Hooks that only look fire once a forward: a block with
-  one inside runs its forward whole (Hugging Face's output capture counts only while its model
-  records what it captures).
-- state it changes in place or rebinds (a counter, a running statistic) would change once per
-  chunk: where a forward in chunks changed any, it is given back and the block runs whole
-  instead, that call and every later one, so the state changes once a call, as without actoff.
+calling the block once per chunk and per keys pass. What a forward does outside its output is
+therefore watched:
+- a floating tensor it keeps outside its output would have no graph: a loss that reads it would
+  give the weights no gradient, without a word. `Reached` walks what the forward can reach (the
+  modules' attributes and buffers, the plain objects it is given, through lists, tuples,
+  dictionaries and objects' attributes, three levels deep) before and after it; a floating
+  tensor bound or written in place since (``self.aux = ...``, an auxiliary loss appended to
+  ``self.logs["aux"]``, copied into a buffer), or a list or dictionary given to the block that
+  it added to (the block's calls get copies of them), refuses the block (`ChunkedShapeError`,
+  naming where). So does a detached statistic logged that way: without grad it cannot be told
+  apart (``auto``'s survey, run with grad, counts only tensors that require it).
+- a forward hook or pre-hook inside the block (Hugging Face's output capture counts only while
+  its model records what it captures) would see the forward without grad and in chunks, and an
+  output it keeps (router logits for a load-balancing loss) would have no graph: refused.
+- state it changes in place or rebinds otherwise (a counter) would change once per chunk: where
+  a forward in chunks changed any (`Found`), it is given back and the block's forward runs
+  whole from then on, said once and in ``stored_whole``, so the state changes once a call.
 A refused forward gives back what it changed before the error (or, under ``auto``, before the
-checkpoint runs in its place). The backward's runs again give back theirs (Note [re-runs leave no
-trace]). Side effects outside the block's modules and inputs are not seen (a global list).
+checkpoint runs in its place). The runs again in backward give back theirs (Note [re-runs leave
+no trace]), and each is checked against the forward's rows, the probe's whole run and a failed
+probe's whole block too: a block whose state changes its output (it scales by a weight it halves
+each call) stops the step. Not seen: side effects outside the block's modules and inputs (a
+global list), parameters changed in place (noticed as state, not given back), state deeper
+than three levels.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ from torch.autograd.function import once_differentiable
 
 from actoff.rerun.isolation import (
     Found,
+    Reached,
     forward_hooks_off,
     hooks_inside,
     is_cache,
@@ -74,7 +84,7 @@ from actoff.rerun.isolation import (
 from actoff.rerun.state import ForwardState, RngState, autograd_status
 
 from .base import Call
-from .checkpoint import CheckpointPlacement, holds_rows_read, hooks_watched, run_checkpointed
+from .checkpoint import CheckpointPlacement, holds_rows_read, run_checkpointed
 from .chunk_attention import ChunkedShapeError, ChunkMismatchError, Watch
 from .chunk_backward import Block, backward, probed, row_sums, token_dim
 from .chunk_backward import forward as chunked_forward
@@ -105,13 +115,17 @@ class _ChunkedFunction(torch.autograd.Function):
         values = block.values(inputs)
         known = [*tensors, *block.params]
         watch = Watch(block.run.name, block.seq_len, known)
-        found = Found(block.module, without_caches(values))
+        found, reached = (
+            Found(block.module, without_caches(values)),
+            Reached(block.module, without_caches(values)),
+        )
         try:
             output = _forward(block, values, known, watch, found)
+            _kept_nothing(block, watch, reached)
         except ChunkedShapeError:
             found.restore()  # Note [state a chunked forward changes]
+            reached.restore()
             raise
-        leaves, block.out_spec = pytree.tree_flatten(output)
         leaves, block.out_spec = pytree.tree_flatten(output)
         for leaf in leaves:
             floating = isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
@@ -144,10 +158,10 @@ class _ChunkedFunction(torch.autograd.Function):
 
 def _forward(block: Block, values: list[Any], known: list[torch.Tensor], watch: Watch, found: Found) -> Any:
     """The block's output without grad: in chunks once a whole run and the probe have shown its
-    shape (Note [a chunked forward]), else whole; state it changes in chunks, or keeps, as Note
-    [state a chunked forward changes] says."""
+    shape (Note [a chunked forward]), else whole; state it changes in chunks as Note [state a
+    chunked forward changes] says."""
     whole = block.chunk >= block.seq_len or block.has_cache or not probed(block, values)
-    if not whole and block.module not in _CHANGES_STATE and not hooks_inside(block.module):
+    if not whole and block.module not in _CHANGES_STATE:
 
         def each(length: int, sliced: list[Any]) -> Watch:
             tensors = [value for value in sliced if isinstance(value, torch.Tensor)]
@@ -160,29 +174,38 @@ def _forward(block: Block, values: list[Any], known: list[torch.Tensor], watch: 
         del output
         found.restore()  # changed once a chunk: once, by the whole block, as without actoff
         _CHANGES_STATE.add(block.module)
-    replaced: list[str] = []
-    with watch, hooks_watched(block.module, replaced):
+    if block.module in _CHANGES_STATE:  # said once, and in the statistics (``stored_whole``)
+        block.run.placement.whole_because = (
+            "its forward changes its own state (a counter, a statistic): run in chunks it would change it once "
+            "a chunk, so its forward runs whole, once a call (its backward still in chunks)"
+        )
+        block.run.runtime.warn_once(
+            f"chunked:state:{block.run.name}",
+            f"actoff: block {block.run.name!r}: {block.run.placement.whole_because}.",
+        )
+    with watch:
         output = block.call(values)
     watch.finish(block.rng)
-    if replaced:
-        raise watch.refuse(
-            f"a forward hook on its {replaced[0]} replaces that module's output, and the runs again in "
-            "backward call no hooks (Note [re-runs without forward hooks])"
-        )
-    kept = found.kept_tensors()
-    if kept:
-        raise watch.refuse(keeps(kept))
-    if found.changed():
-        _CHANGES_STATE.add(block.module)
     return output
 
 
+def _kept_nothing(block: Block, watch: Watch, reached: Reached) -> None:
+    """Refuse a forward that kept a floating tensor outside its output (Note [state a chunked
+    forward changes]): on the block's modules or what it was given, or in a list or dictionary
+    given to it (the block got copies of those: the caller's would miss what it added)."""
+    kept = reached.kept()
+    if block.inputs_grew:
+        kept.append("a list or dictionary it is given")
+    if kept:
+        raise watch.refuse(keeps(kept))
+
+
 def keeps(kept: list[str]) -> str:
-    """Why a block whose forward keeps the tensors named ``kept`` is refused (Note [state a
+    """Why a block whose forward keeps tensors where ``kept`` says is refused (Note [state a
     chunked forward changes])."""
     return (
-        f"its forward keeps {', '.join(kept)}: run without grad, a tensor kept there has no graph, and a "
-        "loss that reads it would give its weights no gradient"
+        f"its forward keeps a tensor outside its output ({', '.join(kept[:3])}): run without grad and in "
+        "chunks, such a tensor has no graph (an auxiliary loss would give the weights none of its gradient)"
     )
 
 
@@ -200,6 +223,14 @@ def _refusal(run: ScopeRun, call: Call, tensors: list[torch.Tensor]) -> str | No
         return (
             f"actoff: block {run.name!r} is given a key/value cache that already holds rows it reads; the "
             "chunked placement re-runs it without them. Place it with 'cpu' instead."
+        )
+    hooked = hooks_inside(call.module)
+    if hooked:
+        return (
+            f"actoff: block {run.name!r} cannot run its backward in token chunks: a forward hook on its "
+            f"{hooked[0]} would see its forward run without grad and in chunks (an output it keeps, as Hugging "
+            "Face's router-logit capture for the load-balancing loss does, would have no graph). Place it "
+            "with 'checkpoint' or 'cpu', or remove the hook (Note [state a chunked forward changes])."
         )
     if not tensors or tensors[0].dim() <= config.token_dim:
         return f"actoff: block {run.name!r} has no tensor input with a token dimension"

@@ -40,8 +40,9 @@ it was given held no rows it reads, and the second forward gets none (the first 
 Note [a cache in checkpointed training]). The second forward gives back what it changes, and
 starts from a clean table of saved tensors (the measured records' handles go with the graph).
 The measured forward's time is the block's (the second is not timed). A block whose measured
-forward keeps a floating tensor on its modules or inputs (an auxiliary loss) is refused by the
-survey: in chunks it would have no graph (Note [state a chunked forward changes] in .chunked). Not under a host budget
+forward keeps a tensor that requires grad outside its output (an auxiliary loss on the module,
+or added to a list it is given) is refused by the survey: in chunks it would have no graph (Note
+[state a chunked forward changes] in .chunked). Not under a host budget
 too small for a block (Note [measuring where the host is small]). What it cannot see: a side
 effect outside the block's modules and inputs (a collector of auxiliary losses held elsewhere
 gets the second forward's too).
@@ -101,12 +102,16 @@ class MeasuringPlacement(TokenwisePlacement):
         # what the forward keeps (a tensor kept there has no graph in chunks: the survey refuses
         # it). A cache is not: the second forward gets none (`_in_chunks`).
         found = isolation.Found(call.module, isolation.without_caches(leaves)) if not runs_again else None
+        reached = isolation.Reached(call.module, isolation.without_caches(leaves))
         may_chunk = found is not None and self._may_chunk(call, leaves)  # before the forward writes a cache
         versions = [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
         with CaptureMode(self.split), CollectiveWatch(self.split), watch:
             output = call.run() if not runs_again else self._forward_inside_checkpoint(call)
         surveyed(watch, output, self.run.config.token_dim)
-        kept = found.kept_tensors() if found is not None else []
+        kept = reached.kept(requiring_grad=True)  # with grad here: a logged statistic is detached
+        after = pytree.tree_leaves((call.args, call.kwargs))
+        if len(after) != len(leaves) or any(a is not b for a, b in zip(after, leaves, strict=True)):
+            kept.append("a list or dictionary it is given")
         if kept:
             watch.object_to(keeps(kept))
         unchanged = may_chunk and not found.changed()
