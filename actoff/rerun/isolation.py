@@ -24,7 +24,9 @@ gets:
   keeps what was appended to it), and tensors up to 1 MiB held as attributes, or in the lists
   and dictionaries they hold, get their values back (``self.tally += 1``,
   ``self.scales[0].mul_(0.5)``): the loss that reads them after forward reads the forward's. So
-  are the attributes of plain objects given to the block.
+  are the attributes of plain objects given to the block. Deeper, to three levels (`Reached`),
+  lists, dictionaries, deques and objects' attributes get their items back, and small tensors
+  their values (a counter in ``self.stats["moe"]["tokens"]``).
 - forward hooks of those modules do not fire (`forward_hooks_off`, Note [re-runs without
   forward hooks]).
 Not undone, as with ``torch.utils.checkpoint`` (which re-runs a block in backward too): Python
@@ -46,6 +48,7 @@ modules then misses them too.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -53,21 +56,16 @@ from typing import Any
 
 import torch
 
+from .reached import _ATTRIBUTE_VALUES_UP_TO, _NEVER_BOUND_BACK, _TORCH_OWN, Reached, _modules_of
+
 __all__ = [
     "Found",
-    "Reached",
     "forward_hooks_off",
     "hooks_inside",
     "is_cache",
     "left_as_found",
     "without_caches",
 ]
-
-# torch's own attributes of every module (parameters, buffers, submodules, hook tables): the
-# parameters and submodules are never bound back (a pre-hook may rebind parameters, as FSDP
-# does), buffers are kept apart (`left_as_found`), the rest only by identity.
-_TORCH_OWN = frozenset(torch.nn.Module().__dict__)
-_NEVER_BOUND_BACK = frozenset({"_parameters", "_modules", "_buffers"})
 
 
 def is_cache(value: Any) -> bool:
@@ -162,8 +160,6 @@ def _same(now: list | dict, then: list | dict) -> bool:
 
 
 _MISSING = object()
-#: Tensors held as plain attributes up to this size get their values back (larger ones their binding).
-_ATTRIBUTE_VALUES_UP_TO = 1 << 20
 
 
 def _plain_object(value: Any) -> bool:
@@ -173,17 +169,6 @@ def _plain_object(value: Any) -> bool:
         and not isinstance(value, (torch.Tensor, torch.nn.Module, type))
         and not callable(value)
     )
-
-
-def _modules_of(module: torch.nn.Module | None, touched: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules a re-run may change: ``module``'s, or for a function scope (``None``) those
-    its forward ran (``touched``), with their submodules, each once."""
-    roots = [module] if module is not None else touched
-    found: dict[int, torch.nn.Module] = {}
-    for root in roots:
-        for sub in root.modules():
-            found.setdefault(id(sub), sub)
-    return list(found.values())
 
 
 class Found:
@@ -245,93 +230,6 @@ class Found:
                         buffer.data.copy_(copy)
 
 
-class Reached:
-    """The tensors a block's forward can reach outside its output, as they are now: the buffers
-    and attributes of ``module``'s modules and the attributes of the plain objects among the
-    flattened ``inputs``, through lists, tuples, dictionaries and plain objects' attributes, up
-    to `_DEPTH` levels. `kept` names the floating ones the forward bound or wrote since.
-
-    >>> layer = torch.nn.Linear(2, 2)
-    >>> layer.logs = {"losses": []}
-    >>> reached = Reached(layer, [])
-    >>> layer.logs["losses"].append(layer(torch.ones(2)).square().mean())
-    >>> reached.kept()
-    ["Linear.logs['losses'][0]"]
-    """
-
-    def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
-        self.module, self.inputs = module, [value for value in inputs if _plain_object(value)]
-        # The lists and dictionaries walked (plain objects' attributes too), with their items then.
-        self.containers: list[tuple[Any, Any]] = []
-        self.then = {id(tensor): (tensor, tensor._version) for _, tensor in self._walk(self.containers)}
-
-    def _walk(self, containers: list | None = None) -> list[tuple[str, torch.Tensor]]:
-        found: list[tuple[str, torch.Tensor]] = []
-        seen: set[int] = set()
-        for sub in self.module.modules() if self.module is not None else ():
-            kind = type(sub).__name__
-            for name, value in vars(sub).items():
-                if name not in _TORCH_OWN:
-                    _reach(value, f"{kind}.{name}", _DEPTH, (found, seen, containers))
-            for name, buffer in sub._buffers.items():
-                _reach(buffer, f"{kind}.{name}", 0, (found, seen, containers))
-        for value in self.inputs:
-            _reach(value, f"a given {type(value).__name__}", _DEPTH, (found, seen, containers))
-        return found
-
-    def restore(self) -> None:
-        """Give the lists and dictionaries walked their items back, at every depth walked (`Found`
-        gives back the modules' attributes and the first level)."""
-        for container, items in self.containers:
-            if type(container) is list:
-                container[:] = items
-            else:
-                container.clear()
-                container.update(items)
-
-    def kept(self, *, requiring_grad: bool = False) -> list[str]:
-        """Where the floating tensors (``requiring_grad``: those that require it) bound since, or
-        written in place, are held (``Class.attribute[0]``)."""
-        kept = []
-        for where, tensor in self._walk():
-            if not tensor.is_floating_point() or (requiring_grad and not tensor.requires_grad):
-                continue
-            then = self.then.get(id(tensor))
-            if then is None or then[0] is not tensor or then[1] != tensor._version:
-                kept.append(where)
-        return kept
-
-
-#: How deep `Reached` looks: ``self.aux``, ``self.logs["losses"][0]``, ``self.holder.stats.loss``.
-_DEPTH = 3
-
-
-def _reach(value: Any, where: str, depth: int, into: tuple[list, set[int], list | None]) -> None:
-    found, seen, containers = into
-    if id(value) in seen:
-        return
-    seen.add(id(value))
-    if isinstance(value, torch.Tensor):
-        found.append((where, value))
-    elif depth <= 0 or isinstance(value, (torch.nn.Module, str, bytes)):
-        return
-    elif isinstance(value, (list, tuple)):
-        if containers is not None and type(value) is list:
-            containers.append((value, list(value)))
-        for index, item in enumerate(value):
-            _reach(item, f"{where}[{index}]", depth - 1, into)
-    elif isinstance(value, dict):
-        if containers is not None and type(value) is dict:
-            containers.append((value, dict(value)))
-        for key, item in value.items():
-            _reach(item, f"{where}[{key!r}]", depth - 1, into)
-    elif _plain_object(value):
-        if containers is not None:
-            containers.append((vars(value), dict(vars(value))))
-        for name, item in vars(value).items():
-            _reach(item, f"{where}.{name}", depth - 1, into)
-
-
 @contextlib.contextmanager
 def left_as_found(
     module: torch.nn.Module | None, inputs: list[Any], touched: list[torch.nn.Module] = ()
@@ -346,7 +244,7 @@ def left_as_found(
     >>> int(norm.num_batches_tracked), hasattr(norm, "stat")
     (0, False)
     """
-    found = Found(module, inputs, touched)
+    found, reached = Found(module, inputs, touched), Reached(module, inputs, touched)
     # Not held while suspended: a checkpointed block's run again stays open until its backward
     # node is done (actoff.runtime.placements.checkpoint), and its inputs would stay on the device as long.
     del inputs
@@ -354,6 +252,7 @@ def left_as_found(
         yield
     finally:
         found.restore()
+        reached.restore()
 
 
 def hooks_inside(module: torch.nn.Module) -> list[str]:

@@ -8,6 +8,7 @@ is the same float32 sum in another order: within ``RECOMPUTE_TOL`` (rtol 1e-5, a
 The forward runs the same kernels on the same shapes: its loss is bit for bit.
 """
 
+import collections
 import copy
 
 import pytest
@@ -425,6 +426,20 @@ class _Holder:
         self.stats = {"losses": []}
 
 
+class _Collector:
+    """A callable object that collects losses (a second review's: callables were not walked)."""
+
+    def __init__(self) -> None:
+        self.losses: list = []
+
+    def __call__(self, loss) -> None:
+        self.losses.append(loss)
+
+
+class _Slotted:
+    __slots__ = ("loss",)
+
+
 class _Keeps(nn.Module):
     """A reference block that keeps an auxiliary loss outside its output, ``how`` says where (a
     review's reproducers, all of which trained on without the loss's gradient)."""
@@ -434,6 +449,11 @@ class _Keeps(nn.Module):
         self.inner, self.how, self.losses, self.logs, self.holder = inner, how, [], {"aux": []}, _Holder()
         self.register_buffer("aux_buffer", torch.zeros(()))
         self.written = torch.zeros(())
+        self.collect, self.queue, self.slotted = _Collector(), collections.deque(), _Slotted()
+        # One object reached twice: first with no depth left, then from nearer (was skipped).
+        self.shared = {"losses": []}
+        self.deep = {"a": {"b": self.shared}}
+        self.near = self.shared
 
     def forward(self, x, cos, sin, given=None):
         out = self.inner(x, cos, sin)
@@ -454,6 +474,14 @@ class _Keeps(nn.Module):
             self.written.copy_(aux)
         elif self.how == "list given":
             given.append(aux)
+        elif self.how == "collector":
+            self.collect(aux)
+        elif self.how == "deque":
+            self.queue.append(aux)
+        elif self.how == "slots":
+            self.slotted.loss = aux
+        elif self.how == "reached twice":
+            self.shared["losses"].append(aux)
         return out
 
 
@@ -469,15 +497,9 @@ class _Gives(nn.Module):
 
 
 KEPT = [
-    "attribute",
-    "list",
-    "buffer",
-    "tuple",
-    "list in a dict",
-    "plain object",
-    "written in place",
-    "list given",
-]
+    "attribute", "list", "buffer", "tuple", "list in a dict", "plain object", "written in place", "list given",
+    "collector", "deque", "slots", "reached twice",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("how", KEPT)
@@ -489,13 +511,44 @@ def test_an_auxiliary_loss_kept_outside_the_output_is_refused_not_left_without_i
     given: list = []
     model.layers = nn.ModuleList(_Gives(_Keeps(layer, how), given) for layer in model.layers)
     _chunked(model, 8, block_cls=_Keeps)
-    with pytest.raises(ChunkedShapeError, match="keeps a tensor outside its output") as raised:
+    says = (
+        "changes a list or dictionary it is given"
+        if how == "list given"
+        else "keeps a tensor outside its output"
+    )
+    with pytest.raises(ChunkedShapeError, match=says) as raised:
         model.loss(torch.randint(0, 256, (2, 33)))
     assert "'checkpoint'" in str(raised.value)
     for layer in (outer.keeps for outer in model.layers):
         assert not hasattr(layer, "aux") and not hasattr(layer, "pair") and layer.losses == []
         assert layer.logs == {"aux": []} and layer.holder.stats == {"losses": []} and given == []
         assert layer.aux_buffer.item() == 0 and layer.written.item() == 0
+        assert layer.collect.losses == [] and len(layer.queue) == 0 and layer.shared == {"losses": []}
+        assert not hasattr(layer.slotted, "loss")
+
+
+class _Counts(nn.Module):
+    """A reference block counting its calls two levels down (a second review's: changed per chunk)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.stats = inner, {"moe": {"tokens": torch.zeros((), dtype=torch.long), "lengths": []}}
+
+    def forward(self, x, cos, sin):
+        self.stats["moe"]["tokens"] += x.shape[1]
+        self.stats["moe"]["lengths"].append(x.shape[1])
+        return self.inner(x, cos, sin)
+
+
+def test_state_two_levels_down_changes_once_a_call():
+    model = make_model()
+    model.layers = nn.ModuleList(_Counts(layer) for layer in model.layers)
+    expected = train(copy.deepcopy(model), 3)
+    with pytest.warns(RuntimeWarning, match="changes its own state"):
+        actual = train(_chunked(model, 8, block_cls=_Counts), 3)
+    for layer in model.layers:
+        assert int(layer.stats["moe"]["tokens"]) == 3 * 32 and layer.stats["moe"]["lengths"] == [32] * 3
+    assert_close_history(expected, actual)
 
 
 @pytest.mark.parametrize("kind", ["looks", "replaces", "pre"])

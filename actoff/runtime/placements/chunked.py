@@ -40,26 +40,29 @@ calling the block once per chunk and per keys pass. What a forward does outside 
 therefore watched:
 - a floating tensor it keeps outside its output would have no graph: a loss that reads it would
   give the weights no gradient, without a word. `Reached` walks what the forward can reach (the
-  modules' attributes and buffers, the plain objects it is given, through lists, tuples,
-  dictionaries and objects' attributes, three levels deep) before and after it; a floating
-  tensor bound or written in place since (``self.aux = ...``, an auxiliary loss appended to
-  ``self.logs["aux"]``, copied into a buffer), or a list or dictionary given to the block that
-  it added to (the block's calls get copies of them), refuses the block (`ChunkedShapeError`,
-  naming where). So does a detached statistic logged that way: without grad it cannot be told
-  apart (``auto``'s survey, run with grad, counts only tensors that require it).
+  modules' attributes and buffers, the plain objects it is given, through sequences, sets,
+  mappings and objects' attributes, callable ones and ``__slots__`` too, three levels deep)
+  before and after it; a floating tensor bound since (``self.aux = ...``, an auxiliary loss
+  appended to ``self.logs["aux"]`` or handed to a collector) or written in place, or a list or
+  dictionary given to the block that it changed (the block's calls get copies of them), refuses
+  the block (`ChunkedShapeError`, naming where). So does a detached statistic logged that way,
+  and a running mean updated in place: without grad neither can be told from a loss. Where
+  ``auto`` placed the block, its survey ran with grad and refused tensors that require it, so a
+  tensor written in place there is state (next item).
 - a forward hook or pre-hook inside the block (Hugging Face's output capture counts only while
   its model records what it captures) would see the forward without grad and in chunks, and an
   output it keeps (router logits for a load-balancing loss) would have no graph: refused.
-- state it changes in place or rebinds otherwise (a counter) would change once per chunk: where
-  a forward in chunks changed any (`Found`), it is given back and the block's forward runs
-  whole from then on, said once and in ``stored_whole``, so the state changes once a call.
+- state it changes in place or rebinds otherwise (a counter, three levels down too) would change
+  once per chunk: where a forward in chunks changed any (`Found`, `Reached`), it is given back and
+  the block's forward runs whole from then on, said once and in ``stored_whole``, so the state
+  changes once a call.
 A refused forward gives back what it changed before the error (or, under ``auto``, before the
 checkpoint runs in its place). The runs again in backward give back theirs (Note [re-runs leave
 no trace]), and each is checked against the forward's rows, the probe's whole run and a failed
 probe's whole block too: a block whose state changes its output (it scales by a weight it halves
 each call) stops the step. Not seen: side effects outside the block's modules and inputs (a
-global list), parameters changed in place (noticed as state, not given back), state deeper
-than three levels.
+global list, a closure), parameters changed in place (noticed as state, not given back), what
+lies deeper than three levels.
 """
 
 from __future__ import annotations
@@ -74,13 +77,13 @@ from torch.autograd.function import once_differentiable
 
 from actoff.rerun.isolation import (
     Found,
-    Reached,
     forward_hooks_off,
     hooks_inside,
     is_cache,
     left_as_found,
     without_caches,
 )
+from actoff.rerun.reached import Reached
 from actoff.rerun.state import ForwardState, RngState, autograd_status
 
 from .base import Call
@@ -120,7 +123,7 @@ class _ChunkedFunction(torch.autograd.Function):
             Reached(block.module, without_caches(values)),
         )
         try:
-            output = _forward(block, values, known, watch, found)
+            output = _forward(block, values, known, watch, (found, reached))
             _kept_nothing(block, watch, reached)
         except ChunkedShapeError:
             found.restore()  # Note [state a chunked forward changes]
@@ -156,7 +159,9 @@ class _ChunkedFunction(torch.autograd.Function):
         return (None, *input_grads, *param_grads)
 
 
-def _forward(block: Block, values: list[Any], known: list[torch.Tensor], watch: Watch, found: Found) -> Any:
+def _forward(
+    block: Block, values: list[Any], known: list[torch.Tensor], watch: Watch, state: tuple[Found, Reached]
+) -> Any:
     """The block's output without grad: in chunks once a whole run and the probe have shown its
     shape (Note [a chunked forward]), else whole; state it changes in chunks as Note [state a
     chunked forward changes] says."""
@@ -169,10 +174,12 @@ def _forward(block: Block, values: list[Any], known: list[torch.Tensor], watch: 
 
         output = chunked_forward(block, values, each)
         watch.random(block.rng)
-        if not found.changed():
+        found, reached = state
+        if not found.changed() and not reached.changed():
             return output
         del output
         found.restore()  # changed once a chunk: once, by the whole block, as without actoff
+        reached.restore()
         _CHANGES_STATE.add(block.module)
     if block.module in _CHANGES_STATE:  # said once, and in the statistics (``stored_whole``)
         block.run.placement.whole_because = (
@@ -193,11 +200,16 @@ def _kept_nothing(block: Block, watch: Watch, reached: Reached) -> None:
     """Refuse a forward that kept a floating tensor outside its output (Note [state a chunked
     forward changes]): on the block's modules or what it was given, or in a list or dictionary
     given to it (the block got copies of those: the caller's would miss what it added)."""
-    kept = reached.kept()
-    if block.inputs_grew:
-        kept.append("a list or dictionary it is given")
+    # Where auto placed it, its survey ran with grad and refused a tensor written in place that
+    # requires grad: one written here is a statistic (a running mean), state as any other.
+    kept = reached.kept(written=not block.falls_back)
     if kept:
         raise watch.refuse(keeps(kept))
+    if block.inputs_grew:
+        raise watch.refuse(
+            "its forward changes a list or dictionary it is given: its calls get copies of them, so the "
+            "caller's would not see the change"
+        )
 
 
 def keeps(kept: list[str]) -> str:

@@ -57,6 +57,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from actoff.rerun import isolation
+from actoff.rerun.reached import Reached
 from actoff.tiers.record import Record, State
 from actoff.tiers.tokenwise.mixers import CaptureMode, CollectiveWatch
 
@@ -102,19 +103,19 @@ class MeasuringPlacement(TokenwisePlacement):
         # what the forward keeps (a tensor kept there has no graph in chunks: the survey refuses
         # it). A cache is not: the second forward gets none (`_in_chunks`).
         found = isolation.Found(call.module, isolation.without_caches(leaves)) if not runs_again else None
-        reached = isolation.Reached(call.module, isolation.without_caches(leaves))
+        reached = Reached(call.module, isolation.without_caches(leaves))
         may_chunk = found is not None and self._may_chunk(call, leaves)  # before the forward writes a cache
         versions = [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
         with CaptureMode(self.split), CollectiveWatch(self.split), watch:
             output = call.run() if not runs_again else self._forward_inside_checkpoint(call)
         surveyed(watch, output, self.run.config.token_dim)
         kept = reached.kept(requiring_grad=True)  # with grad here: a logged statistic is detached
-        after = pytree.tree_leaves((call.args, call.kwargs))
-        if len(after) != len(leaves) or any(a is not b for a, b in zip(after, leaves, strict=True)):
-            kept.append("a list or dictionary it is given")
         if kept:
             watch.object_to(keeps(kept))
-        unchanged = may_chunk and not found.changed()
+        after = pytree.tree_leaves((call.args, call.kwargs))
+        if len(after) != len(leaves) or any(a is not b for a, b in zip(after, leaves, strict=True)):
+            watch.object_to("its forward changes a list or dictionary it is given")
+        unchanged = may_chunk and not found.changed() and not reached.changed()
         unchanged = unchanged and all(leaf._version == version for leaf, version in versions)
         unchanged = unchanged and not watch.refused and self.split.collective is None
         if unchanged and self.run.runtime.auto.only_chunks_fit(self.run, watch):
