@@ -451,9 +451,9 @@ class _Keeps(nn.Module):
         self.written = torch.zeros(())
         self.collect, self.queue, self.slotted = _Collector(), collections.deque(), _Slotted()
         # One object reached twice: first with no depth left, then from nearer (was skipped).
-        self.shared = {"losses": []}
-        self.deep = {"a": {"b": self.shared}}
-        self.near = self.shared
+        shared: dict = {"losses": []}
+        self.deep = {"a": {"b": shared}}
+        self.near = shared
 
     def forward(self, x, cos, sin, given=None):
         out = self.inner(x, cos, sin)
@@ -481,7 +481,7 @@ class _Keeps(nn.Module):
         elif self.how == "slots":
             self.slotted.loss = aux
         elif self.how == "reached twice":
-            self.shared["losses"].append(aux)
+            self.near["losses"].append(aux)
         return out
 
 
@@ -523,7 +523,7 @@ def test_an_auxiliary_loss_kept_outside_the_output_is_refused_not_left_without_i
         assert not hasattr(layer, "aux") and not hasattr(layer, "pair") and layer.losses == []
         assert layer.logs == {"aux": []} and layer.holder.stats == {"losses": []} and given == []
         assert layer.aux_buffer.item() == 0 and layer.written.item() == 0
-        assert layer.collect.losses == [] and len(layer.queue) == 0 and layer.shared == {"losses": []}
+        assert layer.collect.losses == [] and len(layer.queue) == 0 and layer.near == {"losses": []}
         assert not hasattr(layer.slotted, "loss")
 
 
