@@ -56,10 +56,11 @@ from typing import Any
 
 import torch
 
-from .reached import _ATTRIBUTE_VALUES_UP_TO, _NEVER_BOUND_BACK, _TORCH_OWN, Reached, _modules_of
+from .reached import _ATTRIBUTE_VALUES_UP_TO, _NEVER_BOUND_BACK, _TORCH_OWN, Reached, _differing, _modules_of
 
 __all__ = [
     "Found",
+    "StateAtStart",
     "forward_hooks_off",
     "hooks_inside",
     "is_cache",
@@ -121,6 +122,10 @@ class _Attributes:
         if any(tensor._version != version for tensor, version in self.versions):
             return True
         return any(not torch.equal(tensor.detach(), copy) for tensor, copy in self.values)
+
+    def trim(self) -> None:
+        """Drop the copies of values that are as they were (`StateAtStart`)."""
+        self.values = _differing(self.values)
 
     def restore(self) -> None:
         now, bindings = vars(self.owner), self.bindings
@@ -216,6 +221,12 @@ class Found:
         except (NotImplementedError, RuntimeError):
             return True
 
+    def trim(self) -> None:
+        """Drop the copies of buffers and values that are as they were (`StateAtStart`)."""
+        for attributes in self.kept:
+            attributes.trim()
+        self.buffers = [(sub, bound, _differing(values)) for sub, bound, values in self.buffers]
+
     def restore(self) -> None:
         with torch.no_grad():
             for attributes in self.kept:
@@ -253,6 +264,41 @@ def left_as_found(
     finally:
         found.restore()
         reached.restore()
+
+
+class StateAtStart:
+    """The state a block's forward begins with (`Found`, `Reached`), kept for its runs again in
+    backward where the forward changes it (Note [runs again start where the forward did] in
+    actoff.runtime.placements.checkpoint); its parameters by version only, in ``found.parameters``
+    (weights are too large to copy at every forward).
+
+    >>> norm = torch.nn.BatchNorm1d(2)
+    >>> start = StateAtStart(norm, [])
+    >>> _ = norm(torch.randn(4, 2))
+    >>> began = start.kept_if_changed()
+    >>> with left_as_found(norm, []):
+    ...     began.restore()
+    ...     during = int(norm.num_batches_tracked)
+    >>> during, int(norm.num_batches_tracked)
+    (0, 1)
+    """
+
+    def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
+        self.found, self.reached = Found(module, inputs), Reached(module, inputs)
+
+    def kept_if_changed(self) -> StateAtStart | None:
+        """After the forward: this state, holding copies only of what changed, or None where
+        nothing did."""
+        if not self.found.changed() and not self.reached.changed():
+            return None
+        self.found.trim()
+        self.reached.trim()
+        return self
+
+    def restore(self) -> None:
+        """The state as the forward began (inside a `left_as_found` that gives back today's)."""
+        self.found.restore()
+        self.reached.restore()
 
 
 def hooks_inside(module: torch.nn.Module) -> list[str]:

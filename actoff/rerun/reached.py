@@ -36,6 +36,16 @@ def _modules_of(module: torch.nn.Module | None, touched: list[torch.nn.Module]) 
     return list(found.values())
 
 
+def _differing(values: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensors of ``(tensor, copy)`` pairs whose values differ from their copies now (all of
+    them where they cannot be compared: a sparse tensor)."""
+    try:
+        with torch.no_grad():
+            return [(tensor, copy) for tensor, copy in values if not torch.equal(tensor.detach(), copy)]
+    except (NotImplementedError, RuntimeError):
+        return values
+
+
 class Reached:
     """What a block's forward can reach outside its output, as it is now: the buffers and
     attributes of ``module``'s modules and the plain objects among the flattened ``inputs``,
@@ -104,6 +114,11 @@ class Reached:
             if then is None or then[0] is not tensor or then[1] != tensor._version:
                 return True
         return False
+
+    def trim(self) -> None:
+        """Keep only what `restore` needs: the copies of values that differ now."""
+        self.then = {}
+        self.values = _differing(self.values)
 
     def restore(self) -> None:
         """Give the containers walked their items back, and small tensors their values, at every

@@ -12,6 +12,7 @@ simulated device's count (its model, built outside the block, does not count aga
 """
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -756,8 +757,8 @@ def test_an_auxiliary_loss_kept_on_the_block_keeps_its_gradient(stream_floor, me
 
 
 class _HalvesAWeight(torch.nn.Module):
-    """A reference block that halves a weight of its own in place each call and scales
-    its output by it: run again, it gives other rows (state `Reached` does not walk: a parameter)."""
+    """A reference block that halves a weight of its own in place each call and scales its
+    output by it: run again, it gives other rows (a parameter: never copied to run again from)."""
 
     def __init__(self, inner: Block) -> None:
         super().__init__()
@@ -769,12 +770,40 @@ class _HalvesAWeight(torch.nn.Module):
         return self.inner(x, cos, sin) * self.scale
 
 
+class _HalvesAHiddenScale(torch.nn.Module):
+    """A reference block that halves a scale it holds where `Reached` does not look (inside a
+    ``functools.partial``) and scales its output by it: run again, it gives other rows."""
+
+    def __init__(self, inner: Block) -> None:
+        super().__init__()
+        self.inner, self.scale = inner, functools.partial(lambda held: held, torch.ones(()))
+
+    def forward(self, x, cos, sin):
+        self.scale().mul_(0.5)
+        return self.inner(x, cos, sin) * self.scale()
+
+
 def test_a_block_whose_state_changes_its_output_stops_the_chunked_step(stream_floor, measured_streamed):
     """Placed in chunks by the plan, the block's probe ran it again on other states, and the
     probe's failure took the whole block's gradients from one more run, unchecked: 0.14 off, said
     as a checkpoint's (before; a review's reproducer, then with the scale kept in a list). Every
     run again in a chunked backward is now checked against the forward's rows: the step stops."""
     model = make_model(**WIDE)
-    model.layers = torch.nn.ModuleList(_HalvesAWeight(layer) for layer in model.layers)
+    model.layers = torch.nn.ModuleList(_HalvesAHiddenScale(layer) for layer in model.layers)
     with pytest.raises(ChunkMismatchError, match="did not give the rows"):
-        _auto_chunked(model, int(stream_floor * 0.8), 4, block_cls=_HalvesAWeight)
+        _auto_chunked(model, int(stream_floor * 0.8), 4, block_cls=_HalvesAHiddenScale)
+
+
+def test_a_block_writing_into_its_parameter_is_never_planned_to_run_again(keep_peak):
+    """Where the link is slow auto checkpoints (`test_checkpoint_when_the_link_is_slow`); a block
+    that halves a parameter in forward cannot run again from the forward's state (the checkpoint
+    refuses it: Note [runs again start where the forward did]), and its plan raised that error in
+    training. Its measuring steps see the write, and the plan stores what it saves: exact."""
+    model = make_model(num_layers=4)
+    model.layers = torch.nn.ModuleList(_HalvesAWeight(layer) for layer in model.layers)
+    steps, said, _ = _auto_chunked(model, int(keep_peak * 0.45), 6, _HalvesAWeight, "100MB", seq=SEQ)
+    for placements, _, pairs in steps:
+        assert not any(p in ("checkpoint", "chunked") or p.startswith("tokenwise") for p in placements)
+        _compare(pairs, exact=True)
+    assert steps[-1][0][:-1] == ["stream"] * 3, steps[-1][0]  # stored: checkpoint before
+    assert any("writes into its parameter 'scale' in forward" in message for message in said)

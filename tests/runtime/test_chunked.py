@@ -551,6 +551,33 @@ def test_state_two_levels_down_changes_once_a_call():
     assert_close_history(expected, actual)
 
 
+class _HalvesAParameter(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.scale = inner, nn.Parameter(torch.ones(()))
+
+    def forward(self, x, cos, sin):
+        with torch.no_grad():
+            self.scale.mul_(0.5)
+        return self.inner(x, cos, sin) * self.scale
+
+
+def test_a_block_writing_into_its_parameter_is_refused_and_the_parameter_left_as_one_call_leaves_it():
+    """A block halving a parameter in forward: its first backward's runs again halved it once
+    more (0.25 where the forward left 0.5) and the step trained on without a word; the second
+    stopped on the rows. Parameters are not copied to be given back (Note [runs again start
+    where the forward did]): the first forward stops, naming the parameter and the fix."""
+    from actoff.runtime.placements.checkpoint import StateChangedError
+
+    model = make_model()
+    model.layers = nn.ModuleList(_HalvesAParameter(layer) for layer in model.layers)
+    _chunked(model, 8, block_cls=_HalvesAParameter)
+    with pytest.raises(
+        StateChangedError, match=r"block 'layers.0' wrote into its parameter 'scale'.*chunked"
+    ):
+        model.loss(torch.randint(0, 256, (2, 32)))
+
+
 @pytest.mark.parametrize("kind", ["looks", "replaces", "pre"])
 def test_a_block_with_a_forward_hook_inside_is_refused(kind):
     """A hook inside the block would see its forward run without grad and in chunks (once per

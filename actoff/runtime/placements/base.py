@@ -185,8 +185,9 @@ class Placement:
     @property
     def rerun_unsafe(self) -> bool:
         """Whether running the block again would not give its forward's values: its forward
-        called a collective outside a token mixer (a re-run on one rank would call it again) or
-        wrote into an input in place (Note [inputs changed in place])."""
+        called a collective outside a token mixer (a re-run on one rank would call it again),
+        wrote into an input in place (Note [inputs changed in place]) or into a parameter (Note
+        [runs again start where the forward did])."""
         return False
 
     def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:

@@ -20,6 +20,18 @@ leave no trace] in actoff.rerun.isolation): forward hooks do not fire, and buffe
 changes are given back as soon as it ends, before the next block's run again (blocks sharing a
 module each give back their own changes, in turn).
 
+Note [runs again start where the forward did]: a block may change state in forward that its
+output depends on (a scale it halves each call, a counter it divides by). Run again on the state
+the forward left, it would save other tensors, and the gradients would be wrong without a word
+(PyTorch's checkpoint has this hole; its shape check cannot tell). The state the forward begins
+with is taken before it (`StateAtStart`: buffers and small tensors by value, attributes, and
+containers' items, three levels deep, as `left_as_found` takes them); where the forward changed
+it, the copies of what changed are kept until backward, and each run again starts from them and
+gives back the state it found (nothing is kept where nothing changed). Parameters are not
+copied (weights are too large to copy at every forward): one written in forward (a version
+changed) stops the step at the scope's exit, naming the block and the fix. What `left_as_found`
+does not see (globals, closures, deeper than three levels) is not taken either.
+
 Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
 so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
 the caller's cache and writes its rows into it once, as without actoff. The run again in
@@ -53,7 +65,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-from actoff.rerun.isolation import forward_hooks_off, is_cache, left_as_found, without_caches
+from actoff.rerun.isolation import StateAtStart, forward_hooks_off, is_cache, left_as_found, without_caches
 
 from .base import Call, Placement
 
@@ -64,13 +76,20 @@ __all__ = [
     "CheckpointPlacement",
     "HookChangedOutputError",
     "InputChangedError",
+    "StateChangedError",
     "has_forward_hooks",
     "holds_rows_read",
+    "no_parameter_written",
 ]
 
 
 class InputChangedError(RuntimeError):
     """A checkpointed block wrote into one of its inputs (Note [inputs changed in place])."""
+
+
+class StateChangedError(RuntimeError):
+    """A checkpointed block wrote into one of its parameters in forward (Note [runs again start
+    where the forward did])."""
 
 
 class HookChangedOutputError(RuntimeError):
@@ -183,14 +202,20 @@ def run_checkpointed(
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
         return fn(*call_args, **call_kwargs)
 
-    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return inside(), _RunAgain(run, module, skeleton)
+    again = _RunAgain(run, module, skeleton)
 
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return inside(), again
+
+    start = StateAtStart(module, without_caches(skeleton))
     changed_output: list[str] = []
     with _hooks_watched(module, changed_output):
         output = torch.utils.checkpoint.checkpoint(
             body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
         )
+    if runs_again():  # Note [runs again start where the forward did]
+        no_parameter_written(run.name, module, start.found.parameters, "checkpoint")
+    again.began = start.kept_if_changed()
     # The forward wrote the caller's caches; the run again gets none (Note [a cache in
     # checkpointed training]), and the graph stops holding them.
     skeleton[:] = without_caches(skeleton)
@@ -212,6 +237,36 @@ def run_checkpointed(
             "module's forward, or place this block with a policy that stores what it saves (cpu)."
         )
     return output
+
+
+def no_parameter_written(
+    block: str, module: torch.nn.Module | None, versions: list[tuple[torch.Tensor, int]], placement: str
+) -> None:
+    """Stop where ``block`` wrote into a parameter of ``module`` since its ``versions`` (weight,
+    version) were taken, under a ``placement`` that runs it again (Note [runs again start where
+    the forward did]): parameters are not copied to run again from.
+
+    >>> scale = torch.nn.Parameter(torch.ones(()))
+    >>> layer = torch.nn.Module()
+    >>> layer.scale = scale
+    >>> versions = [(scale, scale._version)]
+    >>> with torch.no_grad():
+    ...     _ = scale.mul_(0.5)
+    >>> no_parameter_written("layers.0", layer, versions, "checkpoint")
+    Traceback (most recent call last):
+    ...
+    actoff.runtime.placements.checkpoint.StateChangedError: actoff: block 'layers.0' wrote into its parameter 'scale' in forward: the checkpoint placement runs the block again, from the parameter as the forward left it, and would give wrong gradients (parameters are not copied to run again from). Change the parameter outside the forward (in the optimizer step), keep the changing value in a buffer, or place this block with a policy that stores what it saves (cpu).
+    """
+    names = {id(weight): name for name, weight in module.named_parameters()} if module is not None else {}
+    written = [names.get(id(weight), "?") for weight, version in versions if weight._version != version]
+    if written:
+        raise StateChangedError(
+            f"actoff: block {block!r} wrote into its parameter {written[0]!r} in forward: the {placement} "
+            "placement runs the block again, from the parameter as the forward left it, and would give "
+            "wrong gradients (parameters are not copied to run again from). Change the parameter outside "
+            "the forward (in the optimizer step), keep the changing value in a buffer, or place this "
+            "block with a policy that stores what it saves (cpu)."
+        )
 
 
 def holds_rows_read(cache: Any, module: torch.nn.Module | None) -> bool:
@@ -246,12 +301,15 @@ class _RunAgain:
     def __init__(self, run: ScopeRun, module: torch.nn.Module | None, skeleton: list[Any]) -> None:
         self.run, self.module, self.skeleton = run, module, skeleton
         self.entered: list[tuple[Any, contextlib.ExitStack]] = []
+        self.began: StateAtStart | None = None  # Note [runs again start where the forward did]
 
     def __enter__(self) -> None:
         watch = self.run.backend.stopwatch().start()
         stack = contextlib.ExitStack()
         stack.enter_context(left_as_found(self.module, self.skeleton))
         stack.enter_context(forward_hooks_off(self.module))
+        if self.began is not None:
+            self.began.restore()
         self.entered.append((watch, stack))
 
     def __exit__(self, *exc: object) -> None:

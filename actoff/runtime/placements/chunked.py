@@ -87,7 +87,7 @@ from actoff.rerun.reached import Reached
 from actoff.rerun.state import ForwardState, RngState, autograd_status
 
 from .base import Call
-from .checkpoint import CheckpointPlacement, holds_rows_read, run_checkpointed
+from .checkpoint import CheckpointPlacement, holds_rows_read, no_parameter_written, run_checkpointed
 from .chunk_attention import ChunkedShapeError, ChunkMismatchError, Watch
 from .chunk_backward import Block, backward, probed, row_sums, token_dim
 from .chunk_backward import forward as chunked_forward
@@ -180,6 +180,7 @@ def _forward(
         del output
         found.restore()  # changed once a chunk: once, by the whole block, as without actoff
         reached.restore()
+        no_parameter_written(block.run.name, block.module, found.parameters, "chunked")
         _CHANGES_STATE.add(block.module)
     if block.module in _CHANGES_STATE:  # said once, and in the statistics (``stored_whole``)
         block.run.placement.whole_because = (
@@ -193,6 +194,7 @@ def _forward(
     with watch:
         output = block.call(values)
     watch.finish(block.rng)
+    no_parameter_written(block.run.name, block.module, state[0].parameters, "chunked")
     return output
 
 

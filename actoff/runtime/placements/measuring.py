@@ -108,6 +108,7 @@ class MeasuringPlacement(TokenwisePlacement):
         versions = [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
         with CaptureMode(self.split), CollectiveWatch(self.split), watch:
             output = call.run() if not runs_again else self._forward_inside_checkpoint(call)
+        self.split.parameters_written()  # never run again, then (`rerun_unsafe`)
         surveyed(watch, output, self.run.config.token_dim)
         kept = reached.kept(requiring_grad=True)  # with grad here: a logged statistic is detached
         if kept:

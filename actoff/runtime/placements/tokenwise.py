@@ -175,7 +175,10 @@ class TokenwisePlacement(Placement):
 
     @property
     def rerun_unsafe(self) -> bool:
-        return self.active and (self.split.collective is not None or self.split.writes_inputs)
+        split = self.split
+        return self.active and (
+            split.collective is not None or split.writes_inputs or split.writes_parameters
+        )
 
     def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:
         split = self.split

@@ -56,6 +56,8 @@ class Split:
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
         self.writes_inputs = False  # the forward wrote into an input kept for the re-run
+        self.writes_parameters = False  # the forward wrote into a parameter: never run again
+        self.weights: list[tuple[str, torch.Tensor, int]] = []  # the module's parameters, versions
         self.touched: list[torch.nn.Module] = []  # a function scope's modules (CaptureMode)
         # Input shape and strides of each dropout: Note [dropout in a re-run]
         self.dropouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -119,6 +121,8 @@ class Split:
             return False
         self.probed = learned.results.get(self.conditions)
         self.fn, self.module = fn, module
+        named = module.named_parameters() if module is not None else ()
+        self.weights = [(name, weight, weight._version) for name, weight in named]
         self.input_status = [autograd_status(value) for value in flat.values]
         self.inputs = [self.keep_whole(value) for value in flat.values]
         cuda_state = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
@@ -178,6 +182,8 @@ class Split:
                 "(clone the input inside the block to recompute it)"
             )
             return
+        if self.parameters_written():
+            return
         candidates = [r for r in self.run.records if not r.whole and not r.geometry.compact]
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:
@@ -204,6 +210,19 @@ class Split:
             if canon is not None:
                 record.canon = canon
                 self.records.append(record)
+
+    def parameters_written(self) -> bool:
+        """Whether the forward wrote into a parameter of the module (Note [runs again start where
+        the forward did] in actoff.runtime.placements.checkpoint): a re-run would start from the
+        changed value, and re-runs do not copy weights to give them back. Placed whole, said."""
+        written = [name for name, weight, version in self.weights if weight._version != version]
+        if written and not self.writes_parameters:
+            self.writes_parameters = True
+            self.fall_back(
+                f"it writes into its parameter {written[0]!r} in forward, and a re-run would start from "
+                "the changed value (change it outside the forward, in the optimizer step)"
+            )
+        return self.writes_parameters
 
     def from_another_length(self) -> ProbeResult | None:
         """The probe of these conditions at another length, fitted to this forward's saves, if
