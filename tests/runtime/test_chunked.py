@@ -10,6 +10,7 @@ The forward runs the same kernels on the same shapes: its loss is bit for bit.
 
 import collections
 import copy
+import functools
 
 import pytest
 import torch
@@ -549,6 +550,36 @@ def test_state_two_levels_down_changes_once_a_call():
     for layer in model.layers:
         assert int(layer.stats["moe"]["tokens"]) == 3 * 32 and layer.stats["moe"]["lengths"] == [32] * 3
     assert_close_history(expected, actual)
+
+
+class _CountsCalls(_Counts):
+    """`_Counts`, also counting its calls where `Reached` does not look (a ``functools.partial``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__(inner)
+        self.calls = functools.partial(lambda held: held, [])
+
+    def forward(self, x, cos, sin):
+        self.calls().append(x.shape[1])
+        return super().forward(x, cos, sin)
+
+
+def test_reset_forgets_the_probes_and_the_state_it_learned():
+    """`actoff.reset` forgets what a runtime learned (token-wise probes, auto's plans); the chunked
+    placement's probes and its blocks that change their state were kept for the process, so after
+    a reset the same steps ran other calls than the first time (no probe, no run in chunks)."""
+    model = make_model()
+    model.layers = nn.ModuleList(_CountsCalls(layer) for layer in model.layers)
+    runs = []
+    for _ in range(2):
+        _chunked(model, 8, block_cls=_CountsCalls)
+        with pytest.warns(RuntimeWarning, match="changes its own state"):
+            train(model, 3)
+        runs.append(list(model.layers[0].calls()))
+        model.layers[0].calls().clear()
+        actoff.reset()
+    assert runs[1] == runs[0]
+    assert len(runs[0]) > 3 * 2  # probes and chunks: more than a forward and a run again a step
 
 
 class _HalvesAParameter(nn.Module):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ import torch.utils._pytree as pytree
 
 from actoff.rerun.state import ForwardState, RngState
 from actoff.tiers.tokenwise.mixers import slice_inputs
+from actoff.tiers.tokenwise.probes import ModuleProbes
 from actoff.tiers.tokenwise.tokens import unique_dim
 
 from .chunk_attention import ChunkMismatchError, ChunkMode, KeysTaken
@@ -40,9 +40,7 @@ from .chunk_attention import ChunkMismatchError, ChunkMode, KeysTaken
 if TYPE_CHECKING:
     from ..step import ScopeRun
 
-__all__ = ["Block", "backward", "forward", "probed", "row_sums", "token_dim", "whole"]
-
-_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+__all__ = ["Block", "backward", "forward", "learned", "probed", "row_sums", "token_dim", "whole"]
 
 
 @dataclass
@@ -225,7 +223,7 @@ def backward(block: Block, values: list[Any], out_grads: list[torch.Tensor | Non
                 raise
             block.run.placement.say_refused(str(error), every_length=True)
             return whole(block, values, out_grads)
-        _PROBED.setdefault(block.module, set()).add(_conditions(block, values))
+        learned(block).chunks_probed.add(_conditions(block, values))
     grads = _chunks(block, values, out_grads)
     return grads.inputs, grads.params
 
@@ -264,9 +262,14 @@ def _conditions(block: Block, values: list[Any]) -> tuple:
     )
 
 
+def learned(block: Block) -> ModuleProbes:
+    """What this runtime learned about the block's module (forgotten by `actoff.reset`)."""
+    return block.run.runtime.probe_results.setdefault(block.module, ModuleProbes)
+
+
 def probed(block: Block, values: list[Any]) -> bool:
     """Whether the block passed its probe under these conditions (Note [the chunked probe])."""
-    return _conditions(block, values) in _PROBED.get(block.module, ())
+    return _conditions(block, values) in learned(block).chunks_probed
 
 
 def _chunks(block: Block, values: list[Any], out_grads: list[torch.Tensor | None]) -> _Grads:

@@ -67,7 +67,6 @@ lies deeper than three levels.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,15 +88,11 @@ from actoff.rerun.state import ForwardState, RngState, autograd_status
 from .base import Call
 from .checkpoint import CheckpointPlacement, holds_rows_read, no_parameter_written, run_checkpointed
 from .chunk_attention import ChunkedShapeError, ChunkMismatchError, Watch
-from .chunk_backward import Block, backward, probed, row_sums, token_dim
+from .chunk_backward import Block, backward, learned, probed, row_sums, token_dim
 from .chunk_backward import forward as chunked_forward
 
 if TYPE_CHECKING:
     from ..step import ScopeRun
-
-#: Modules whose forward changed their state under the chunked placement: their forward runs
-#: whole, so the state changes once a call (Note [state a chunked forward changes]).
-_CHANGES_STATE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 __all__ = [
     "ChunkMismatchError",
@@ -166,7 +161,8 @@ def _forward(
     shape (Note [a chunked forward]), else whole; state it changes in chunks as Note [state a
     chunked forward changes] says."""
     whole = block.chunk >= block.seq_len or block.has_cache or not probed(block, values)
-    if not whole and block.module not in _CHANGES_STATE:
+    module = learned(block)  # a block that changes its state runs its forward whole, once a call
+    if not whole and not module.changes_state:
 
         def each(length: int, sliced: list[Any]) -> Watch:
             tensors = [value for value in sliced if isinstance(value, torch.Tensor)]
@@ -181,8 +177,8 @@ def _forward(
         found.restore()  # changed once a chunk: once, by the whole block, as without actoff
         reached.restore()
         no_parameter_written(block.run.name, block.module, found.parameters, "chunked")
-        _CHANGES_STATE.add(block.module)
-    if block.module in _CHANGES_STATE:  # said once, and in the statistics (``stored_whole``)
+        module.changes_state = True
+    if module.changes_state:  # said once, and in the statistics (``stored_whole``)
         block.run.placement.whole_because = (
             "its forward changes its own state (a counter, a statistic): run in chunks it would change it once "
             "a chunk, so its forward runs whole, once a call (its backward still in chunks)"

@@ -93,6 +93,10 @@ class ModuleProbes:
     )  # placed whole under these, and why
     any_length: dict[tuple, ProbeResult] = field(default_factory=lambda: Recent(KEYS_KEPT))
     warned: bool = False  # one fallback warning per module, whatever the conditions
+    # The chunked placement's: the conditions its probe passed under (Note [the chunked probe]),
+    # and whether a forward in chunks changed the module's state (Note [state a chunked forward changes]).
+    chunks_probed: set[tuple] = field(default_factory=set)
+    changes_state: bool = False
 
     def fall_back(self, conditions: tuple, block: str, tier: str, reason: str) -> None:
         """Place the module whole (on ``tier``) under ``conditions`` from now on, and say why
