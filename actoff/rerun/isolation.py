@@ -56,7 +56,16 @@ from typing import Any
 
 import torch
 
-from .reached import _ATTRIBUTE_VALUES_UP_TO, _NEVER_BOUND_BACK, _TORCH_OWN, Reached, _differing, _modules_of
+from .reached import (
+    _ATTRIBUTE_VALUES_UP_TO,
+    _NEVER_BOUND_BACK,
+    _TORCH_OWN,
+    Reached,
+    _differing,
+    _modules_of,
+    large,
+    put_back,
+)
 
 __all__ = [
     "Found",
@@ -65,6 +74,7 @@ __all__ = [
     "hooks_inside",
     "is_cache",
     "left_as_found",
+    "run_again",
     "without_caches",
 ]
 
@@ -124,8 +134,13 @@ class _Attributes:
         return any(not torch.equal(tensor.detach(), copy) for tensor, copy in self.values)
 
     def trim(self) -> None:
-        """Drop the copies of values that are as they were (`StateAtStart`)."""
-        self.values = _differing(self.values)
+        """Drop the copies of values that are as they were, and tensors over 1 MiB rebound since
+        (`StateAtStart`: an activation logged in ``self.last`` is not held from forward to backward)."""
+        self.values, self.versions = _differing(self.values), []  # `changed` is not asked again
+        now = vars(self.owner)
+        for name, value in list(self.bindings.items()):
+            if large(value) and name in now and now[name] is not value:
+                self.bindings[name] = now[name]
 
     def restore(self) -> None:
         now, bindings = vars(self.owner), self.bindings
@@ -136,7 +151,7 @@ class _Attributes:
                 now[name] = value
         for tensor, copy in self.values:
             if not torch.equal(tensor.detach(), copy):
-                tensor.data.copy_(copy)  # unversioned, as buffers are (`left_as_found`)
+                put_back(tensor, copy)  # unversioned, as buffers are (`left_as_found`)
         for name, items in self.items.items():
             container = bindings[name]
             if container != items:
@@ -225,6 +240,10 @@ class Found:
         """Drop the copies of buffers and values that are as they were (`StateAtStart`)."""
         for attributes in self.kept:
             attributes.trim()
+        for sub, bound, _ in self.buffers:
+            for name, buffer in list(bound.items()):
+                if large(buffer) and sub._buffers.get(name) is not buffer:
+                    bound[name] = sub._buffers.get(name)  # rebound: as `_Attributes.trim`
         self.buffers = [(sub, bound, _differing(values)) for sub, bound, values in self.buffers]
 
     def restore(self) -> None:
@@ -238,7 +257,7 @@ class Found:
                     if not torch.equal(buffer, copy):
                         # The forward's values again, through .data: what saved them is at
                         # their version, and sees them as it saved them.
-                        buffer.data.copy_(copy)
+                        put_back(buffer, copy)
 
 
 @contextlib.contextmanager
@@ -269,22 +288,39 @@ def left_as_found(
 class StateAtStart:
     """The state a block's forward begins with (`Found`, `Reached`), kept for its runs again in
     backward where the forward changes it (Note [runs again start where the forward did] in
-    actoff.runtime.placements.checkpoint); its parameters by version only, in ``found.parameters``
-    (weights are too large to copy at every forward).
+    actoff.runtime.placements.checkpoint), and the versions of its parameters: `unrestorable`
+    names what the forward wrote that no copy was taken of (weights are too large to copy at
+    every forward). ``module`` None (a function scope): its modules are not known, nothing is taken.
 
     >>> norm = torch.nn.BatchNorm1d(2)
     >>> start = StateAtStart(norm, [])
     >>> _ = norm(torch.randn(4, 2))
     >>> began = start.kept_if_changed()
-    >>> with left_as_found(norm, []):
-    ...     began.restore()
+    >>> with run_again(norm, [], began):
     ...     during = int(norm.num_batches_tracked)
-    >>> during, int(norm.num_batches_tracked)
-    (0, 1)
+    >>> during, int(norm.num_batches_tracked), start.unrestorable()
+    (0, 1, [])
     """
 
     def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
         self.found, self.reached = Found(module, inputs), Reached(module, inputs)
+        self.parameters = [
+            (name, weight, weight._version)
+            for sub_name, sub in (module.named_modules() if module is not None else ())
+            if not _renorms(sub)
+            for name, weight in ((f"{sub_name}.{n}".lstrip("."), w) for n, w in sub._parameters.items())
+            if weight is not None
+        ]
+
+    def unrestorable(self) -> list[str]:
+        """What the forward wrote that a run again cannot start from as it was: its parameters
+        (``parameter 'mlp.scale'``) and tensors over 1 MiB written in place (``tensor Block.gate``)."""
+        written = [
+            f"parameter {name!r}" for name, weight, version in self.parameters if weight._version != version
+        ]
+        skip = {id(weight) for _, weight, _ in self.parameters}
+        skip |= {id(buffer) for sub in self.reached.modules for buffer in sub._buffers.values()}  # copied
+        return written + [f"tensor {where}" for where in self.reached.written(skip)]
 
     def kept_if_changed(self) -> StateAtStart | None:
         """After the forward: this state, holding copies only of what changed, or None where
@@ -293,12 +329,44 @@ class StateAtStart:
             return None
         self.found.trim()
         self.reached.trim()
+        self.parameters = []
         return self
 
     def restore(self) -> None:
         """The state as the forward began (inside a `left_as_found` that gives back today's)."""
         self.found.restore()
         self.reached.restore()
+
+
+def _renorms(module: torch.nn.Module) -> bool:
+    """An embedding with ``max_norm``: it renormalises its rows in place in forward, and run
+    again from them it gives the same rows (the write is not a change of state)."""
+    return isinstance(module, torch.nn.Embedding) and module.max_norm is not None
+
+
+@contextlib.contextmanager
+def run_again(
+    module: torch.nn.Module | None,
+    inputs: list[Any],
+    began: StateAtStart | None = None,
+    touched: list[torch.nn.Module] = (),
+) -> Iterator[None]:
+    """A run again of a block: from the state its forward ``began`` with (where it changed any),
+    its forward hooks off, and what it changes given back (`left_as_found`, Note [re-runs leave
+    no trace]).
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
+    >>> with run_again(layer, []):
+    ...     layer.seen = layer(torch.ones(2))
+    >>> hasattr(layer, "seen")
+    False
+    """
+    with left_as_found(module, inputs, touched):
+        if began is not None:
+            began.restore()  # before the hooks are lifted: it binds the modules' attributes back
+        with forward_hooks_off(module, touched):
+            yield
 
 
 def hooks_inside(module: torch.nn.Module) -> list[str]:

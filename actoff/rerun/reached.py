@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Reached"]
+__all__ = ["Reached", "large", "put_back"]
 
 # torch's own attributes of every module (parameters, buffers, submodules, hook tables): the
 # parameters and submodules are never bound back (a pre-hook may rebind parameters, as FSDP
 # does), buffers are kept apart (`left_as_found`), the rest only by identity.
 _TORCH_OWN = frozenset(torch.nn.Module().__dict__)
-_NEVER_BOUND_BACK = frozenset({"_parameters", "_modules", "_buffers"})
+# The forward hooks' table is `forward_hooks_off`'s to lift and give back: bound back by a
+# restore inside a run again, it would turn them on there.
+_NEVER_BOUND_BACK = frozenset({"_parameters", "_modules", "_buffers", "_forward_hooks"})
 
 
 #: Tensors held as plain attributes up to this size get their values back (larger ones their binding).
@@ -34,6 +36,20 @@ def _modules_of(module: torch.nn.Module | None, touched: list[torch.nn.Module]) 
         for sub in root.modules():
             found.setdefault(id(sub), sub)
     return list(found.values())
+
+
+def large(value: Any) -> bool:
+    """Whether ``value`` is a tensor over `_ATTRIBUTE_VALUES_UP_TO` bytes (no copy of it is taken)."""
+    return isinstance(value, torch.Tensor) and value.numel() * value.element_size() > _ATTRIBUTE_VALUES_UP_TO
+
+
+def put_back(tensor: torch.Tensor, copy: torch.Tensor) -> None:
+    """Give ``tensor`` the values of ``copy`` through ``.data`` (unversioned), its shape too where
+    the forward changed it (an observer's statistics sized at their first call)."""
+    if tensor.shape == copy.shape and tensor.dtype == copy.dtype:
+        tensor.data.copy_(copy)
+    else:
+        tensor.data = copy.clone()
 
 
 def _differing(values: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -115,10 +131,34 @@ class Reached:
                 return True
         return False
 
+    def written(self, skip: set[int]) -> list[str]:
+        """Where the tensors walked then (but those whose ids are in ``skip``) are held that were
+        written in place since, with no copy of their values taken (over 1 MiB)."""
+        copied = {id(tensor) for tensor, _ in self.values} | skip
+        return [
+            where
+            for where, tensor in self._walk()
+            if id(tensor) not in copied
+            and self.then.get(id(tensor), (None,))[0] is tensor
+            and self.then[id(tensor)][1] != tensor._version
+        ]
+
     def trim(self) -> None:
-        """Keep only what `restore` needs: the copies of values that differ now."""
+        """Keep only what `restore` needs: the copies of values that differ now, and the items of
+        containers that hold other items now, but for tensors over 1 MiB they no longer hold (an
+        activation logged in ``self.stats["last"]`` is not held from forward to backward)."""
         self.then = {}
         self.values = _differing(self.values)
+        kept = []
+        for container, items in self.containers:
+            if _same_items(container, items):
+                continue
+            if isinstance(container, collections.abc.Mapping) and isinstance(items, dict):
+                for key, value in list(items.items()):
+                    if large(value) and key in container and container[key] is not value:
+                        items[key] = container[key]
+            kept.append((container, items))
+        self.containers = kept
 
     def restore(self) -> None:
         """Give the containers walked their items back, and small tensors their values, at every
@@ -141,7 +181,7 @@ class Reached:
         with torch.no_grad():
             for tensor, copy in self.values:
                 if not torch.equal(tensor.detach(), copy):
-                    tensor.data.copy_(copy)
+                    put_back(tensor, copy)
 
 
 #: How deep `Reached` looks: ``self.aux``, ``self.logs["losses"][0]``, ``self.holder.stats.loss``.

@@ -26,11 +26,18 @@ the forward left, it would save other tensors, and the gradients would be wrong 
 (PyTorch's checkpoint has this hole; its shape check cannot tell). The state the forward begins
 with is taken before it (`StateAtStart`: buffers and small tensors by value, attributes, and
 containers' items, three levels deep, as `left_as_found` takes them); where the forward changed
-it, the copies of what changed are kept until backward, and each run again starts from them and
-gives back the state it found (nothing is kept where nothing changed). Parameters are not
-copied (weights are too large to copy at every forward): one written in forward (a version
-changed) stops the step at the scope's exit, naming the block and the fix. What `left_as_found`
-does not see (globals, closures, deeper than three levels) is not taken either.
+it, the copies of what changed are kept until backward, and each run again (`run_again`: the
+checkpoint's, a token-wise re-run, each chunk of a chunked backward) starts from them and gives
+back the state it found (nothing is kept where nothing changed). Not copied, so refused at the
+scope's exit, naming the block, what was written and the fix (`refuse_unrestorable`; placed
+whole by the token-wise placements, never planned to run again by ``auto``): a parameter written
+in forward (weights are too large to copy at every forward; an embedding's ``max_norm``
+renormalisation, which run again gives the same rows, excepted) and a tensor over 1 MiB written
+in place. A tensor over 1 MiB *rebound* in forward (``self.last = h.detach()``, an activation
+logged per block) is not held until backward: a block that reads such a tensor before binding
+a new one runs again on the new one. Not seen, as `left_as_found` does not see them: globals,
+closures, what lies deeper than three levels, and a function scope's modules (unknown before
+its forward).
 
 Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
 so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
@@ -65,7 +72,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-from actoff.rerun.isolation import StateAtStart, forward_hooks_off, is_cache, left_as_found, without_caches
+from actoff.rerun.isolation import StateAtStart, is_cache, run_again, without_caches
 
 from .base import Call, Placement
 
@@ -79,7 +86,7 @@ __all__ = [
     "StateChangedError",
     "has_forward_hooks",
     "holds_rows_read",
-    "no_parameter_written",
+    "refuse_unrestorable",
 ]
 
 
@@ -214,7 +221,7 @@ def run_checkpointed(
             body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
         )
     if runs_again():  # Note [runs again start where the forward did]
-        no_parameter_written(run.name, module, start.found.parameters, "checkpoint")
+        refuse_unrestorable(run.name, start.unrestorable(), "checkpoint")
     again.began = start.kept_if_changed()
     # The forward wrote the caller's caches; the run again gets none (Note [a cache in
     # checkpointed training]), and the graph stops holding them.
@@ -239,33 +246,24 @@ def run_checkpointed(
     return output
 
 
-def no_parameter_written(
-    block: str, module: torch.nn.Module | None, versions: list[tuple[torch.Tensor, int]], placement: str
-) -> None:
-    """Stop where ``block`` wrote into a parameter of ``module`` since its ``versions`` (weight,
-    version) were taken, under a ``placement`` that runs it again (Note [runs again start where
-    the forward did]): parameters are not copied to run again from.
+def refuse_unrestorable(block: str, written: list[str], placement: str) -> None:
+    """Stop where ``block``'s forward wrote what a run again cannot start from as it was
+    (`StateAtStart.unrestorable`: a parameter, a tensor over 1 MiB written in place), under a
+    ``placement`` that runs it again (Note [runs again start where the forward did]).
 
-    >>> scale = torch.nn.Parameter(torch.ones(()))
-    >>> layer = torch.nn.Module()
-    >>> layer.scale = scale
-    >>> versions = [(scale, scale._version)]
-    >>> with torch.no_grad():
-    ...     _ = scale.mul_(0.5)
-    >>> no_parameter_written("layers.0", layer, versions, "checkpoint")
+    >>> refuse_unrestorable("layers.0", [], "checkpoint")  # nothing written: nothing said
+    >>> refuse_unrestorable("layers.0", ["parameter 'scale'"], "checkpoint")
     Traceback (most recent call last):
     ...
-    actoff.runtime.placements.checkpoint.StateChangedError: actoff: block 'layers.0' wrote into its parameter 'scale' in forward: the checkpoint placement runs the block again, from the parameter as the forward left it, and would give wrong gradients (parameters are not copied to run again from). Change the parameter outside the forward (in the optimizer step), keep the changing value in a buffer, or place this block with a policy that stores what it saves (cpu).
+    actoff.runtime.placements.checkpoint.StateChangedError: actoff: block 'layers.0' wrote into its parameter 'scale' in forward: the checkpoint placement runs the block again from the value the forward left (parameters and tensors over 1 MiB are not copied to run again from) and would give wrong gradients. Change it outside the forward (a parameter in the optimizer step), keep the changing value in a buffer, or place this block with a policy that stores what it saves (cpu).
     """
-    names = {id(weight): name for name, weight in module.named_parameters()} if module is not None else {}
-    written = [names.get(id(weight), "?") for weight, version in versions if weight._version != version]
     if written:
         raise StateChangedError(
-            f"actoff: block {block!r} wrote into its parameter {written[0]!r} in forward: the {placement} "
-            "placement runs the block again, from the parameter as the forward left it, and would give "
-            "wrong gradients (parameters are not copied to run again from). Change the parameter outside "
-            "the forward (in the optimizer step), keep the changing value in a buffer, or place this "
-            "block with a policy that stores what it saves (cpu)."
+            f"actoff: block {block!r} wrote into its {written[0]} in forward: the {placement} placement "
+            "runs the block again from the value the forward left (parameters and tensors over 1 MiB "
+            "are not copied to run again from) and would give wrong gradients. Change it outside the "
+            "forward (a parameter in the optimizer step), keep the changing value in a buffer, or "
+            "place this block with a policy that stores what it saves (cpu)."
         )
 
 
@@ -306,10 +304,7 @@ class _RunAgain:
     def __enter__(self) -> None:
         watch = self.run.backend.stopwatch().start()
         stack = contextlib.ExitStack()
-        stack.enter_context(left_as_found(self.module, self.skeleton))
-        stack.enter_context(forward_hooks_off(self.module))
-        if self.began is not None:
-            self.began.restore()
+        stack.enter_context(run_again(self.module, self.skeleton, self.began))
         self.entered.append((watch, stack))
 
     def __exit__(self, *exc: object) -> None:

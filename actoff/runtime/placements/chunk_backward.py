@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
+from actoff.rerun.isolation import StateAtStart
 from actoff.rerun.state import ForwardState, RngState
 from actoff.tiers.tokenwise.mixers import slice_inputs
 from actoff.tiers.tokenwise.probes import ModuleProbes
@@ -67,6 +68,7 @@ class Block:
     rng: RngState | None = None  # the generators before its forward (`whole` draws what it drew)
     timed: list[Any] | None = None  # in backward: each run's stopwatch (the run's ``recompute_ms``)
     inputs_grew: bool = False  # a call added to a list or dictionary it was given (`call`)
+    began: StateAtStart | None = None  # Note [runs again start where the forward did] (`call`)
     out_spec: Any = None
     out_dims: list[int | None] = field(default_factory=list)  # per output leaf: its token dim
     rows: list[torch.Tensor | None] = field(default_factory=list)  # per output leaf: `row_sums`
@@ -80,7 +82,10 @@ class Block:
 
     def call(self, values: list[Any]) -> Any:
         """The block on ``values`` under the forward's autocast (not its backward: autograd is
-        called outside this) and the caller's grad mode."""
+        called outside this) and the caller's grad mode; in backward from the state its forward
+        began with, where that forward changed it (each chunk's call, not the first one's only)."""
+        if self.began is not None:
+            self.began.restore()
         args, kwargs = pytree.tree_unflatten(values, self.spec)
         grad = torch.is_grad_enabled()  # the caller's: the forward's grad mode is not restored
         watch = self.run.backend.stopwatch().start() if self.timed is not None else None

@@ -75,18 +75,17 @@ import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 
 from actoff.rerun.isolation import (
-    Found,
-    forward_hooks_off,
+    StateAtStart,
     hooks_inside,
     is_cache,
-    left_as_found,
+    run_again,
     without_caches,
 )
 from actoff.rerun.reached import Reached
 from actoff.rerun.state import ForwardState, RngState, autograd_status
 
 from .base import Call
-from .checkpoint import CheckpointPlacement, holds_rows_read, no_parameter_written, run_checkpointed
+from .checkpoint import CheckpointPlacement, holds_rows_read, refuse_unrestorable, run_checkpointed
 from .chunk_attention import ChunkedShapeError, ChunkMismatchError, Watch
 from .chunk_backward import Block, backward, learned, probed, row_sums, token_dim
 from .chunk_backward import forward as chunked_forward
@@ -113,16 +112,12 @@ class _ChunkedFunction(torch.autograd.Function):
         values = block.values(inputs)
         known = [*tensors, *block.params]
         watch = Watch(block.run.name, block.seq_len, known)
-        found, reached = (
-            Found(block.module, without_caches(values)),
-            Reached(block.module, without_caches(values)),
-        )
+        start = StateAtStart(block.module, without_caches(values))
         try:
-            output = _forward(block, values, known, watch, (found, reached))
-            _kept_nothing(block, watch, reached)
+            output = _forward(block, values, known, watch, start)
+            _kept_nothing(block, watch, start.reached)
         except ChunkedShapeError:
-            found.restore()  # Note [state a chunked forward changes]
-            reached.restore()
+            start.restore()  # Note [state a chunked forward changes]
             raise
         leaves, block.out_spec = pytree.tree_flatten(output)
         for leaf in leaves:
@@ -133,6 +128,7 @@ class _ChunkedFunction(torch.autograd.Function):
             block.out_dims.append(dim)
             block.rows.append(row_sums(leaf, dim) if dim is not None else None)
             block.kept.append(None if dim is not None else leaf)
+        block.began = start.kept_if_changed()  # each call in backward starts from it (`Block.call`)
         ctx.block = block
         ctx.save_for_backward(*inputs)  # through the scope's hooks: the run's records
         return tuple(leaf for leaf, dim in zip(leaves, block.out_dims, strict=True) if dim is not None)
@@ -145,7 +141,7 @@ class _ChunkedFunction(torch.autograd.Function):
         given = iter(grads)
         out_grads = [next(given) if dim is not None else None for dim in block.out_dims]
         block.timed = []  # its runs again, as a checkpoint's (`recompute_ms`): not their gradients
-        with left_as_found(block.module, values), forward_hooks_off(block.module):
+        with run_again(block.module, values):  # each call from the forward's state: `Block.call`
             input_grads, param_grads = backward(block, values, out_grads)
         with block.run.runtime.lock:
             for ticket in block.timed:
@@ -155,7 +151,7 @@ class _ChunkedFunction(torch.autograd.Function):
 
 
 def _forward(
-    block: Block, values: list[Any], known: list[torch.Tensor], watch: Watch, state: tuple[Found, Reached]
+    block: Block, values: list[Any], known: list[torch.Tensor], watch: Watch, start: StateAtStart
 ) -> Any:
     """The block's output without grad: in chunks once a whole run and the probe have shown its
     shape (Note [a chunked forward]), else whole; state it changes in chunks as Note [state a
@@ -170,13 +166,13 @@ def _forward(
 
         output = chunked_forward(block, values, each)
         watch.random(block.rng)
-        found, reached = state
+        found, reached = start.found, start.reached
         if not found.changed() and not reached.changed():
             return output
         del output
         found.restore()  # changed once a chunk: once, by the whole block, as without actoff
         reached.restore()
-        no_parameter_written(block.run.name, block.module, found.parameters, "chunked")
+        refuse_unrestorable(block.run.name, start.unrestorable(), "chunked")
         module.changes_state = True
     if module.changes_state:  # said once, and in the statistics (``stored_whole``)
         block.run.placement.whole_because = (
@@ -190,7 +186,7 @@ def _forward(
     with watch:
         output = block.call(values)
     watch.finish(block.rng)
-    no_parameter_written(block.run.name, block.module, state[0].parameters, "chunked")
+    refuse_unrestorable(block.run.name, start.unrestorable(), "chunked")
     return output
 
 
@@ -219,6 +215,13 @@ def keeps(kept: list[str]) -> str:
     )
 
 
+def _checkpoints_itself(module: torch.nn.Module) -> bool:
+    """Whether ``module`` checkpoints its own forward in training: a Hugging Face layer with
+    gradient checkpointing on, or torch's ``CheckpointWrapper`` (found by name)."""
+    hugging_face = getattr(module, "gradient_checkpointing", False) is True and module.training
+    return hugging_face or type(module).__name__ == "CheckpointWrapper"
+
+
 def _refusal(run: ScopeRun, call: Call, tensors: list[torch.Tensor]) -> str | None:
     """Why the call cannot run in chunks, seen before it runs (None: nothing seen)."""
     config = run.config
@@ -233,6 +236,15 @@ def _refusal(run: ScopeRun, call: Call, tensors: list[torch.Tensor]) -> str | No
         return (
             f"actoff: block {run.name!r} is given a key/value cache that already holds rows it reads; the "
             "chunked placement re-runs it without them. Place it with 'cpu' instead."
+        )
+    checkpointed = [type(sub).__name__ for sub in call.module.modules() if _checkpoints_itself(sub)]
+    if checkpointed:
+        return (
+            f"actoff: block {run.name!r} cannot run its backward in token chunks: its {checkpointed[0]} runs "
+            "its forward under activation checkpointing (Hugging Face's gradient_checkpointing_enable, a "
+            "CheckpointWrapper), which would run it again outside the chunks. Turn that off "
+            "(model.gradient_checkpointing_disable()): the chunked placement runs the block again itself; "
+            "or place it with 'checkpoint', which composes with it."
         )
     hooked = hooks_inside(call.module)
     if hooked:
@@ -307,8 +319,10 @@ def run_chunked(run: ScopeRun, call: Call) -> Any:
         )
         run.runtime.warn_once(
             "chunked:ambiguous",
-            f"actoff: block {run.name!r} at {seq_len} tokens: {run.placement.whole_because} (a checkpoint); "
-            "lengths no other dimension has run in chunks.",
+            f"actoff: block {run.name!r} (and any others like it) at {seq_len} tokens: "
+            f"{run.placement.whole_because}, as a checkpoint. An attention mask given to the block ([..., S, "
+            "S]: padding, packing, sliding windows) does so at every length; a causal block without one runs "
+            "in chunks where no other dimension of its inputs is as long as the sequence.",
         )
         return run_checkpointed(run, call.fn, call.args, call.kwargs, call.module)
     state = ForwardState.now(tensors[0].device)

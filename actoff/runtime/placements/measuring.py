@@ -108,7 +108,8 @@ class MeasuringPlacement(TokenwisePlacement):
         versions = [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
         with CaptureMode(self.split), CollectiveWatch(self.split), watch:
             output = call.run() if not runs_again else self._forward_inside_checkpoint(call)
-        self.split.parameters_written()  # never run again, then (`rerun_unsafe`)
+        self.split.writes_unrestorable()  # never run again, then (`rerun_unsafe`)
+        self.split.start = None  # nothing runs again from it
         surveyed(watch, output, self.run.config.token_dim)
         kept = reached.kept(requiring_grad=True)  # with grad here: a logged statistic is detached
         if kept:
@@ -181,6 +182,7 @@ class MeasuringPlacement(TokenwisePlacement):
             # run must not hold the frame back (Note [no cycle through autograd]).
             self.hooks = hooks.run = None
         changed = any(tensor._version != version for tensor, version in zip(inputs, versions, strict=True))
+        written = self.split.writes_unrestorable()  # a parameter: what is run again would differ
         if changed:  # the checkpoint's copies of the inputs are stale, and never read: nothing runs again
             self.split.writes_inputs = True
             for record in run.records[: hooks.before]:
@@ -190,6 +192,8 @@ class MeasuringPlacement(TokenwisePlacement):
         why = (
             "writes into an input in place"
             if changed
+            else "writes into a parameter, or a tensor over 1 MiB, in forward"
+            if written
             else "writes into a tensor it saved"  # autograd's version check says so in backward
             if any(record.changed() for record in refused)
             else f"calls {self.split.collective}"

@@ -176,9 +176,7 @@ class TokenwisePlacement(Placement):
     @property
     def rerun_unsafe(self) -> bool:
         split = self.split
-        return self.active and (
-            split.collective is not None or split.writes_inputs or split.writes_parameters
-        )
+        return self.active and (split.collective is not None or split.writes_inputs or split.writes_state)
 
     def saved_by_class(self, input_bytes: int) -> tuple[int, int, int, bool] | None:
         split = self.split

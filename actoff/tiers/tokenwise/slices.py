@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from actoff.params import param_like
-from actoff.rerun.isolation import forward_hooks_off, left_as_found, without_caches
+from actoff.rerun.isolation import run_again, without_caches
 from actoff.rerun.state import with_status
 from actoff.tiers.record import Record, serve
 
@@ -234,8 +234,7 @@ def recompute(
         if split.rng[1] is not None:
             torch.cuda.set_rng_state(split.rng[1], run.device)
         hooks = torch.autograd.graph.saved_tensors_hooks(resaves.pack, lambda packed: packed)
-        found = left_as_found(split.module, sliced, split.touched)
-        with hooks, mode, found, forward_hooks_off(split.module, split.touched):
+        with hooks, mode, run_again(split.module, sliced, split.began, split.touched):
             split.fn(*args, **kwargs)
     events, rows = split.events, resaves.rows
     if resaves.count != len(events):

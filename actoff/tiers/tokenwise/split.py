@@ -18,6 +18,7 @@ import torch
 from actoff.params import param_like
 from actoff.policy import whole_tier
 from actoff.rerun.conditions import FlatCall, conditions
+from actoff.rerun.isolation import StateAtStart, without_caches
 from actoff.rerun.state import ForwardState, autograd_status
 from actoff.tiers.record import Record
 
@@ -56,8 +57,11 @@ class Split:
         self.in_mixer = 0
         self.collective: str | None = None  # first collective outside a mixer (CollectiveWatch)
         self.writes_inputs = False  # the forward wrote into an input kept for the re-run
-        self.writes_parameters = False  # the forward wrote into a parameter: never run again
-        self.weights: list[tuple[str, torch.Tensor, int]] = []  # the module's parameters, versions
+        self.writes_state = False  # it wrote what a re-run cannot start from: never run again
+        # The state the forward began with, and what of it a re-run starts from (Note [runs again
+        # start where the forward did] in actoff.runtime.placements.checkpoint).
+        self.start: StateAtStart | None = None
+        self.began: StateAtStart | None = None
         self.touched: list[torch.nn.Module] = []  # a function scope's modules (CaptureMode)
         # Input shape and strides of each dropout: Note [dropout in a re-run]
         self.dropouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -121,8 +125,7 @@ class Split:
             return False
         self.probed = learned.results.get(self.conditions)
         self.fn, self.module = fn, module
-        named = module.named_parameters() if module is not None else ()
-        self.weights = [(name, weight, weight._version) for name, weight in named]
+        self.start = StateAtStart(module, without_caches(flat.values))
         self.input_status = [autograd_status(value) for value in flat.values]
         self.inputs = [self.keep_whole(value) for value in flat.values]
         cuda_state = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
@@ -182,8 +185,9 @@ class Split:
                 "(clone the input inside the block to recompute it)"
             )
             return
-        if self.parameters_written():
+        if self.writes_unrestorable():
             return
+        self.began, self.start = self.start.kept_if_changed() if self.start is not None else None, None
         candidates = [r for r in self.run.records if not r.whole and not r.geometry.compact]
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:
@@ -211,18 +215,17 @@ class Split:
                 record.canon = canon
                 self.records.append(record)
 
-    def parameters_written(self) -> bool:
-        """Whether the forward wrote into a parameter of the module (Note [runs again start where
-        the forward did] in actoff.runtime.placements.checkpoint): a re-run would start from the
-        changed value, and re-runs do not copy weights to give them back. Placed whole, said."""
-        written = [name for name, weight, version in self.weights if weight._version != version]
-        if written and not self.writes_parameters:
-            self.writes_parameters = True
+    def writes_unrestorable(self) -> bool:
+        """Whether the forward wrote what a re-run cannot start from as it was (a parameter, a
+        tensor over 1 MiB written in place: `StateAtStart.unrestorable`). Placed whole, said."""
+        written = self.start.unrestorable() if self.start is not None and not self.writes_state else []
+        if written:
+            self.writes_state, self.start = True, None
             self.fall_back(
-                f"it writes into its parameter {written[0]!r} in forward, and a re-run would start from "
-                "the changed value (change it outside the forward, in the optimizer step)"
+                f"it writes into its {written[0]} in forward, and a re-run would start from the changed "
+                "value (change it outside the forward: a parameter in the optimizer step)"
             )
-        return self.writes_parameters
+        return self.writes_state
 
     def from_another_length(self) -> ProbeResult | None:
         """The probe of these conditions at another length, fitted to this forward's saves, if
