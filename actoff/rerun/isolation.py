@@ -304,6 +304,7 @@ class StateAtStart:
 
     def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
         self.found, self.reached = Found(module, inputs), Reached(module, inputs)
+        self.changed: bool | None = None  # the reached state's, once the forward has run
         self.parameters = [
             (name, weight, weight._version)
             for sub_name, sub in (module.named_modules() if module is not None else ())
@@ -318,6 +319,8 @@ class StateAtStart:
         written = [
             f"parameter {name!r}" for name, weight, version in self.parameters if weight._version != version
         ]
+        if not self._reached_changed():
+            return written
         skip = {id(weight) for _, weight, _ in self.parameters}
         skip |= {id(buffer) for sub in self.reached.modules for buffer in sub._buffers.values()}  # copied
         return written + [f"tensor {where}" for where in self.reached.written(skip)]
@@ -325,12 +328,17 @@ class StateAtStart:
     def kept_if_changed(self) -> StateAtStart | None:
         """After the forward: this state, holding copies only of what changed, or None where
         nothing did."""
-        if not self.found.changed() and not self.reached.changed():
+        if not self.found.changed() and not self._reached_changed():
             return None
         self.found.trim()
         self.reached.trim()
         self.parameters = []
         return self
+
+    def _reached_changed(self) -> bool:
+        if self.changed is None:  # asked after the forward: one walk serves both questions
+            self.changed = self.reached.changed()
+        return self.changed
 
     def restore(self) -> None:
         """The state as the forward began (inside a `left_as_found` that gives back today's)."""

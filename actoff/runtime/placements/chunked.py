@@ -172,7 +172,6 @@ def _forward(
         del output
         found.restore()  # changed once a chunk: once, by the whole block, as without actoff
         reached.restore()
-        refuse_unrestorable(block.run.name, start.unrestorable(), "chunked")
         module.changes_state = True
     if module.changes_state:  # said once, and in the statistics (``stored_whole``)
         block.run.placement.whole_because = (
