@@ -621,6 +621,32 @@ def test_a_layer_under_hugging_faces_gradient_checkpointing_is_refused_with_the_
         model(input_ids=tokens, labels=tokens).loss.backward()
 
 
+class _ViewsAWeight(Block):
+    """A reference block mixing its input by a transposed view of a weight of its own (Hugging
+    Face's mixtures of experts keep their experts in 3-D weights and use views of them)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.mix = nn.Parameter(
+            torch.eye(config.hidden_size) + 0.01 * torch.randn(config.hidden_size, config.hidden_size)
+        )
+
+    def forward(self, x, cos, sin):
+        return super().forward(x @ self.mix.transpose(0, 1), cos, sin)
+
+
+def test_a_view_of_a_weight_is_the_weight():
+    """The forward's check refused a transposed view of the block's weight as 'a tensor that takes
+    gradients and is neither an input nor a parameter' (a new user's trial, on Qwen2-MoE and
+    Mixtral's 3-D experts); its gradient reaches the weight through the view."""
+    model = make_model()
+    blocks = nn.ModuleList(_ViewsAWeight(model.config) for _ in model.layers)
+    blocks.load_state_dict(model.layers.state_dict(), strict=False)
+    model.layers = blocks
+    expected = train(copy.deepcopy(model), 2)
+    assert_close_history(expected, train(_chunked(model, 8, block_cls=_ViewsAWeight), 2))
+
+
 class _HalvesAParameter(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

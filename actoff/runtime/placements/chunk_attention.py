@@ -93,6 +93,7 @@ class Watch(TorchFunctionMode):
                 and value.requires_grad
                 and (value.is_leaf or not self.survey)
                 and id(value) not in self.known
+                and id(value._base) not in self.known  # a view of a weight (an expert's, transposed)
                 and not (quiet and value._base is not None)
             ):
                 self.object_to(
