@@ -61,20 +61,19 @@ from .reached import (
     _NEVER_BOUND_BACK,
     _TORCH_OWN,
     Reached,
-    _differing,
     _modules_of,
+    holds_large,
     large,
     put_back,
+    settle,
 )
 
 __all__ = [
     "Found",
-    "StateAtStart",
     "forward_hooks_off",
     "hooks_inside",
     "is_cache",
     "left_as_found",
-    "run_again",
     "without_caches",
 ]
 
@@ -133,14 +132,18 @@ class _Attributes:
             return True
         return any(not torch.equal(tensor.detach(), copy) for tensor, copy in self.values)
 
-    def trim(self) -> None:
-        """Drop the copies of values that are as they were, and tensors over 1 MiB rebound since
-        (`StateAtStart`: an activation logged in ``self.last`` is not held from forward to backward)."""
-        self.values, self.versions = _differing(self.values), []  # `changed` is not asked again
+    def trim(self, watched: list) -> None:
+        """Drop what only `changed` needs, copies `settle` lets go, and what holds tensors over
+        1 MiB (`holds_large`) bound or held in their place since (`StateAtStart`: an activation
+        logged in ``self.last`` or ``self.stats = {"last": h}`` is not held until backward)."""
+        self.versions, self.values = [], settle(self.values, watched)
         now = vars(self.owner)
         for name, value in list(self.bindings.items()):
-            if large(value) and name in now and now[name] is not value:
+            if holds_large(value) and name in now and now[name] is not value:
                 self.bindings[name] = now[name]
+        for name, items in list(self.items.items()):
+            if any(holds_large(item) for item in (items if type(items) is list else items.values())):
+                del self.items[name]  # its items are left as they are then
 
     def restore(self) -> None:
         now, bindings = vars(self.owner), self.bindings
@@ -154,7 +157,7 @@ class _Attributes:
                 put_back(tensor, copy)  # unversioned, as buffers are (`left_as_found`)
         for name, items in self.items.items():
             container = bindings[name]
-            if container != items:
+            if not _same(container, items):  # by identity: tensors compared by value are ambiguous
                 container.clear()
                 if type(container) is list:
                     container.extend(items)
@@ -205,7 +208,11 @@ class Found:
     """
 
     def __init__(
-        self, module: torch.nn.Module | None, inputs: list[Any], touched: list[torch.nn.Module] = ()
+        self,
+        module: torch.nn.Module | None,
+        inputs: list[Any],
+        touched: list[torch.nn.Module] = (),
+        copies: bool | None = None,
     ) -> None:
         self.kept: list[_Attributes] = [_Attributes(value) for value in inputs if _plain_object(value)]
         self.buffers = []
@@ -217,7 +224,12 @@ class Found:
                 bound = dict(sub._buffers)
                 # A copy of each buffer's values, written back where the re-run changed them: by
                 # value, as writes through ``.data`` and BatchNorm's kernel leave the version as it was.
-                values = [(buffer, buffer.clone()) for buffer in bound.values() if buffer is not None]
+                # ``copies`` False (`StateAtStart`): of those up to 1 MiB only (`unrestorable` names others written).
+                values = [
+                    (buffer, buffer.clone())
+                    for buffer in bound.values()
+                    if buffer is not None and (copies is not False or not large(buffer))
+                ]
                 self.buffers.append((sub, bound, values))
 
     def changed(self) -> bool:
@@ -236,15 +248,17 @@ class Found:
         except (NotImplementedError, RuntimeError):
             return True
 
-    def trim(self) -> None:
-        """Drop the copies of buffers and values that are as they were (`StateAtStart`)."""
+    def trim(self, watched: list) -> None:
+        """Drop what only `changed` needs, copies `settle` lets go (their versions added to
+        ``watched``), and buffers over 1 MiB rebound since (`StateAtStart`)."""
         for attributes in self.kept:
-            attributes.trim()
+            attributes.trim(watched)
         for sub, bound, _ in self.buffers:
             for name, buffer in list(bound.items()):
                 if large(buffer) and sub._buffers.get(name) is not buffer:
                     bound[name] = sub._buffers.get(name)  # rebound: as `_Attributes.trim`
-        self.buffers = [(sub, bound, _differing(values)) for sub, bound, values in self.buffers]
+        self.buffers = [(sub, bound, settle(values, watched)) for sub, bound, values in self.buffers]
+        self.parameters = []
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -283,98 +297,6 @@ def left_as_found(
     finally:
         found.restore()
         reached.restore()
-
-
-class StateAtStart:
-    """The state a block's forward begins with (`Found`, `Reached`), kept for its runs again in
-    backward where the forward changes it (Note [runs again start where the forward did] in
-    actoff.runtime.placements.checkpoint), and the versions of its parameters: `unrestorable`
-    names what the forward wrote that no copy was taken of (weights are too large to copy at
-    every forward). ``module`` None (a function scope): its modules are not known, nothing is taken.
-
-    >>> norm = torch.nn.BatchNorm1d(2)
-    >>> start = StateAtStart(norm, [])
-    >>> _ = norm(torch.randn(4, 2))
-    >>> began = start.kept_if_changed()
-    >>> with run_again(norm, [], began):
-    ...     during = int(norm.num_batches_tracked)
-    >>> during, int(norm.num_batches_tracked), start.unrestorable()
-    (0, 1, [])
-    """
-
-    def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
-        self.found, self.reached = Found(module, inputs), Reached(module, inputs)
-        self.changed: bool | None = None  # the reached state's, once the forward has run
-        self.parameters = [
-            (name, weight, weight._version)
-            for sub_name, sub in (module.named_modules() if module is not None else ())
-            if not _renorms(sub)
-            for name, weight in ((f"{sub_name}.{n}".lstrip("."), w) for n, w in sub._parameters.items())
-            if weight is not None
-        ]
-
-    def unrestorable(self) -> list[str]:
-        """What the forward wrote that a run again cannot start from as it was: its parameters
-        (``parameter 'mlp.scale'``) and tensors over 1 MiB written in place (``tensor Block.gate``)."""
-        written = [
-            f"parameter {name!r}" for name, weight, version in self.parameters if weight._version != version
-        ]
-        if not self._reached_changed():
-            return written
-        skip = {id(weight) for _, weight, _ in self.parameters}
-        skip |= {id(buffer) for sub in self.reached.modules for buffer in sub._buffers.values()}  # copied
-        return written + [f"tensor {where}" for where in self.reached.written(skip)]
-
-    def kept_if_changed(self) -> StateAtStart | None:
-        """After the forward: this state, holding copies only of what changed, or None where
-        nothing did."""
-        if not self.found.changed() and not self._reached_changed():
-            return None
-        self.found.trim()
-        self.reached.trim()
-        self.parameters = []
-        return self
-
-    def _reached_changed(self) -> bool:
-        if self.changed is None:  # asked after the forward: one walk serves both questions
-            self.changed = self.reached.changed()
-        return self.changed
-
-    def restore(self) -> None:
-        """The state as the forward began (inside a `left_as_found` that gives back today's)."""
-        self.found.restore()
-        self.reached.restore()
-
-
-def _renorms(module: torch.nn.Module) -> bool:
-    """An embedding with ``max_norm``: it renormalises its rows in place in forward, and run
-    again from them it gives the same rows (the write is not a change of state)."""
-    return isinstance(module, torch.nn.Embedding) and module.max_norm is not None
-
-
-@contextlib.contextmanager
-def run_again(
-    module: torch.nn.Module | None,
-    inputs: list[Any],
-    began: StateAtStart | None = None,
-    touched: list[torch.nn.Module] = (),
-) -> Iterator[None]:
-    """A run again of a block: from the state its forward ``began`` with (where it changed any),
-    its forward hooks off, and what it changes given back (`left_as_found`, Note [re-runs leave
-    no trace]).
-
-    >>> layer = torch.nn.Linear(2, 2)
-    >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
-    >>> with run_again(layer, []):
-    ...     layer.seen = layer(torch.ones(2))
-    >>> hasattr(layer, "seen")
-    False
-    """
-    with left_as_found(module, inputs, touched):
-        if began is not None:
-            began.restore()  # before the hooks are lifted: it binds the modules' attributes back
-        with forward_hooks_off(module, touched):
-            yield
 
 
 def hooks_inside(module: torch.nn.Module) -> list[str]:

@@ -8,11 +8,12 @@ import collections
 import collections.abc
 import functools
 import types
+import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["Reached", "large", "put_back"]
+__all__ = ["Reached", "holds_large", "large", "put_back", "settle"]
 
 # torch's own attributes of every module (parameters, buffers, submodules, hook tables): the
 # parameters and submodules are never bound back (a pre-hook may rebind parameters, as FSDP
@@ -43,6 +44,42 @@ def large(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() * value.element_size() > _ATTRIBUTE_VALUES_UP_TO
 
 
+def holds_large(value: Any) -> bool:
+    """Whether ``value`` is a tensor over 1 MiB (`large`) or a list, tuple or dictionary holding
+    one (one level): what a state kept from forward to backward should not hold once unbound."""
+    if isinstance(value, (list, tuple)):
+        return any(large(item) for item in value)
+    if isinstance(value, dict):
+        return any(large(item) for item in value.values())
+    return large(value)
+
+
+#: Copies up to this size are kept from forward to backward whether or not the forward changed
+#: them (a counter, a statistic: another forward of the block may change them before this one's
+#: backward); larger ones only where it did, the others watched by version (`settle`).
+_ALWAYS_KEPT_UP_TO = 64 << 10
+
+
+def settle(
+    values: list[tuple[torch.Tensor, torch.Tensor]], watched: list
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Of ``(tensor, copy)`` pairs taken before a forward, those to keep for its runs again:
+    small ones, and those the forward changed; the others go, their tensors' versions added to
+    ``watched`` (``(weak reference, version)``)."""
+    kept = []
+    with torch.no_grad():
+        for tensor, copy in values:
+            try:
+                same = torch.equal(tensor.detach(), copy)
+            except (NotImplementedError, RuntimeError):
+                same = False
+            if copy.numel() * copy.element_size() <= _ALWAYS_KEPT_UP_TO or not same:
+                kept.append((tensor, copy))
+            else:
+                watched.append((weakref.ref(tensor), tensor._version))
+    return kept
+
+
 def put_back(tensor: torch.Tensor, copy: torch.Tensor) -> None:
     """Give ``tensor`` the values of ``copy`` through ``.data`` (unversioned), its shape too where
     the forward changed it (an observer's statistics sized at their first call)."""
@@ -50,16 +87,6 @@ def put_back(tensor: torch.Tensor, copy: torch.Tensor) -> None:
         tensor.data.copy_(copy)
     else:
         tensor.data = copy.clone()
-
-
-def _differing(values: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The tensors of ``(tensor, copy)`` pairs whose values differ from their copies now (all of
-    them where they cannot be compared: a sparse tensor)."""
-    try:
-        with torch.no_grad():
-            return [(tensor, copy) for tensor, copy in values if not torch.equal(tensor.detach(), copy)]
-    except (NotImplementedError, RuntimeError):
-        return values
 
 
 class Reached:
@@ -143,22 +170,17 @@ class Reached:
             and self.then[id(tensor)][1] != tensor._version
         ]
 
-    def trim(self) -> None:
-        """Keep only what `restore` needs: the copies of values that differ now, and the items of
-        containers that hold other items now, but for tensors over 1 MiB they no longer hold (an
-        activation logged in ``self.stats["last"]`` is not held from forward to backward)."""
+    def trim(self, watched: list) -> None:
+        """Keep what `restore` needs (`settle`), but not containers holding tensors over 1 MiB
+        (`holds_large`): an activation logged in ``self.stats["last"]`` is not held until backward
+        (such a container is left as it is when run again)."""
         self.then = {}
-        self.values = _differing(self.values)
-        kept = []
-        for container, items in self.containers:
-            if _same_items(container, items):
-                continue
-            if isinstance(container, collections.abc.Mapping) and isinstance(items, dict):
-                for key, value in list(items.items()):
-                    if large(value) and key in container and container[key] is not value:
-                        items[key] = container[key]
-            kept.append((container, items))
-        self.containers = kept
+        self.values = settle(self.values, watched)
+        self.containers = [
+            (container, items)
+            for container, items in self.containers
+            if not any(holds_large(item) for item in (items.values() if isinstance(items, dict) else items))
+        ]
 
     def restore(self) -> None:
         """Give the containers walked their items back, and small tensors their values, at every

@@ -658,29 +658,93 @@ def test_forward_hooks_stay_off_in_a_run_again_from_the_forwards_state():
 
 
 class _Logs(nn.Module):
-    """A block that logs its activation on itself each forward (2 MiB: over the copies' limit)."""
+    """A block that logs its activation each forward (2 MiB: over the copies' limit), ``how``."""
 
-    def __init__(self) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.linear, self.last = nn.Linear(16, 16), None
+        self.linear, self.how, self.last, self.stats = nn.Linear(16, 16), how, None, {"last": None}
 
     def forward(self, x):
         h = torch.tanh(self.linear(x))
-        self.last = h.detach()
+        if self.how == "attribute":
+            self.last = h.detach()
+        elif self.how == "dictionary item":
+            self.stats["last"] = h.detach()
+        else:
+            self.stats = {"last": h.detach()}
         return x + h
 
+    def logged(self) -> torch.Tensor:
+        return self.last if self.how == "attribute" else self.stats["last"]
 
-def test_an_activation_logged_on_the_block_is_not_held_from_forward_to_backward():
+
+@pytest.mark.parametrize("policy", ["checkpoint", "tokenwise"])
+@pytest.mark.parametrize("how", ["attribute", "dictionary item", "dictionary rebound"])
+def test_an_activation_logged_on_the_block_is_not_held_from_forward_to_backward(how, policy):
     """The state its forward began with held the last step's logged activation until this
     step's backward: one activation per block more on the device, what checkpointing saves."""
-    blocks = nn.ModuleList(_Logs() for _ in range(2))
-    actoff.offload_(blocks, block_cls=_Logs, policy="checkpoint", min_bytes=0)
+    blocks = nn.ModuleList(_Logs(how) for _ in range(2))
+    actoff.offload_(blocks, block_cls=_Logs, policy=policy, min_bytes=0)
     x = torch.randn(2, 1 << 14, 16, requires_grad=True)  # 2 MiB a block
     blocks[1](blocks[0](x)).pow(2).mean().backward()
-    first = [weakref.ref(block.last) for block in blocks]
+    first = [weakref.ref(block.logged()) for block in blocks]
     out = blocks[1](blocks[0](x))
     assert [ref() for ref in first] == [None, None]
     out.pow(2).mean().backward()
+
+
+class _CachesByLength(nn.Module):
+    """A block keeping a table per length in a dictionary attribute (tensors compared by value
+    raised 'Boolean value of Tensor ... is ambiguous' in the run again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.tables = nn.Linear(16, 16), {}
+
+    def forward(self, x):
+        table = self.tables.setdefault(x.shape[1], torch.linspace(0.5, 1.5, x.shape[1])[:, None])
+        return x + torch.tanh(self.linear(x) * table)
+
+
+def test_a_dictionary_of_tensors_on_the_block_trains_bit_for_bit():
+    _assert_same(
+        _small_blocks_grads(_CachesByLength, "checkpoint"), _small_blocks_grads(_CachesByLength, None)
+    )
+
+
+class _HalvesEverySecondCall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        self.calls += 1
+        if int(self.calls) % 2 == 0:
+            self.scale.mul_(0.5)
+        return x + torch.tanh(self.linear(x * self.scale.clone()))  # a copy: autograd's not written
+
+
+def test_a_block_called_twice_a_step_runs_again_from_each_calls_state():
+    """The state kept for a run again held only what its own forward changed: the block's second
+    call halved a scale the first left alone, and the first call's run again used the halved one
+    (3.2 relative off, a review). Small state is kept whole."""
+
+    def grads(policy):
+        torch.manual_seed(0)
+        block = _HalvesEverySecondCall()
+        if policy is not None:
+            actoff.offload_(block, block_cls=_HalvesEverySecondCall, policy=policy, min_bytes=0)
+        found = []
+        for step in range(3):
+            x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            block(block(x)).pow(2).mean().backward()
+            found += [x.grad, *(p.grad.clone() for p in block.parameters())]
+            block.zero_grad(set_to_none=True)
+        return found + [b.clone() for b in block.buffers()]
+
+    _assert_same(grads("checkpoint"), grads(None))
 
 
 class _HalvesALargeGate(nn.Module):
@@ -727,13 +791,32 @@ def test_a_re_run_starts_from_the_state_its_forward_began_with(policy):
 class _Embeds(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.table = nn.Embedding(16, 16, max_norm=1.0)
+        self.table, self.linear = nn.Embedding(64, 16, max_norm=1.0), nn.Linear(16, 16)
 
     def forward(self, x):
-        return x + self.table(torch.arange(x.shape[1]) % 16)
+        rows = (x[..., 0].abs() * 10).long() % 64
+        return x + torch.tanh(self.linear(x + self.table(rows)))
 
 
 def test_an_embeddings_max_norm_is_not_taken_for_a_parameter_written():
-    """An embedding with ``max_norm`` renormalises its rows in place in forward; run again from
-    them it gives the same rows, as before: not refused."""
-    _assert_same(_small_blocks_grads(_Embeds, "checkpoint"), _small_blocks_grads(_Embeds, None))
+    """An embedding with ``max_norm`` renormalises the rows it looks up, in place, in forward: not
+    refused as a parameter written (run again, its rows are looked up as the forward left them;
+    renormalised a second time they moved by a rounding: 1.2e-7 relative, a review)."""
+
+    def trained(policy):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(_Embeds() for _ in range(2))
+        if policy is not None:
+            actoff.offload_(blocks, block_cls=_Embeds, policy=policy, min_bytes=0)
+        optimizer, found = torch.optim.SGD(blocks.parameters(), lr=0.05), []
+        for step in range(3):
+            x = torch.randn(2, 32, 16, generator=torch.Generator().manual_seed(step))
+            for block in blocks:
+                x = block(x)
+            x.pow(2).mean().backward()
+            found += [p.grad.clone() for p in blocks.parameters()]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return found
+
+    _assert_same(trained("checkpoint"), trained(None))

@@ -24,20 +24,22 @@ Note [runs again start where the forward did]: a block may change state in forwa
 output depends on (a scale it halves each call, a counter it divides by). Run again on the state
 the forward left, it would save other tensors, and the gradients would be wrong without a word
 (PyTorch's checkpoint has this hole; its shape check cannot tell). The state the forward begins
-with is taken before it (`StateAtStart`: buffers and small tensors by value, attributes, and
-containers' items, three levels deep, as `left_as_found` takes them); where the forward changed
-it, the copies of what changed are kept until backward, and each run again (`run_again`: the
-checkpoint's, a token-wise re-run, each chunk of a chunked backward) starts from them and gives
-back the state it found (nothing is kept where nothing changed). Not copied, so refused at the
-scope's exit, naming the block, what was written and the fix (`refuse_unrestorable`; placed
-whole by the token-wise placements, never planned to run again by ``auto``): a parameter written
-in forward (weights are too large to copy at every forward; an embedding's ``max_norm``
-renormalisation, which run again gives the same rows, excepted) and a tensor over 1 MiB written
-in place. A tensor over 1 MiB *rebound* in forward (``self.last = h.detach()``, an activation
-logged per block) is not held until backward: a block that reads such a tensor before binding
-a new one runs again on the new one. Not seen, as `left_as_found` does not see them: globals,
-closures, what lies deeper than three levels, and a function scope's modules (unknown before
-its forward).
+with is taken before it (`StateAtStart`: attributes, containers' items three levels deep, and
+buffers and tensors up to 1 MiB by value, as `left_as_found` takes them) and kept until backward:
+copies up to 64 KiB whole (another forward of the block before this one's backward, a block
+called twice a step, may change what this one did not), larger ones where the forward changed
+them, the others watched by version (written since: the run again stops). Each run again
+(`run_again`: the checkpoint's, a token-wise re-run, each chunk of a chunked backward) starts from
+it and gives back the state it found. Not copied, so refused at the scope's exit, naming the
+block, what was written and the fix (`refuse_unrestorable`; placed whole by the token-wise
+placements, never planned to run again by ``auto``): a parameter written in forward (weights
+are too large to copy; an embedding's ``max_norm`` renormalisation is not a change: run again,
+its rows are looked up as the forward left them) and a tensor over 1 MiB written in place. A
+tensor over 1 MiB *bound* in forward (``self.last = h.detach()``, ``self.stats = {"last": h}``:
+an activation logged per block) is not held until backward, nor a container holding one: a
+block that reads such a tensor before binding a new one runs again on the new one. Not seen, as
+`left_as_found` does not see them: globals, closures, what lies deeper than three levels, and a
+function scope's modules (unknown before its forward).
 
 Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
 so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
@@ -72,7 +74,8 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
-from actoff.rerun.isolation import StateAtStart, is_cache, run_again, without_caches
+from actoff.rerun.again import StateAtStart, StateChangedError, run_again
+from actoff.rerun.isolation import is_cache, without_caches
 
 from .base import Call, Placement
 
@@ -92,11 +95,6 @@ __all__ = [
 
 class InputChangedError(RuntimeError):
     """A checkpointed block wrote into one of its inputs (Note [inputs changed in place])."""
-
-
-class StateChangedError(RuntimeError):
-    """A checkpointed block wrote into one of its parameters in forward (Note [runs again start
-    where the forward did])."""
 
 
 class HookChangedOutputError(RuntimeError):
@@ -222,7 +220,7 @@ def run_checkpointed(
         )
     if runs_again():  # Note [runs again start where the forward did]
         refuse_unrestorable(run.name, start.unrestorable(), "checkpoint")
-    again.began = start.kept_if_changed()
+    again.began = start.kept()
     # The forward wrote the caller's caches; the run again gets none (Note [a cache in
     # checkpointed training]), and the graph stops holding them.
     skeleton[:] = without_caches(skeleton)
@@ -255,7 +253,7 @@ def refuse_unrestorable(block: str, written: list[str], placement: str) -> None:
     >>> refuse_unrestorable("layers.0", ["parameter 'scale'"], "checkpoint")
     Traceback (most recent call last):
     ...
-    actoff.runtime.placements.checkpoint.StateChangedError: actoff: block 'layers.0' wrote into its parameter 'scale' in forward: the checkpoint placement runs the block again from the value the forward left (parameters and tensors over 1 MiB are not copied to run again from) and would give wrong gradients. Change it outside the forward (a parameter in the optimizer step), keep the changing value in a buffer, or place this block with a policy that stores what it saves (cpu).
+    actoff.rerun.again.StateChangedError: actoff: block 'layers.0' wrote into its parameter 'scale' in forward: the checkpoint placement runs the block again from the value the forward left (parameters and tensors over 1 MiB are not copied to run again from) and would give wrong gradients. Change it outside the forward (a parameter in the optimizer step), keep the changing value in a buffer, or place this block with a policy that stores what it saves (cpu).
     """
     if written:
         raise StateChangedError(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from actoff.rerun.isolation import StateAtStart
+from actoff.rerun.again import StateAtStart
 from actoff.rerun.state import ForwardState, RngState
 from actoff.tiers.tokenwise.mixers import slice_inputs
 from actoff.tiers.tokenwise.probes import ModuleProbes

@@ -74,13 +74,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 
-from actoff.rerun.isolation import (
-    StateAtStart,
-    hooks_inside,
-    is_cache,
-    run_again,
-    without_caches,
-)
+from actoff.rerun.again import StateAtStart, run_again
+from actoff.rerun.isolation import hooks_inside, is_cache, without_caches
 from actoff.rerun.reached import Reached
 from actoff.rerun.state import ForwardState, RngState, autograd_status
 
@@ -128,7 +123,7 @@ class _ChunkedFunction(torch.autograd.Function):
             block.out_dims.append(dim)
             block.rows.append(row_sums(leaf, dim) if dim is not None else None)
             block.kept.append(None if dim is not None else leaf)
-        block.began = start.kept_if_changed()  # each call in backward starts from it (`Block.call`)
+        block.began = start.kept()  # each call in backward starts from it (`Block.call`)
         ctx.block = block
         ctx.save_for_backward(*inputs)  # through the scope's hooks: the run's records
         return tuple(leaf for leaf, dim in zip(leaves, block.out_dims, strict=True) if dim is not None)

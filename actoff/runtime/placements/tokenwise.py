@@ -151,7 +151,7 @@ class TokenwisePlacement(Placement):
         # are (those under min_bytes, a rotary table, say) go now, not when the collector breaks
         # the step's cycles: held till then, they sat on the device into the next step.
         split = self.split
-        split.fn = split.module = None
+        split.fn = split.module = split.began = split.start = None  # the state holds the modules
         split.inputs, split.mixer_outputs = [], []
 
     def aborted(self) -> None:

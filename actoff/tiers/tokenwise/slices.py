@@ -21,7 +21,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from actoff.params import param_like
-from actoff.rerun.isolation import run_again, without_caches
+from actoff.rerun.again import run_again
+from actoff.rerun.isolation import without_caches
 from actoff.rerun.state import with_status
 from actoff.tiers.record import Record, serve
 

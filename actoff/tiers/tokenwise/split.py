@@ -17,8 +17,9 @@ import torch
 
 from actoff.params import param_like
 from actoff.policy import whole_tier
+from actoff.rerun.again import StateAtStart
 from actoff.rerun.conditions import FlatCall, conditions
-from actoff.rerun.isolation import StateAtStart, without_caches
+from actoff.rerun.isolation import without_caches
 from actoff.rerun.state import ForwardState, autograd_status
 from actoff.tiers.record import Record
 
@@ -173,6 +174,9 @@ class Split:
         per module and conditions]); with nothing learned yet the run is placed whole and probed
         in its backward (Note [probe in the first backward]). A run that ends with no split
         records is placed whole."""
+        written = self.writes_unrestorable()
+        # The state the forward began with lives on as `began` only where a re-run may come.
+        start, self.start = self.start, None
         if self.saved_elsewhere is not None:
             return  # checkpointed inside the scope: its inputs only, placed whole
         if any(isinstance(value, Record) and value.changed() for value in self.inputs):
@@ -185,9 +189,9 @@ class Split:
                 "(clone the input inside the block to recompute it)"
             )
             return
-        if self.writes_unrestorable():
+        if written:
             return
-        self.began, self.start = self.start.kept_if_changed() if self.start is not None else None, None
+        self.began = start.kept() if start is not None else None
         candidates = [r for r in self.run.records if not r.whole and not r.geometry.compact]
         self.ranges = token_ranges(self.seq_len, *fractions)
         if not candidates or self.ranges.cpu_end == self.seq_len:

@@ -1,0 +1,142 @@
+"""Runs again from the state a block's forward began with: `StateAtStart`, `run_again` (Note
+[runs again start where the forward did] in actoff.runtime.placements.checkpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .isolation import Found, forward_hooks_off, left_as_found
+from .reached import Reached, _modules_of, large
+
+__all__ = ["StateAtStart", "StateChangedError", "run_again"]
+
+
+class StateChangedError(RuntimeError):
+    """A block's forward wrote what a run again cannot start from as it was (Note [runs again
+    start where the forward did] in actoff.runtime.placements.checkpoint)."""
+
+
+class StateAtStart:
+    """The state a block's forward begins with (`Found`, `Reached`: values up to 1 MiB copied),
+    kept for its runs again in backward (Note [runs again start where the forward did] in
+    actoff.runtime.placements.checkpoint), and the versions of its parameters and larger tensors:
+    `unrestorable` names what the forward wrote that no copy was taken of (weights are too large
+    to copy at every forward), and `restore` refuses what another forward wrote of it since.
+    ``module`` None (a function scope): its modules are not known, nothing is taken.
+
+    >>> norm = torch.nn.BatchNorm1d(2)
+    >>> start = StateAtStart(norm, [])
+    >>> _ = norm(torch.randn(4, 2))
+    >>> began = start.kept()
+    >>> with run_again(norm, [], began):
+    ...     during = int(norm.num_batches_tracked)
+    >>> during, int(norm.num_batches_tracked), start.unrestorable()
+    (0, 1, [])
+    """
+
+    def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
+        self.found, self.reached = Found(module, inputs, copies=False), Reached(module, inputs)
+        self.changed: bool | None = None  # the reached state's, once the forward has run
+        self.large: list[tuple[weakref.ref, int]] = []  # tensors not copied: their versions
+        self.parameters = [
+            (name, weight, weight._version)
+            for sub_name, sub in (module.named_modules() if module is not None else ())
+            if not _renorms(sub)
+            for name, weight in ((f"{sub_name}.{n}".lstrip("."), w) for n, w in sub._parameters.items())
+            if weight is not None
+        ]
+
+    def unrestorable(self) -> list[str]:
+        """What the forward wrote that a run again cannot start from as it was: its parameters
+        (``parameter 'mlp.scale'``) and tensors over 1 MiB written in place (``tensor Block.gate``)."""
+        written = [
+            f"parameter {name!r}" for name, weight, version in self.parameters if weight._version != version
+        ]
+        if self.changed is None:  # asked after the forward: one walk serves `kept` too
+            self.changed = self.reached.changed()
+        if not self.changed:
+            return written
+        return written + [f"tensor {where}" for where in self.reached.written(self._copied())]
+
+    def _copied(self) -> set[int]:
+        """The tensors a run again needs no copy of, or has one: parameters and buffers up to 1 MiB."""
+        skip = {id(weight) for _, weight, _ in self.parameters}
+        return skip | {id(b) for sub in self.reached.modules for b in sub._buffers.values() if not large(b)}
+
+    def kept(self) -> StateAtStart:
+        """After the forward (`unrestorable` asked first, and empty): this state for the runs again,
+        every copy kept (another forward of the block may change what this one did not), but not
+        tensors over 1 MiB bound in its place since (an activation logged in ``self.last``)."""
+        if any(large(tensor) for tensor, _ in self.reached.then.values()):
+            copied = self._copied()
+            self.large = [
+                (weakref.ref(tensor), tensor._version)
+                for _, tensor in self.reached._walk()
+                if large(tensor) and id(tensor) not in copied
+            ]
+        self.found.trim(self.large)
+        self.reached.trim(self.large)
+        self.parameters = []
+        return self
+
+    def restore(self) -> None:
+        """The state as the forward began (inside a `left_as_found` that gives back today's); a
+        tensor over 1 MiB another forward wrote since stops the step."""
+        for ref, version in self.large:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                raise StateChangedError(
+                    f"actoff: a tensor of shape {list(tensor.shape)} the block reaches (not copied: over 64 KiB "
+                    "and unchanged by its forward) was written in place after the forward "
+                    "that a run again in backward repeats (by another forward of the block before this one's "
+                    "backward): run again, it would give wrong gradients. Write it outside the forward, or "
+                    "place this block with a policy that stores what it saves (cpu)."
+                )
+        self.found.restore()
+        self.reached.restore()
+
+
+def _renorms(module: torch.nn.Module) -> bool:
+    """An embedding with ``max_norm``: it renormalises its rows in place in forward, and run
+    again from them it gives the same rows (the write is not a change of state)."""
+    return isinstance(module, torch.nn.Embedding) and module.max_norm is not None
+
+
+@contextlib.contextmanager
+def run_again(
+    module: torch.nn.Module | None,
+    inputs: list[Any],
+    began: StateAtStart | None = None,
+    touched: list[torch.nn.Module] = (),
+) -> Iterator[None]:
+    """A run again of a block: from the state its forward ``began`` with (where it changed any),
+    its forward hooks off, and what it changes given back (`left_as_found`, Note [re-runs leave
+    no trace]).
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
+    >>> with run_again(layer, []):
+    ...     layer.seen = layer(torch.ones(2))
+    >>> hasattr(layer, "seen")
+    False
+    """
+    renorms = [sub for sub in _modules_of(module, touched) if _renorms(sub)]
+    with left_as_found(module, inputs, touched):
+        if began is not None:
+            began.restore()  # before the hooks are lifted: it binds the modules' attributes back
+        # The forward renormalised the rows it looked up, in place: looked up again as they are,
+        # renormalised a second time they would move by a rounding.
+        norms = [sub.max_norm for sub in renorms]
+        try:
+            for sub in renorms:
+                sub.max_norm = None
+            with forward_hooks_off(module, touched):
+                yield
+        finally:
+            for sub, norm in zip(renorms, norms, strict=True):
+                sub.max_norm = norm
