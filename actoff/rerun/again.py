@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +28,8 @@ class StateAtStart:
     actoff.runtime.placements.checkpoint), and the versions of its parameters and larger tensors:
     `unrestorable` names what the forward wrote that no copy was taken of (weights are too large
     to copy at every forward), and `restore` refuses what another forward wrote of it since.
-    ``module`` None (a function scope): its modules are not known, nothing is taken.
+    ``module`` None (a function scope): its modules are learned as its forward runs them
+    (`watching`), each one's state taken before its first forward in the scope.
 
     >>> norm = torch.nn.BatchNorm1d(2)
     >>> start = StateAtStart(norm, [])
@@ -39,17 +41,58 @@ class StateAtStart:
     (0, 1, [])
     """
 
-    def __init__(self, module: torch.nn.Module | None, inputs: list[Any]) -> None:
+    def __init__(self, module: torch.nn.Module | None, inputs: list[Any], prefix: str = "") -> None:
+        self.module = module
         self.found, self.reached = Found(module, inputs, copies=False), Reached(module, inputs)
         self.changed: bool | None = None  # the reached state's, once the forward has run
         self.large: list[tuple[weakref.ref, int]] = []  # tensors not copied: their versions
         self.parameters = [
             (name, weight, weight._version)
-            for sub_name, sub in (module.named_modules() if module is not None else ())
+            for sub_name, sub in (module.named_modules(prefix=prefix) if module is not None else ())
             if not _renorms(sub)
             for name, weight in ((f"{sub_name}.{n}".lstrip("."), w) for n, w in sub._parameters.items())
             if weight is not None
         ]
+        # A function scope's modules, in the order its forward first ran them, each with its state then.
+        self.parts: list[StateAtStart] = []
+
+    @property
+    def touched(self) -> list[torch.nn.Module]:
+        """The modules a function scope's forward ran (`watching`): what its runs again may change."""
+        return [part.module for part in self.parts]
+
+    @contextlib.contextmanager
+    def watching(self, each: Callable[[torch.nn.Module], None] | None = None) -> Iterator[None]:
+        """Around a function scope's forward (``module`` None): each module it runs, not inside
+        one it ran before, has its state taken before its first forward here and is handed to
+        ``each`` (a forward pre-hook on every module, this thread's calls only). For a module
+        scope, nothing to learn.
+
+        >>> scale = torch.nn.BatchNorm1d(2)
+        >>> start = StateAtStart(None, [])
+        >>> with start.watching():
+        ...     _ = scale(torch.randn(4, 2))
+        >>> [type(module).__name__ for module in start.touched], int(scale.num_batches_tracked)
+        (['BatchNorm1d'], 1)
+        """
+        if self.module is not None:
+            yield
+            return
+        seen: set[int] = {id(sub) for part in self.parts for sub in part.module.modules()}
+        thread = threading.get_ident()
+
+        def first_forward(module: torch.nn.Module, args: Any) -> None:
+            if id(module) not in seen and threading.get_ident() == thread:
+                seen.update(id(sub) for sub in module.modules())
+                self.parts.append(StateAtStart(module, [], prefix=type(module).__name__))
+                if each is not None:
+                    each(module)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def unrestorable(self) -> list[str]:
         """What the forward wrote that a run again cannot start from as it was: its parameters
@@ -57,6 +100,7 @@ class StateAtStart:
         written = [
             f"parameter {name!r}" for name, weight, version in self.parameters if weight._version != version
         ]
+        written += [where for part in self.parts for where in part.unrestorable()]
         if self.changed is None:  # asked after the forward: one walk serves `kept` too
             self.changed = self.reached.changed()
         if not self.changed:
@@ -82,6 +126,8 @@ class StateAtStart:
         self.found.trim(self.large)
         self.reached.trim(self.large)
         self.parameters = []
+        for part in self.parts:
+            part.kept()
         return self
 
     def restore(self) -> None:
@@ -97,6 +143,8 @@ class StateAtStart:
                     "backward): run again, it would give wrong gradients. Write it outside the forward, or "
                     "place this block with a policy that stores what it saves (cpu)."
                 )
+        for part in reversed(self.parts):  # a module ran inside a later one: its own state wins
+            part.restore()
         self.found.restore()
         self.reached.restore()
 
@@ -112,11 +160,11 @@ def run_again(
     module: torch.nn.Module | None,
     inputs: list[Any],
     began: StateAtStart | None = None,
-    touched: list[torch.nn.Module] = (),
 ) -> Iterator[None]:
     """A run again of a block: from the state its forward ``began`` with (where it changed any),
     its forward hooks off, and what it changes given back (`left_as_found`, Note [re-runs leave
-    no trace]).
+    no trace]); for a function scope (``module`` None), of the modules its forward ran (``began``'s
+    `touched`).
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
@@ -125,6 +173,7 @@ def run_again(
     >>> hasattr(layer, "seen")
     False
     """
+    touched = began.touched if began is not None and module is None else []
     renorms = [sub for sub in _modules_of(module, touched) if _renorms(sub)]
     with left_as_found(module, inputs, touched):
         if began is not None:

@@ -37,9 +37,11 @@ are too large to copy; an embedding's ``max_norm`` renormalisation is not a chan
 its rows are looked up as the forward left them) and a tensor over 1 MiB written in place. A
 tensor over 1 MiB *bound* in forward (``self.last = h.detach()``, ``self.stats = {"last": h}``:
 an activation logged per block) is not held until backward, nor a container holding one: a
-block that reads such a tensor before binding a new one runs again on the new one. Not seen, as
-`left_as_found` does not see them: globals, closures, what lies deeper than three levels, and a
-function scope's modules (unknown before its forward).
+block that reads such a tensor before binding a new one runs again on the new one. A function
+scope's modules are unknown before its forward: each module it runs has its state taken before
+its first forward in the scope (`StateAtStart.watching`), and is what its runs again give back.
+Not seen, as `left_as_found` does not see them: globals, closures, what lies deeper than three
+levels, and a module a function scope writes but never calls.
 
 Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
 so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
@@ -214,7 +216,7 @@ def run_checkpointed(
 
     start = StateAtStart(module, without_caches(skeleton))
     changed_output: list[str] = []
-    with _hooks_watched(module, changed_output):
+    with _hooks_watched(module, changed_output), start.watching():
         output = torch.utils.checkpoint.checkpoint(
             body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
         )

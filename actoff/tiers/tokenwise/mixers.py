@@ -7,6 +7,7 @@ actoff.tiers.tokenwise.slices.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from actoff.params import param_storages
 from actoff.rerun.dropout import dropout_call, sliced_dropout
 from actoff.rerun.state import with_status
 
@@ -95,21 +97,26 @@ class CaptureMode(TorchFunctionMode):
     def __init__(self, split: Split) -> None:
         super().__init__()
         self.split = split
-        self.hook: Any = None
+        self.watching: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     def __enter__(self) -> CaptureMode:
-        if self.split.module is None:  # a function scope: note the modules it runs (`touched`)
-            touched = self.split.touched
-            self.hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                lambda module, args: None if module in touched else touched.append(module)
-            )
+        # A function scope: the modules it runs are learned, each one's state taken before it runs,
+        # and their parameters and buffers are not activations (as a module scope's are not): a
+        # re-run writes a buffer back in place, a record of it would fail its version check.
+        start, storages = self.split.start, self.split.run.param_storages
+        self.watching = (
+            start.watching(lambda module: storages.update(param_storages(module)))
+            if start is not None
+            else contextlib.nullcontext()
+        )
+        self.watching.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        if self.hook is not None:
-            self.hook.remove()
-            self.hook = None
-        super().__exit__(*exc)
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.watching.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

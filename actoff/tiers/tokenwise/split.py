@@ -63,7 +63,6 @@ class Split:
         # start where the forward did] in actoff.runtime.placements.checkpoint).
         self.start: StateAtStart | None = None
         self.began: StateAtStart | None = None
-        self.touched: list[torch.nn.Module] = []  # a function scope's modules (CaptureMode)
         # Input shape and strides of each dropout: Note [dropout in a re-run]
         self.dropouts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.saved_elsewhere: object = None  # a checkpoint's hooks, or "no grad": Note [under checkpointing]
