@@ -97,6 +97,11 @@ def pytest_collection_modifyitems(config, items):
                     "or a simulated device of its own), so the simulated-device pass would repeat it"
                 )
             )
+        elif ("no_sim_device" in item.keywords or "sim_device" in item.keywords) and SIM_DEVICE:
+            # Its device is fixed by its marker, the same in both passes: the plain pass ran it.
+            item.add_marker(
+                pytest.mark.skip(reason="runs on the same device in both passes: the plain pass ran it")
+            )
 
 
 @pytest.fixture(autouse=True)
