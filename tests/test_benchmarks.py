@@ -526,6 +526,13 @@ def test_find_max_seq_on_the_cpu_runs_on_a_capped_simulated_device(tmp_path):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_sweep_of_fewer_than_two_rounds_is_refused_before_anything_runs():
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--budgets", "2",
+               "--rounds", "1"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--rounds 1: give at least 2 rounds" in done.stdout + done.stderr
+
+
 def test_sim_memory_must_be_a_size():
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--find-max-seq",
                "--sim-memory", "lots"]  # fmt: skip
@@ -889,7 +896,7 @@ def test_a_budget_sweep_records_every_policy_under_every_budget(tmp_path):
     # capped runs go in rounds, each policy once per round and budget.
     out_json = tmp_path / "budgets.json"
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--budgets", "2",
-               "--like", "h100:8b@32k", "--layers", "2", "--seq", "128", "--steps", "1",
+               "--rounds", "2", "--like", "h100:8b@32k", "--layers", "2", "--seq", "128", "--steps", "1",
                "--policies", "none,keep,checkpoint,auto", "--json", str(out_json)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode in (0, 1), (
@@ -904,7 +911,7 @@ def test_a_budget_sweep_records_every_policy_under_every_budget(tmp_path):
     for budget in (top, floor):
         capped = [r for r in data["records"] if r["budget_bytes"] == budget]
         assert sorted((r["policy"], r["round"]) for r in capped) == sorted(
-            (policy, index) for policy in ("none", "keep", "checkpoint", "auto") for index in range(3)
+            (policy, index) for policy in ("none", "keep", "checkpoint", "auto") for index in range(2)
         )
         assert all(r["status"] in ("ok", "oom") for r in capped), capped
         assert all(r["status"] == "ok" for r in capped if r["policy"] == "keep") or budget == floor
@@ -915,7 +922,7 @@ def test_a_budget_sweep_records_every_policy_under_every_budget(tmp_path):
         plan = record["auto_plan"]  # everything fits: kept or streamed, nothing recomputed
         assert "checkpoint" not in plan and "tokenwise" not in plan, plan
     assert {line["budget_bytes"] for line in data["summary"]} == {top, floor}
-    assert "vs the fastest that fits" in done.stdout and "median (least .. most) of 3 round(s)" in done.stdout
+    assert "vs the fastest that fits" in done.stdout and "median (least .. most) of 2 round(s)" in done.stdout
     assert "auto asked" in done.stdout and "measured peak" in done.stdout
 
 

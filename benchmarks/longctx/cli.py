@@ -207,6 +207,8 @@ def _budgets(args: argparse.Namespace) -> int:
     """``--budgets N``: the budget sweep at one length (Note [a budget sweep])."""
     if args.budgets < 1:
         raise SystemExit(f"--budgets {args.budgets}: give a count of budgets >= 1")
+    if args.rounds < 2:
+        raise SystemExit(f"--rounds {args.rounds}: give at least 2 rounds (a verdict needs a spread)")
     if args.find_max_seq:
         raise SystemExit("--budgets and --find-max-seq answer different questions: run them apart")
     cuda = torch.cuda.is_available()
@@ -230,7 +232,9 @@ def _budgets(args: argparse.Namespace) -> int:
     print_header("actoff long-context benchmark: device budgets", header)
     out = JsonLines(args.jsonl, header)
     try:
-        uncapped, capped, budgets = budget_sweep(policies, base, seq, args.budgets, _time_left(args), out)
+        uncapped, capped, budgets = budget_sweep(
+            policies, base, seq, args.budgets, _time_left(args), out, rounds=args.rounds
+        )
     finally:
         out.close()
         if not args.nvme_dir:

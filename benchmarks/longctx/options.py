@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .budgets import MAIN_AUTO_BUDGETS, SWEEP_POLICIES
+from .budgets import MAIN_AUTO_BUDGETS, SWEEP_POLICIES, SWEEP_ROUNDS
 from .policies import ACTOFF_POLICIES, BASELINES
 
 __all__ = ["DEFAULT_LIKE", "DEFAULT_SIM_MEMORY", "PRESETS", "build_parser", "parse_lengths"]
@@ -154,6 +154,13 @@ def _question_options(parser: argparse.ArgumentParser) -> None:
         default=MAIN_AUTO_BUDGETS,
         help="auto runs under N device budgets from keep's peak down to the least peak of the policies, at "
         f"the longest length, instead of once without one (default {MAIN_AUTO_BUDGETS}; 0: once, no budget)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=SWEEP_ROUNDS,
+        help=f"with --budgets: the capped runs in N interleaved rounds, each cell's median and spread over "
+        f"them (default {SWEEP_ROUNDS}; a verdict needs a spread: at least 2)",
     )
     parser.add_argument(
         "--budgets",
