@@ -82,7 +82,9 @@ class StateAtStart:
         thread = threading.get_ident()
 
         def first_forward(module: torch.nn.Module, args: Any) -> None:
-            if id(module) not in seen and threading.get_ident() == thread:
+            # A lazy module's parameters are made by its own pre-hook, after this one: taken at
+            # its next forward (none runs again before: it is new in this forward).
+            if id(module) not in seen and threading.get_ident() == thread and not _lazy(module):
                 seen.update(id(sub) for sub in module.modules())
                 self.parts.append(StateAtStart(module, [], prefix=type(module).__name__))
                 if each is not None:
@@ -147,6 +149,12 @@ class StateAtStart:
             part.restore()
         self.found.restore()
         self.reached.restore()
+
+
+def _lazy(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a module in it still has parameters to make (``nn.LazyLinear``)."""
+    lazy = torch.nn.modules.lazy.LazyModuleMixin
+    return any(isinstance(sub, lazy) and sub.has_uninitialized_params() for sub in module.modules())
 
 
 def _renorms(module: torch.nn.Module) -> bool:

@@ -40,8 +40,10 @@ an activation logged per block) is not held until backward, nor a container hold
 block that reads such a tensor before binding a new one runs again on the new one. A function
 scope's modules are unknown before its forward: each module it runs has its state taken before
 its first forward in the scope (`StateAtStart.watching`), and is what its runs again give back.
-Not seen, as `left_as_found` does not see them: globals, closures, what lies deeper than three
-levels, and a module a function scope writes but never calls.
+Its forward hooks are watched from then on, as a module scope's are (Note [hooks that change
+outputs]). Not seen, as `left_as_found` does not see them: globals, closures, what lies deeper
+than three levels, and what a function scope's own body writes of a module before calling it
+(or never calls): put that write inside the module's forward, or offload the module itself.
 
 Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
 so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
@@ -126,7 +128,8 @@ def has_forward_hooks(module: torch.nn.Module | None) -> bool:
 @contextlib.contextmanager
 def _hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
     """While the forward runs, the forward hooks of ``module``'s modules note in ``changed`` the
-    modules whose output one of them replaced (Note [hooks that change outputs]).
+    modules whose output one of them replaced (Note [hooks that change outputs]). Yields a
+    function that watches another module's too (a function scope's, as its forward runs them).
 
     >>> layer, changed = torch.nn.Linear(2, 2), []
     >>> _ = layer.register_forward_hook(lambda module, args, output: output * 2)
@@ -135,8 +138,7 @@ def _hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
     >>> changed
     ['Linear']
     """
-    watched = [sub for sub in (module.modules() if module is not None else ()) if sub._forward_hooks]
-    originals = [sub._forward_hooks for sub in watched]
+    originals: dict[int, tuple[torch.nn.Module, Any]] = {}
 
     def wrap(sub: torch.nn.Module, hook: Callable[..., Any]) -> Callable[..., Any]:
         def noted(*args: Any, **kwargs: Any) -> Any:
@@ -147,12 +149,20 @@ def _hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
 
         return noted
 
-    for sub, hooks in zip(watched, originals, strict=True):
-        sub._forward_hooks = collections.OrderedDict((key, wrap(sub, hook)) for key, hook in hooks.items())
+    def watch(root: torch.nn.Module) -> None:
+        for sub in root.modules():
+            if sub._forward_hooks and id(sub) not in originals:
+                originals[id(sub)] = (sub, sub._forward_hooks)
+                sub._forward_hooks = collections.OrderedDict(
+                    (key, wrap(sub, hook)) for key, hook in sub._forward_hooks.items()
+                )
+
+    if module is not None:
+        watch(module)
     try:
-        yield
+        yield watch
     finally:
-        for sub, hooks in zip(watched, originals, strict=True):
+        for sub, hooks in originals.values():
             sub._forward_hooks = hooks
 
 
@@ -216,7 +226,7 @@ def run_checkpointed(
 
     start = StateAtStart(module, without_caches(skeleton))
     changed_output: list[str] = []
-    with _hooks_watched(module, changed_output), start.watching():
+    with _hooks_watched(module, changed_output) as watch, start.watching(watch):
         output = torch.utils.checkpoint.checkpoint(
             body, *inputs, use_reentrant=False, context_fn=contexts, determinism_check="default"
         )
