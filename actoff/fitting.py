@@ -93,6 +93,8 @@ def plans(
         keeps = (PLACEMENTS[0],) * kept
         if outside.head + sum(b.saved_bytes for b in blocks[count - kept :]) > budget_bytes:
             continue
+        if any(PLACEMENTS[0] not in allowed(b) for b in blocks[count - kept :]):
+            continue  # a block that may only run in chunks (`BlockCost.chunks_only`) is never kept
         for windows in [Windows()] if kept == count else (choices or window_choices(blocks)):
 
             def fits(
@@ -150,7 +152,7 @@ def _cheapest(
         for previous, (seconds, chosen) in states.items():
             leaving = _leaving(before, previous) if previous is not None else 0.0
             streamed = _streaming(before, previous, windows) if previous is not None else 0.0
-            for placement in allowed(block)[1:]:
+            for placement in (p for p in allowed(block) if p != PLACEMENTS[0]):  # every one but keep
                 forward = (
                     leaving
                     + _forward_bytes(block, placement)

@@ -103,6 +103,23 @@ def test_brute_force_agrees_when_some_placements_are_closed(seed):
         assert all(p in allowed(block) for p in actual.placements)
 
 
+def test_blocks_that_may_only_run_in_chunks_get_the_chunked_plan_wherever_its_peak_fits():
+    """A block measured where only chunks fit (`BlockCost.chunks_only`) allows ``chunked`` alone.
+    The search skipped each block's first placement, taken for ``keep``: it found no plan at all,
+    and auto warned that nothing fits while quoting a least peak under the budget (a Hugging Face
+    trial: 1.55 MiB against 2 MiB less 15%). The figures are that trial's."""
+    block = BlockCost(0.0123, 0.00116, 130536, 261072, 1141524, tokenwise=False, chunk_share=0.096,
+                      kv_bytes=85248, node_bytes=511488, chunks_only=True)  # fmt: skip
+    outside = Outside(forward=1622528.0, head=948224.0, backward=1379352.0)
+    floor = floor_plan([block] * 2, 1e9, outside_bytes=outside)
+    assert floor.describe().startswith("2 chunked")
+    found = plan([block] * 2, 1e9, floor.peak_bytes, outside_bytes=outside)
+    assert found is not None and found.placements == floor.placements
+    assert plan([block] * 2, 1e9, floor.peak_bytes - 1, outside_bytes=outside) is None
+    expected = brute_force([block] * 2, 1e9, floor.peak_bytes, outside_bytes=outside)
+    assert found.seconds == pytest.approx(expected.seconds, abs=1e-12)
+
+
 def test_where_keep_fits_keep_adds_nothing_and_opens_no_window():
     blocks = [BlockCost(0.01, 0.003, 10**6, 10**6, 10**7)] * 8
     peak, _ = predict(blocks, [PLACEMENTS[0]] * 8, 25e9, outside_bytes=5 * 10**7)
