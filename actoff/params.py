@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
 import torch
 
-__all__ = ["param_like", "param_storages"]
+__all__ = ["first_forwards", "lazy", "learned", "param_like", "param_storages"]
 
 
 def param_storages(module: torch.nn.Module | None) -> set[int]:
@@ -39,3 +43,61 @@ def param_like(tensor: torch.Tensor, storage: int, param_storages: set[int]) -> 
         return True
     base = tensor._base
     return base is not None and base.is_leaf and base.requires_grad
+
+
+@contextlib.contextmanager
+def learned(storages: set[int], module: torch.nn.Module | None) -> Iterator[None]:
+    """Around a function scope's forward (``module`` None): the parameters and buffers of each
+    module it runs join ``storages`` before that module's forward (`first_forwards`), as a
+    module scope's are known from the start: a frozen weight a layer saves is not copied out as
+    an activation.
+
+    >>> storages, layer = set(), torch.nn.Linear(2, 2)
+    >>> with learned(storages, None):
+    ...     _ = layer(torch.ones(2))
+    >>> layer.weight.untyped_storage().data_ptr() in storages
+    True
+    """
+    if module is not None:
+        yield
+        return
+    with first_forwards(lambda sub: storages.update(param_storages(sub))):
+        yield
+
+
+@contextlib.contextmanager
+def first_forwards(each: Callable[[torch.nn.Module], None]) -> Iterator[None]:
+    """Each module this thread runs, not inside one it ran before, handed to ``each`` before its
+    first forward here (a forward pre-hook on every module); a lazy one once its parameters are
+    made (its own pre-hook makes them after this one: at its next forward).
+
+    >>> seen, layer = [], torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> with first_forwards(lambda module: seen.append(type(module).__name__)):
+    ...     _ = layer(torch.ones(2))
+    ...     _ = layer(torch.ones(2))
+    >>> seen
+    ['Sequential']
+    """
+    seen: set[int] = set()
+    thread = threading.get_ident()
+
+    def first_forward(sub: torch.nn.Module, args: object) -> None:
+        if id(sub) not in seen and threading.get_ident() == thread and not lazy(sub):
+            seen.update(id(inner) for inner in sub.modules())
+            each(sub)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def lazy(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a module in it still has parameters to make (``nn.LazyLinear``).
+
+    >>> lazy(torch.nn.LazyLinear(2)), lazy(torch.nn.Linear(2, 2))
+    (True, False)
+    """
+    kind = torch.nn.modules.lazy.LazyModuleMixin
+    return any(isinstance(sub, kind) and sub.has_uninitialized_params() for sub in module.modules())

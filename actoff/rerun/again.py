@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from actoff.params import first_forwards
 
 from .isolation import Found, forward_hooks_off, left_as_found
 from .reached import Reached, _modules_of, large
@@ -78,23 +79,14 @@ class StateAtStart:
         if self.module is not None:
             yield
             return
-        seen: set[int] = {id(sub) for part in self.parts for sub in part.module.modules()}
-        thread = threading.get_ident()
 
-        def first_forward(module: torch.nn.Module, args: Any) -> None:
-            # A lazy module's parameters are made by its own pre-hook, after this one: taken at
-            # its next forward (none runs again before: it is new in this forward).
-            if id(module) not in seen and threading.get_ident() == thread and not _lazy(module):
-                seen.update(id(sub) for sub in module.modules())
-                self.parts.append(StateAtStart(module, [], prefix=type(module).__name__))
-                if each is not None:
-                    each(module)
+        def taken(module: torch.nn.Module) -> None:
+            self.parts.append(StateAtStart(module, [], prefix=type(module).__name__))
+            if each is not None:
+                each(module)
 
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
-        try:
+        with first_forwards(taken):
             yield
-        finally:
-            handle.remove()
 
     def unrestorable(self) -> list[str]:
         """What the forward wrote that a run again cannot start from as it was: its parameters
@@ -149,12 +141,6 @@ class StateAtStart:
             part.restore()
         self.found.restore()
         self.reached.restore()
-
-
-def _lazy(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or a module in it still has parameters to make (``nn.LazyLinear``)."""
-    lazy = torch.nn.modules.lazy.LazyModuleMixin
-    return any(isinstance(sub, lazy) and sub.has_uninitialized_params() for sub in module.modules())
 
 
 def _renorms(module: torch.nn.Module) -> bool:

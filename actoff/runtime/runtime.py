@@ -29,11 +29,12 @@ child starts with no runtime (`_fresh_in_child`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from actoff.memory.arenas import Arenas
 from actoff.memory.host_arena import HostArena
 from actoff.memory.replay_steps import ReplayDrivers
 from actoff.owners import ByOwner, Recent
-from actoff.params import param_storages
+from actoff.params import learned, param_storages
 from actoff.planner import Layout
 from actoff.policy import budget_share, runs_to_place, spec
 from actoff.tiers.nvme.store import StoreRegistry
@@ -120,7 +121,7 @@ class Runtime:
         try:
             run.placement.capture(call)
             self.auto.forward_starts(run, call)
-            with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack):
+            with _saving(run, module):
                 output = run.placement.forward(call)
             self.auto.forward_ends(run)
         except BaseException:
@@ -419,3 +420,11 @@ def _fresh_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_fresh_in_child)
+
+
+@contextlib.contextmanager
+def _saving(run: ScopeRun, module: torch.nn.Module | None) -> Iterator[None]:
+    """Around a block's forward: the run's saved-tensor hooks, and for a function scope the
+    parameters of the modules it runs learned as it runs them (`actoff.params.learned`)."""
+    with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack), learned(run.param_storages, module):
+        yield

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actoff.params import param_storages
 from actoff.rerun.dropout import dropout_call, sliced_dropout
 from actoff.rerun.state import with_status
 
@@ -100,15 +99,10 @@ class CaptureMode(TorchFunctionMode):
         self.watching: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     def __enter__(self) -> CaptureMode:
-        # A function scope: the modules it runs are learned, each one's state taken before it runs,
-        # and their parameters and buffers are not activations (as a module scope's are not): a
-        # re-run writes a buffer back in place, a record of it would fail its version check.
-        start, storages = self.split.start, self.split.run.param_storages
-        self.watching = (
-            start.watching(lambda module: storages.update(param_storages(module)))
-            if start is not None
-            else contextlib.nullcontext()
-        )
+        # A function scope: the modules it runs are learned, each one's state taken before it runs
+        # (their parameters and buffers are not activations: `actoff.params.learned`).
+        start = self.split.start
+        self.watching = start.watching() if start is not None else contextlib.nullcontext()
         self.watching.__enter__()
         return super().__enter__()
 
