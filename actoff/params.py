@@ -27,7 +27,7 @@ def param_storages(module: torch.nn.Module | None) -> set[int]:
     for sub in module.modules():
         for tensors in (sub._parameters, sub._buffers):
             for tensor in tensors.values():
-                if tensor is not None:
+                if tensor is not None and not torch.nn.parameter.is_lazy(tensor):  # a lazy one: none yet
                     storages.add(tensor.untyped_storage().data_ptr())
     return storages
 
@@ -68,8 +68,8 @@ def learned(storages: set[int], module: torch.nn.Module | None) -> Iterator[None
 @contextlib.contextmanager
 def first_forwards(each: Callable[[torch.nn.Module], None]) -> Iterator[None]:
     """Each module this thread runs, not inside one it ran before, handed to ``each`` before its
-    first forward here (a forward pre-hook on every module); a lazy one once its parameters are
-    made (its own pre-hook makes them after this one: at its next forward).
+    first forward here (a forward pre-hook on every module; a lazy module's own pre-hook, which
+    makes its parameters, runs after this one: see `lazy`).
 
     >>> seen, layer = [], torch.nn.Sequential(torch.nn.Linear(2, 2))
     >>> with first_forwards(lambda module: seen.append(type(module).__name__)):
@@ -82,7 +82,7 @@ def first_forwards(each: Callable[[torch.nn.Module], None]) -> Iterator[None]:
     thread = threading.get_ident()
 
     def first_forward(sub: torch.nn.Module, args: object) -> None:
-        if id(sub) not in seen and threading.get_ident() == thread and not lazy(sub):
+        if id(sub) not in seen and threading.get_ident() == thread:
             seen.update(id(inner) for inner in sub.modules())
             each(sub)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from actoff.params import first_forwards
+from actoff.params import first_forwards, lazy
 
 from .isolation import Found, forward_hooks_off, left_as_found
 from .reached import Reached, _modules_of, large
@@ -54,8 +54,10 @@ class StateAtStart:
             for name, weight in ((f"{sub_name}.{n}".lstrip("."), w) for n, w in sub._parameters.items())
             if weight is not None
         ]
-        # A function scope's modules, in the order its forward first ran them, each with its state then.
+        # A function scope's modules, in the order its forward first ran them, each with its state
+        # then; those holding a lazy module whose parameters were not made yet, by class.
         self.parts: list[StateAtStart] = []
+        self.lazy: list[str] = []
 
     @property
     def touched(self) -> list[torch.nn.Module]:
@@ -81,7 +83,10 @@ class StateAtStart:
             return
 
         def taken(module: torch.nn.Module) -> None:
-            self.parts.append(StateAtStart(module, [], prefix=type(module).__name__))
+            if lazy(module):  # parameters still to make: no state to take, none to start from
+                self.lazy.append(type(module).__name__)
+            else:
+                self.parts.append(StateAtStart(module, [], prefix=type(module).__name__))
             if each is not None:
                 each(module)
 
@@ -95,6 +100,10 @@ class StateAtStart:
             f"parameter {name!r}" for name, weight, version in self.parameters if weight._version != version
         ]
         written += [where for part in self.parts for where in part.unrestorable()]
+        written += [
+            f"module {name!r}, whose lazy parameters are made in forward (make them first: one forward without actoff)"
+            for name in self.lazy
+        ]
         if self.changed is None:  # asked after the forward: one walk serves `kept` too
             self.changed = self.reached.changed()
         if not self.changed:

@@ -163,7 +163,9 @@ def _hooks_watched(module: torch.nn.Module | None, changed: list[str]) -> Any:
         yield watch
     finally:
         for sub, hooks in originals.values():
+            added = [(key, hook) for key, hook in sub._forward_hooks.items() if key not in hooks]
             sub._forward_hooks = hooks
+            hooks.update(added)  # registered while the forward ran: kept, as without actoff
 
 
 class CheckpointPlacement(Placement):
