@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from actoff.params import first_forwards, lazy
 
@@ -163,11 +164,13 @@ def run_again(
     module: torch.nn.Module | None,
     inputs: list[Any],
     began: StateAtStart | None = None,
+    name: str = "",
 ) -> Iterator[None]:
     """A run again of a block: from the state its forward ``began`` with (where it changed any),
     its forward hooks off, and what it changes given back (`left_as_found`, Note [re-runs leave
     no trace]); for a function scope (``module`` None), of the modules its forward ran (``began``'s
-    `touched`).
+    `touched`, each checked to come to its first forward as given back: `_called_as_given_back`;
+    ``name``, the block's, for its error).
 
     >>> layer = torch.nn.Linear(2, 2)
     >>> _ = layer.register_forward_hook(lambda *_: print("hook"))
@@ -187,8 +190,119 @@ def run_again(
         try:
             for sub in renorms:
                 sub.max_norm = None
-            with forward_hooks_off(module, touched):
+            with forward_hooks_off(module, touched), _called_as_given_back(began if touched else None, name):
                 yield
         finally:
             for sub, norm in zip(renorms, norms, strict=True):
                 sub.max_norm = norm
+
+
+@contextlib.contextmanager
+def _called_as_given_back(began: StateAtStart | None, name: str) -> Iterator[None]:
+    """Around a function scope's run again, its modules given back the state each had at its first
+    forward in the scope (``began``'s parts): each must come to its first forward here as given
+    back. What wrote it before (the scope's own code, ``self.norm.weight.mul_(0.5)`` before
+    ``self.norm(x)``, or a module it ran before) would write it once more now, and the module
+    would run on another state than the forward's: wrong gradients without a word. An in-place
+    write into a parameter or buffer of a module not yet run here stops the step before it lands
+    (`_GuardedWrites`: the model keeps the forward's values); one the guard cannot see (from C++)
+    is caught by the versions at the module's first forward (`first_forwards`), after it landed
+    (Note [runs again start where the forward did] in actoff.runtime.placements.checkpoint)."""
+    if began is None:
+        yield
+        return
+    given: dict[int, list[tuple[str, torch.Tensor, int, int | None]]] = {}  # by module: its state
+    guard = _GuardedWrites(name)
+    for part in began.parts:
+        state = [(f"{type(part.module).__name__}.{key}", tensor) for key, tensor in _state(part.module)]
+        given[id(part.module)] = [(where, t, t._version, _storage(t)) for where, t in state]
+        for where, _, _, storage in given[id(part.module)]:
+            guard.guarded.setdefault(storage, where)
+
+    def called(module: torch.nn.Module) -> None:
+        with torch._C.DisableTorchFunction():  # its own reads: not through the guard
+            state = given.get(id(module)) or [(k, t, t._version, _storage(t)) for k, t in _state(module)]
+            for where, tensor, version, storage in state:
+                if tensor._version != version:
+                    raise _written(name, where)
+                guard.guarded.pop(storage, None)
+        if not guard.guarded:
+            guard.lift()
+
+    with first_forwards(called), guard:
+        yield
+
+
+def _written(name: str, where: str) -> StateChangedError:
+    block = f"block {name!r}" if name else "a function scope"
+    return StateChangedError(
+        f"actoff: {block} wrote {where!r} before running that module, and would write it again in the "
+        "run again, which would run the module on another value than the forward did and give wrong "
+        "gradients. Write it inside the module's forward, or decorate the module itself with "
+        "@actoff.offload (its state is then taken before the write)."
+    )
+
+
+class _GuardedWrites(TorchFunctionMode):
+    """Stops an in-place write (``mul_``, ``copy_``, ``x[i] = v``, ``out=``, ``.data =``) into a
+    ``guarded`` storage (by address: ``.data`` views too) before it lands."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.guarded = name, {}  # storage address: what it is, by module class and name
+        self.lifted = False
+
+    def lift(self) -> None:
+        """Off the mode stack once nothing is guarded, where it is on top (a mode costs every
+        operation after it a call into Python)."""
+        stack = torch._C._len_torch_function_stack()
+        if not self.lifted and stack and torch._C._get_function_stack_at(stack - 1) is self:
+            torch._C._pop_torch_function_stack()
+            self.lifted = True
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.lifted:
+            super().__exit__(*exc)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.guarded:
+            targets = [kwargs.get("out")]
+            if args and _writes(func):
+                targets += args[0] if isinstance(args[0], list | tuple) else [args[0]]
+            for target in targets:
+                where = self.guarded.get(_storage(target)) if isinstance(target, torch.Tensor) else None
+                if where is not None:
+                    raise _written(self.name, where)
+        return func(*args, **kwargs)
+
+
+_IN_PLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"})
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "rename_"})  # in-place on metadata only
+
+
+def _writes(func: Any) -> bool:
+    """Whether ``func`` writes into its first argument: an in-place method (``mul_``, not
+    ``requires_grad_``), an in-place operator, item assignment, or ``.data =``.
+
+    >>> _writes(torch.Tensor.mul_), _writes(torch.Tensor.mul), _writes(torch.Tensor.requires_grad_)
+    (True, False, False)
+    """
+    op = getattr(func, "__name__", "")
+    if op == "__set__":  # a property set: ``.data =`` rebinds the values, ``.grad =`` does not
+        return getattr(getattr(func, "__self__", None), "__name__", "") == "data"
+    return op in _IN_PLACE or (op.endswith("_") and not op.endswith("__") and op not in _NOT_WRITES)
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage; None where it has none to guard (empty, meta)."""
+    return tensor.untyped_storage().data_ptr() or None
+
+
+def _state(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters and buffers of ``module`` and its submodules, by name (``0.weight``)."""
+    for sub_name, sub in module.named_modules():
+        for tensors in (sub._parameters, sub._buffers):
+            for key, tensor in tensors.items():
+                if tensor is not None:
+                    yield f"{sub_name}.{key}".lstrip("."), tensor

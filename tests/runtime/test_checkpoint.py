@@ -577,14 +577,16 @@ def test_a_token_wise_block_writing_into_its_parameter_is_placed_whole(policy):
 
 
 # ------------------------------------ runs again from the forward's state: a review's cases
-def _small_blocks_grads(make, policy, steps=3, seq=8, function_scopes=False, **settings):
+def _small_blocks_grads(make, policy, steps=3, seq=8, function_scopes=False, body=None, **settings):
     """Per step the input's and every parameter's gradient, then every buffer, of two blocks
     ``make()`` trained ``steps`` steps on 16-wide rows (``policy`` None: without actoff); with
     ``function_scopes``, each block called through a function scope of its own (``@actoff.offload``
-    on a function: actoff is not told the block's module)."""
+    on a function: actoff is not told the block's module) whose code is ``body(block, x)``
+    (default: ``block(x)``)."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(make() for _ in range(2))
-    calls = [lambda x, block=block: block(x) for block in blocks] if function_scopes else list(blocks)
+    body = body if body is not None else (lambda block, x: block(x))
+    calls = [lambda x, block=block: body(block, x) for block in blocks] if function_scopes else list(blocks)
     if policy is not None and function_scopes:
         calls = [
             actoff.offload(call, policy=policy, min_bytes=0, name=f"fn{i}") for i, call in enumerate(calls)
@@ -881,6 +883,55 @@ def _refused_by_checkpoint_placed_whole_by_recompute(make, refused: str, said: s
         warnings.simplefilter("always")
         _assert_same(_small_blocks_grads(make, "recompute", function_scopes=True), expected)
     assert any(said in str(w.message) for w in caught)
+
+
+class _ScaledLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.ones(()))
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x)) * self.scale * self.gain
+
+
+@pytest.mark.parametrize(
+    ("write", "written"),
+    [
+        (lambda block: block.scale.mul_(0.5), "_ScaledLinear.scale"),
+        (lambda block: block.gain.data.mul_(0.5), "_ScaledLinear.gain"),
+        (lambda block: block.linear.weight.mul_(0.5), "_ScaledLinear.linear.weight"),
+    ],
+)
+def test_a_function_scope_writing_a_modules_state_before_running_it_is_refused_or_placed_whole(
+    write, written
+):
+    """A function scope's modules have their state taken at their first forward in it, so what
+    its own code writes of one before running it is not undone: run again, it was written twice,
+    and the gradients were wrong without a word (a review's case: 0.13 relative off for a buffer
+    under checkpoint; a parameter 1.13 under checkpoint and 0.81 under recompute). Now the run
+    again compares each module's parameters and buffers with what it gave back, at the module's
+    first forward: checkpoint stops the step naming what was written and the fix; recompute's
+    probe fails on it, so it places the block whole, said, bit for bit (the same kernels on the
+    same shapes)."""
+
+    def body(block, x):
+        with torch.no_grad():
+            write(block)
+        return block(x)
+
+    from actoff.runtime.placements.checkpoint import StateChangedError
+
+    with pytest.raises(StateChangedError, match=rf"block 'fn1' wrote '{written}' before running that module"):
+        _small_blocks_grads(_ScaledLinear, "checkpoint", function_scopes=True, body=body)
+    expected = _small_blocks_grads(_ScaledLinear, None, function_scopes=True, body=body)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _assert_same(
+            _small_blocks_grads(_ScaledLinear, "recompute", function_scopes=True, body=body), expected
+        )
+    assert any(f"wrote '{written}' before running" in str(w.message) for w in caught)
 
 
 class _DoublesItsFirstOutput(nn.Module):

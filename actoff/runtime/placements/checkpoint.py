@@ -41,9 +41,14 @@ block that reads such a tensor before binding a new one runs again on the new on
 scope's modules are unknown before its forward: each module it runs has its state taken before
 its first forward in the scope (`StateAtStart.watching`), and is what its runs again give back.
 Its forward hooks are watched from then on, as a module scope's are (Note [hooks that change
-outputs]). Not seen, as `left_as_found` does not see them: globals, closures, what lies deeper
-than three levels, and what a function scope's own body writes of a module before calling it
-(or never calls): put that write inside the module's forward, or offload the module itself.
+outputs]). What its own code (or a module it ran before) writes of a module before running it
+is in that state, and would be written once more in the run again: there an in-place write into
+a parameter or buffer of a module not yet run stops the step before it lands, naming it and the
+fix (placed whole by the token-wise policies, whose probe fails on it), and a write it cannot see
+(from C++) is caught by the versions at the module's first forward. Not seen, as `left_as_found`
+does not see them: globals, closures, what lies deeper than three levels, and what a function
+scope writes of a module it never runs: put such writes inside the module's forward, or offload
+the module itself.
 
 Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
 so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
@@ -316,7 +321,7 @@ class _RunAgain:
     def __enter__(self) -> None:
         watch = self.run.backend.stopwatch().start()
         stack = contextlib.ExitStack()
-        stack.enter_context(run_again(self.module, self.skeleton, self.began))
+        stack.enter_context(run_again(self.module, self.skeleton, self.began, self.run.name))
         self.entered.append((watch, stack))
 
     def __exit__(self, *exc: object) -> None:

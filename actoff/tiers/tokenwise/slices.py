@@ -235,7 +235,7 @@ def recompute(
         if split.rng[1] is not None:
             torch.cuda.set_rng_state(split.rng[1], run.device)
         hooks = torch.autograd.graph.saved_tensors_hooks(resaves.pack, lambda packed: packed)
-        with hooks, mode, run_again(split.module, sliced, split.began):
+        with hooks, mode, run_again(split.module, sliced, split.began, run.name):
             split.fn(*args, **kwargs)
     events, rows = split.events, resaves.rows
     if resaves.count != len(events):
