@@ -50,8 +50,8 @@ def plan(
 ) -> Plan | None:
     """The least added time whose predicted peak fits ``budget_bytes``, or None if nothing does.
 
-    Keeping is free in time, so each count of kept blocks is tried (the last ones: their
-    backward comes first and lets them go before an offloaded block comes back), with every
+    Keeping is free in time, so each count of kept blocks is tried (the last ones that may be
+    kept: their backward comes first and lets them go before an offloaded block comes back), with every
     pair of windows (``choices``, else `window_choices`; ``options``: `plans`'s ``outside_bytes``
     and ``choices``); the offloaded blocks get placements by dynamic programming over the blocks
     in order, the state being the last placement (what is still copying out while a block runs). Exact: the moments depend on neighbours only, and on
@@ -86,28 +86,23 @@ def plans(
     ['2 stream, 2 keep', '1 stream, 3 keep']
     """
     outside = outside_bytes if isinstance(outside_bytes, Outside) else Outside.flat(outside_bytes)
-    count = len(blocks)
+    # A block that may only run in chunks (`BlockCost.chunks_only`) is never kept: the kept blocks
+    # are the last of the others.
+    keepable = [index for index, block in enumerate(blocks) if PLACEMENTS[0] in allowed(block)]
     best: Plan | None = None
     found: dict[tuple[Placement, ...], Plan] = {}
-    for kept in range(count, -1, -1):
-        keeps = (PLACEMENTS[0],) * kept
-        if outside.head + sum(b.saved_bytes for b in blocks[count - kept :]) > budget_bytes:
+    for count in range(len(keepable), -1, -1):
+        kept = frozenset(keepable[len(keepable) - count :])
+        if outside.head + sum(blocks[index].saved_bytes for index in kept) > budget_bytes:
             continue
-        if any(PLACEMENTS[0] not in allowed(b) for b in blocks[count - kept :]):
-            continue  # a block that may only run in chunks (`BlockCost.chunks_only`) is never kept
-        for windows in [Windows()] if kept == count else (choices or window_choices(blocks)):
+        for windows in [Windows()] if len(kept) == len(blocks) else (choices or window_choices(blocks)):
 
-            def fits(
-                offloaded: tuple[Placement, ...], windows: Windows = windows, keeps: tuple = keeps
-            ) -> bool:
-                return max(moments(blocks, (*offloaded, *keeps), outside, windows)) <= budget_bytes
+            def fits(placements: tuple[Placement, ...], windows: Windows = windows) -> bool:
+                return max(moments(blocks, placements, outside, windows)) <= budget_bytes
 
-            offloaded = _cheapest(
-                blocks[: count - kept], link_bytes_per_s, windows, outside, budget_bytes, fits
-            )
-            if offloaded is None:
+            placements = _cheapest(blocks, kept, link_bytes_per_s, windows, outside, budget_bytes, fits)
+            if placements is None:
                 continue
-            placements = (*offloaded, *keeps)
             peak, seconds = predict(
                 blocks, placements, link_bytes_per_s, outside_bytes=outside, windows=windows
             )
@@ -135,36 +130,43 @@ def _better(candidate: Plan, incumbent: Plan | None) -> bool:
 
 def _cheapest(
     blocks: Sequence[BlockCost],
+    kept: frozenset[int],
     link_bytes_per_s: float,
     windows: Windows,
     outside: Outside,
     budget_bytes: float,
     fits: Callable[[tuple[Placement, ...]], bool],
 ) -> tuple[Placement, ...] | None:
-    """Offloaded placements for ``blocks`` (in forward order) with the least added time such
-    that each block's forward and backward moments stay within the budget, and the whole plan
-    ``fits`` (which depends on the last placement only)."""
+    """Placements for ``blocks`` (in forward order), those at the indices ``kept`` kept and the
+    others offloaded, with the least added time such that each block's forward and backward
+    moments stay within the budget, and the whole plan ``fits`` (which depends on the last
+    placement only)."""
     # state: the last placement (None at the start) -> (seconds, placements so far)
     states: dict[Placement | None, tuple[float, tuple[Placement, ...]]] = {None: (0.0, ())}
+    held = 0.0  # the saved bytes of the kept blocks before this one
     for index, block in enumerate(blocks):
         following: dict[Placement | None, tuple[float, tuple[Placement, ...]]] = {}
         before = blocks[index - 1] if index else None
+        options = [PLACEMENTS[0]] if index in kept else [p for p in allowed(block) if p != PLACEMENTS[0]]
         for previous, (seconds, chosen) in states.items():
             leaving = _leaving(before, previous) if previous is not None else 0.0
             streamed = _streaming(before, previous, windows) if previous is not None else 0.0
-            for placement in (p for p in allowed(block) if p != PLACEMENTS[0]):  # every one but keep
+            ahead = windows.fetch if any(p != PLACEMENTS[0] for p in chosen) else 0.0
+            for placement in options:
                 forward = (
-                    leaving
+                    held
+                    + leaving
                     + _forward_bytes(block, placement)
                     + max(streamed, _streaming(block, placement, windows))
                 )
-                backward = _working_bytes(block, placement) + (windows.fetch if index else 0.0)
+                backward = held + _working_bytes(block, placement) + ahead
                 if outside.forward + forward > budget_bytes or outside.backward + backward > budget_bytes:
                     continue
                 total = seconds + added_seconds(block, placement, link_bytes_per_s, windows)
                 if placement not in following or total < following[placement][0] - 1e-15:
                     following[placement] = (total, (*chosen, placement))
         states = following
+        held += block.saved_bytes if index in kept else 0.0
         if not states:
             return None
     valid = [state for state in states.values() if fits(state[1])]
