@@ -229,63 +229,77 @@ def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -
 
 class _CausalTail(torch.autograd.Function):
     """Causal attention of the last rows of a sequence (queries ``q``, every key up to their last)
-    where no kernel takes the lower-right bias (off CUDA, shapes `_flash_takes`): by blocks of
-    query rows, each with its mask, through PyTorch's CPU flash kernels (the ones SDPA dispatches to there), whose backward
-    takes the forward's output and log-sum-exp: attention is not run again in backward. One mask
-    for all the chunk's rows would hold rows x keys entries (32 MiB for 512 rows of a 16k sequence
-    as floats), more than the rest of the chunk on narrow models. Grouped keys (``enable_gqa``)
-    are not repeated: a key head's query heads are folded into the rows (`_folded`). The
-    forward's outputs are SDPA's on the same rows; the key and value gradients are summed over
-    the row blocks (float reassociation)."""
+    where no kernel takes the lower-right bias (off CUDA, shapes `_flash_takes`), through PyTorch's
+    CPU flash kernels (the ones SDPA dispatches to there) in two calls merged by their log-sum-exp
+    (Note [a chunk's attention in two calls]). Their backward takes the merged output and
+    log-sum-exp: attention is not run again in backward. Grouped keys (``enable_gqa``) are not
+    repeated for the earlier keys: a key head's query heads are folded into the rows (`_folded`).
+    The outputs are SDPA's on the same rows, and the gradients, up to float reassociation."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict) -> torch.Tensor:
         groups = q.shape[-3] // k.shape[-3] if extra["enable_gqa"] else 1
-        outs, sums = [], []
-        for a, b in _row_blocks(q, k, groups):
-            keys, mask = _mask(q, k, a, b, groups)
-            out, logsumexp = _FLASH(
-                _folded(q, a, b, groups),
-                k[..., :keys, :],
-                v[..., :keys, :],
-                attn_mask=mask,
-                scale=extra["scale"],
-            )
-            outs.append(_unfolded(out, groups))
-            sums.append(logsumexp)
-        out = torch.cat(outs, dim=-2)
-        ctx.save_for_backward(q, k, v, out, *sums)
+        rows, before = q.shape[-2], k.shape[-2] - q.shape[-2]
+        earlier, earlier_sum = _FLASH(
+            _folded(q, 0, rows, groups), k[..., :before, :], v[..., :before, :], scale=extra["scale"]
+        )
+        own_k, own_v = (_repeated(t[..., before:, :], groups) for t in (k, v))
+        own, own_sum = _FLASH(q, own_k, own_v, is_causal=True, scale=extra["scale"])
+        earlier, earlier_sum = _unfolded(earlier, groups), _unfolded(earlier_sum.unsqueeze(-1), groups)
+        logsumexp = torch.logaddexp(earlier_sum, own_sum.unsqueeze(-1))
+        out = (
+            earlier * (earlier_sum - logsumexp).exp() + own * (own_sum.unsqueeze(-1) - logsumexp).exp()
+        ).to(q.dtype)
+        logsumexp = logsumexp.squeeze(-1)
+        ctx.save_for_backward(q, k, v, out, logsumexp)
         ctx.scale, ctx.groups = extra["scale"], groups
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        q, k, v, out, *sums = ctx.saved_tensors
-        groups = ctx.groups
-        grads = [torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)]
-        for (a, b), logsumexp in zip(_row_blocks(q, k, groups), sums, strict=True):
-            keys, mask = _mask(q, k, a, b, groups)
-            found = _FLASH_BACKWARD(
-                *(_folded(t, a, b, groups) for t in (grad, q)),
-                k[..., :keys, :],
-                v[..., :keys, :],
-                _folded(out, a, b, groups),
-                logsumexp,
-                0.0,
-                False,
-                attn_mask=mask,
-                scale=ctx.scale,
-            )
-            grads[0][..., a:b, :].copy_(_unfolded(found[0], groups))
-            grads[1][..., :keys, :].add_(found[1])
-            grads[2][..., :keys, :].add_(found[2])
-        return (*grads, None)
+        q, k, v, out, logsumexp = ctx.saved_tensors
+        groups, scale = ctx.groups, ctx.scale
+        rows, before = q.shape[-2], k.shape[-2] - q.shape[-2]
+        grad = grad.contiguous()
+        folded_sum = _folded(logsumexp.unsqueeze(-1), 0, rows, groups).squeeze(-1).contiguous()
+        earlier = _FLASH_BACKWARD(
+            *(_folded(t, 0, rows, groups) for t in (grad, q)),
+            k[..., :before, :],
+            v[..., :before, :],
+            _folded(out, 0, rows, groups),
+            folded_sum,
+            0.0,
+            False,
+            scale=scale,
+        )
+        own_k, own_v = (_repeated(t[..., before:, :], groups) for t in (k, v))
+        own = _FLASH_BACKWARD(grad, q, own_k, own_v, out, logsumexp, 0.0, True, scale=scale)
+        grad_q = (_unfolded(earlier[0], groups).float() + own[0].float()).to(q.dtype)  # one rounding
+        grad_k = torch.cat([earlier[1], _summed(own[1], groups)], dim=-2)
+        grad_v = torch.cat([earlier[2], _summed(own[2], groups)], dim=-2)
+        return grad_q, grad_k, grad_v, None
 
 
-def _row_blocks(q: torch.Tensor, k: torch.Tensor, groups: int) -> list[tuple[int, int]]:
-    """Blocks of query rows whose masks hold about a million entries each."""
-    rows, step = q.shape[-2], max(16, 2**20 // (k.shape[-2] * groups))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+# Note [a chunk's attention in two calls]: a chunk's rows see every earlier token's key and their
+# own keys causally. Off CUDA no kernel takes the lower-right causal bias without a mask in memory,
+# and a kernel given a mask computes every score it masks. So the chunk's attention is two flash
+# calls: the earlier keys, none masked (the query heads of a key head folded into the rows, so
+# grouped keys are read as they are), and the chunk's own keys, causal from the top left (which
+# for a square is the lower right; these keys are repeated per query head, a chunk's worth). Each
+# gives its output and log-sum-exp; the chunk's is their mix weighted by exp(lse_i - lse), with
+# lse = logaddexp(lse_1, lse_2). In backward each call's kernel takes the merged output and
+# log-sum-exp, which is what its rows' softmax was normalised by: the query gradients add, and the
+# key and value gradients are each call's own keys'. No score is computed that a row does not see.
+
+
+def _repeated(keys: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key heads repeated for the ``groups`` query heads each serves (unchanged for 1)."""
+    return keys if groups == 1 else keys.repeat_interleave(groups, dim=-3)
+
+
+def _summed(grads: torch.Tensor, groups: int) -> torch.Tensor:
+    """`_repeated`'s gradients summed back to one per key head."""
+    return grads if groups == 1 else grads.unflatten(-3, (grads.shape[-3] // groups, groups)).sum(-3)
 
 
 def _folded(rows: torch.Tensor, a: int, b: int, groups: int) -> torch.Tensor:
@@ -300,13 +314,10 @@ def _unfolded(rows: torch.Tensor, groups: int) -> torch.Tensor:
     return rows.unflatten(-2, (groups, rows.shape[-2] // groups)).flatten(-4, -3)
 
 
-def _mask(q: torch.Tensor, k: torch.Tensor, a: int, b: int, groups: int) -> tuple[int, torch.Tensor]:
-    """How many keys rows ``[a, b)`` of the last ``q`` rows see, and their additive mask (0 where
-    a row sees a key, -inf elsewhere), once per folded group."""
-    keys = k.shape[-2] - q.shape[-2] + b
-    seen = torch.ones(b - a, keys, dtype=torch.bool, device=q.device).tril(diagonal=keys - (b - a))
-    mask = torch.zeros(b - a, keys, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-    return keys, mask.repeat(groups, 1)
+def _row_blocks(q: torch.Tensor, k: torch.Tensor, groups: int) -> list[tuple[int, int]]:
+    """Blocks of query rows whose masks hold about a million entries each."""
+    rows, step = q.shape[-2], max(16, 2**20 // (k.shape[-2] * groups))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 class _RowBlocks(torch.autograd.Function):
