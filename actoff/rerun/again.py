@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from actoff.params import first_forwards, lazy
 
 from .isolation import Found, forward_hooks_off, left_as_found
-from .reached import Reached, _modules_of, large
+from .reached import _TORCH_OWN, Reached, _modules_of, large
 
 __all__ = ["StateAtStart", "StateChangedError", "run_again"]
 
@@ -201,36 +201,98 @@ def run_again(
 def _called_as_given_back(began: StateAtStart | None, name: str) -> Iterator[None]:
     """Around a function scope's run again, its modules given back the state each had at its first
     forward in the scope (``began``'s parts): each must come to its first forward here as given
-    back. What wrote it before (the scope's own code, ``self.norm.weight.mul_(0.5)`` before
-    ``self.norm(x)``, or a module it ran before) would write it once more now, and the module
-    would run on another state than the forward's: wrong gradients without a word. An in-place
-    write into a parameter or buffer of a module not yet run here stops the step before it lands
-    (`_GuardedWrites`: the model keeps the forward's values); one the guard cannot see (from C++)
-    is caught by the versions at the module's first forward (`first_forwards`), after it landed
+    back. What wrote it before (the scope's own code, ``self.norm.weight.mul_(0.5)`` or
+    ``self.norm.eps *= 2`` before ``self.norm(x)``, or a module it ran before) would write it once
+    more now, and the module would run on another state than the forward's: wrong gradients
+    without a word. An in-place write into a parameter, buffer or tensor attribute of a module not
+    yet run here stops the step before it lands (`_GuardedWrites`: the model keeps the forward's
+    values); what the guard cannot see (a write from C++, an attribute bound anew to another value)
+    is caught at the module's first forward (`_Given`), after it landed. What a module that ran
+    writes of its own (a BatchNorm shared by two modules) is its forward's, as in the forward
     (Note [runs again start where the forward did] in actoff.runtime.placements.checkpoint)."""
     if began is None:
         yield
         return
-    given: dict[int, list[tuple[str, torch.Tensor, int, int | None]]] = {}  # by module: its state
+    given = {id(part.module): _Given(part.module) for part in began.parts}
     guard = _GuardedWrites(name)
-    for part in began.parts:
-        state = [(f"{type(part.module).__name__}.{key}", tensor) for key, tensor in _state(part.module)]
-        given[id(part.module)] = [(where, t, t._version, _storage(t)) for where, t in state]
-        for where, _, _, storage in given[id(part.module)]:
-            guard.guarded.setdefault(storage, where)
+    for state in given.values():
+        for where, _, _, storage in state.tensors:
+            if storage is not None:
+                guard.guarded.setdefault(storage, where)
 
     def called(module: torch.nn.Module) -> None:
         with torch._C.DisableTorchFunction():  # its own reads: not through the guard
-            state = given.get(id(module)) or [(k, t, t._version, _storage(t)) for k, t in _state(module)]
-            for where, tensor, version, storage in state:
-                if tensor._version != version:
-                    raise _written(name, where)
+            state = given.pop(id(module), None)
+            where = state.changed() if state is not None else None
+            if where is not None:
+                raise _written(name, where)
+            ran = _Given(module)
+            for _, _, _, storage in ran.tensors:
                 guard.guarded.pop(storage, None)
+            for other in given.values():
+                other.forget(ran)
         if not guard.guarded:
             guard.lift()
 
     with first_forwards(called), guard:
         yield
+
+
+class _Given:
+    """A module's state as a run again gave it back, to compare at its first forward there: the
+    versions of its parameters, buffers and tensor attributes (and their storages, for the guard),
+    and what each attribute of its submodules is bound to (torch's own left out: ``training``)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        prefix = type(module).__name__
+        self.tensors: list[tuple[str, torch.Tensor, int, int | None]] = []
+        self.bindings: list[tuple[str, torch.nn.Module, dict, str, Any]] = []
+        for sub_name, sub in module.named_modules():
+            where = f"{prefix}.{sub_name}".rstrip(".")
+            for table, skip in ((vars(sub), _TORCH_OWN), (sub._parameters, ()), (sub._buffers, ())):
+                for key, value in table.items():
+                    if key in skip:
+                        continue
+                    self.bindings.append((f"{where}.{key}", sub, table, key, value))
+                    if isinstance(value, torch.Tensor):
+                        self.tensors.append((f"{where}.{key}", value, value._version, _storage(value)))
+
+    def changed(self) -> str | None:
+        """What was written since, by name (``LayerNorm.weight``), or None."""
+        for where, tensor, version, _ in self.tensors:
+            if tensor._version != version:
+                return where
+        for where, _, table, key, value in self.bindings:
+            now = table.get(key, _GONE)
+            if now is not value and not _same_value(now, value):
+                return where
+        return None
+
+    def forget(self, ran: _Given) -> None:
+        """Leave out what belongs to the module that ``ran``: its forward's to write (a module
+        shared by two others, run in the first)."""
+        storages = {storage for _, _, _, storage in ran.tensors if storage is not None}
+        subs = {id(sub) for _, sub, _, _, _ in ran.bindings}
+        self.tensors = [entry for entry in self.tensors if entry[3] not in storages]
+        self.bindings = [entry for entry in self.bindings if id(entry[1]) not in subs]
+
+
+_GONE = object()
+
+
+def _same_value(now: Any, then: Any) -> bool:
+    """Whether an attribute bound anew holds what it held: a number, string or None equal, a
+    tensor up to 1 MiB equal (a mask made again from the same input); anything else is not."""
+    if isinstance(now, torch.Tensor) and isinstance(then, torch.Tensor):
+        return (
+            now.shape == then.shape
+            and now.dtype == then.dtype
+            and now.device == then.device
+            and not large(now)
+            and bool(torch.equal(now, then))
+        )
+    plain = (int, float, bool, str, type(None))
+    return isinstance(now, plain) and type(now) is type(then) and now == then
 
 
 def _written(name: str, where: str) -> StateChangedError:
@@ -267,11 +329,13 @@ class _GuardedWrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.guarded:
-            targets = [kwargs.get("out")]
+            out = kwargs.get("out")
+            targets = list(out) if isinstance(out, list | tuple) else [out]
             if args and _writes(func):
                 targets += args[0] if isinstance(args[0], list | tuple) else [args[0]]
             for target in targets:
-                where = self.guarded.get(_storage(target)) if isinstance(target, torch.Tensor) else None
+                storage = _storage(target) if isinstance(target, torch.Tensor) else None
+                where = self.guarded.get(storage) if storage is not None else None
                 if where is not None:
                     raise _written(self.name, where)
         return func(*args, **kwargs)
@@ -295,14 +359,9 @@ def _writes(func: Any) -> bool:
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
-    """The address of ``tensor``'s storage; None where it has none to guard (empty, meta)."""
-    return tensor.untyped_storage().data_ptr() or None
-
-
-def _state(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The parameters and buffers of ``module`` and its submodules, by name (``0.weight``)."""
-    for sub_name, sub in module.named_modules():
-        for tensors in (sub._parameters, sub._buffers):
-            for key, tensor in tensors.items():
-                if tensor is not None:
-                    yield f"{sub_name}.{key}".lstrip("."), tensor
+    """The address of ``tensor``'s storage; None where it has none to guard (empty, meta, or no
+    storage to read: a tensor subclass that wraps others, a sparse tensor)."""
+    try:
+        return tensor.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
+        return None

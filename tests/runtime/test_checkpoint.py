@@ -891,9 +891,14 @@ class _ScaledLinear(nn.Module):
         self.linear = nn.Linear(16, 16)
         self.register_buffer("scale", torch.ones(()))
         self.gain = nn.Parameter(torch.ones(()))
+        self.temperature, self.factor = torch.ones(()), 1.0  # a tensor attribute, a number
 
     def forward(self, x):
-        return x + torch.tanh(self.linear(x)) * self.scale * self.gain
+        return x + torch.tanh(self.linear(x)) * self.scale * self.gain * self.temperature * self.factor
+
+
+def _halve_factor(block):
+    block.factor *= 0.5
 
 
 @pytest.mark.parametrize(
@@ -902,7 +907,17 @@ class _ScaledLinear(nn.Module):
         (lambda block: block.scale.mul_(0.5), "_ScaledLinear.scale"),
         (lambda block: block.gain.data.mul_(0.5), "_ScaledLinear.gain"),
         (lambda block: block.linear.weight.mul_(0.5), "_ScaledLinear.linear.weight"),
+        (lambda block: setattr(block, "scale", block.scale * 0.5), "_ScaledLinear.scale"),
+        (lambda block: block.temperature.mul_(0.5), "_ScaledLinear.temperature"),
+        (_halve_factor, "_ScaledLinear.factor"),
+        (  # an output tuple: the mantissa written into the buffer
+            lambda block: torch.frexp(
+                block.scale * 0.5, out=(block.scale.data, torch.empty((), dtype=torch.int32))
+            ),
+            "_ScaledLinear.scale",
+        ),
     ],
+    ids=["buffer", "parameter_data", "weight", "buffer_bound", "tensor_attribute", "number", "out_tuple"],
 )
 def test_a_function_scope_writing_a_modules_state_before_running_it_is_refused_or_placed_whole(
     write, written
@@ -932,6 +947,45 @@ def test_a_function_scope_writing_a_modules_state_before_running_it_is_refused_o
             _small_blocks_grads(_ScaledLinear, "recompute", function_scopes=True, body=body), expected
         )
     assert any(f"wrote '{written}' before running" in str(w.message) for w in caught)
+
+
+class _Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = torch.ones(16)
+
+    def forward(self, x):
+        return x * self.mask
+
+
+class _SharesANorm(nn.Module):
+    """Two branches holding one BatchNorm, and a gate, each run by the function scope itself: the
+    second branch's state, taken at its first forward, holds what the first's wrote of the norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(16)
+        self.first, self.second = (
+            nn.Sequential(nn.Linear(16, 16), norm),
+            nn.Sequential(nn.Linear(16, 16), norm),
+        )
+        self.gate = _Gate()
+
+
+def test_what_a_function_scopes_modules_write_of_their_own_or_bind_again_unchanged_is_not_refused():
+    """What a module that ran writes of its own in the run again is its forward's (a BatchNorm
+    shared by two branches: the first branch's forward writes the second's statistics), and an
+    attribute bound again to an equal value is no change: the guard of the run again refused
+    both (a review's reproducer). Checkpoint trains them bit for bit (the same kernels)."""
+
+    def body(block, x):
+        block.gate.mask = torch.ones(16)  # made again each call, equal
+        flat = x.reshape(-1, 16)
+        mixed = torch.tanh(block.first(flat)) + block.gate(torch.tanh(block.second(flat)))
+        return x + mixed.reshape(x.shape)
+
+    expected = _small_blocks_grads(_SharesANorm, None, function_scopes=True, body=body)
+    _assert_same(_small_blocks_grads(_SharesANorm, "checkpoint", function_scopes=True, body=body), expected)
 
 
 class _DoublesItsFirstOutput(nn.Module):

@@ -43,12 +43,15 @@ its first forward in the scope (`StateAtStart.watching`), and is what its runs a
 Its forward hooks are watched from then on, as a module scope's are (Note [hooks that change
 outputs]). What its own code (or a module it ran before) writes of a module before running it
 is in that state, and would be written once more in the run again: there an in-place write into
-a parameter or buffer of a module not yet run stops the step before it lands, naming it and the
-fix (placed whole by the token-wise policies, whose probe fails on it), and a write it cannot see
-(from C++) is caught by the versions at the module's first forward. Not seen, as `left_as_found`
-does not see them: globals, closures, what lies deeper than three levels, and what a function
-scope writes of a module it never runs: put such writes inside the module's forward, or offload
-the module itself.
+a parameter, buffer or tensor attribute of a module not yet run stops the step before it lands,
+naming it and the fix (placed whole by the token-wise policies, whose probe fails on it); an
+attribute bound anew to another value (``m.scale = m.scale * 0.5``, ``m.factor *= 0.5``) and a
+write the guard cannot see but a version counter can are caught at the module's first forward.
+What a module that ran writes of its own is its forward's (a BatchNorm two branches share). Not
+seen, as `left_as_found` does not see them: globals, closures, what lies deeper than three
+levels, what a function scope writes of a module it never runs, and writes through ``.data`` by
+an operator called past PyTorch's function dispatch (``torch.ops.aten.mul_``, numpy): put such
+writes inside the module's forward, or offload the module itself.
 
 Note [a cache in checkpointed training]: Hugging Face models keep ``use_cache=True`` in training,
 so every forward hands its blocks a fresh, empty key/value cache. The block runs in forward with
