@@ -94,7 +94,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(
                 pytest.mark.skip(
                     reason="runs in the plain pass only: it chooses its device itself (its subprocesses, "
-                    "or a simulated device of its own), so the simulated-device pass would repeat it"
+                    "or a simulated device of its own) or uses none, so the simulated-device pass would repeat it"
                 )
             )
         elif ("no_sim_device" in item.keywords or "sim_device" in item.keywords) and SIM_DEVICE:

@@ -10,6 +10,8 @@ import pytest
 from actoff.budget import PLACEMENTS, BlockCost, Outside, Placement, Plan, Windows, allowed, least, predict
 from actoff.fitting import WINDOW_SHARES, floor_plan, plan, window_choices
 
+pytestmark = pytest.mark.plain_pass_only  # no device involved: one pass is enough
+
 
 def brute_force(
     blocks: Sequence[BlockCost],

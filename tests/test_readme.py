@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.plain_pass_only  # no device involved: one pass is enough
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 DOCUMENTS = ("README.md", "tests/README.md", "benchmarks/README.md", "csrc/README.md")

@@ -23,6 +23,8 @@ import pytest
 
 import actoff
 
+pytestmark = pytest.mark.plain_pass_only  # no device involved: one pass is enough
+
 PACKAGE = pathlib.Path(actoff.__file__).parent
 ROOT = PACKAGE.parent
 

@@ -22,7 +22,7 @@ from _helpers import ROOT
 # Each case runs its subprocess on both devices itself (DEVICES): once, in the plain pass.
 pytestmark = [pytest.mark.nvme, pytest.mark.plain_pass_only]
 
-REPEATS = 20
+REPEATS = 10  # forks per case: 60 children over the cases on each device
 HANG_S = 5.0
 
 DEVICES = [pytest.param("0", id="plain"), pytest.param("1", id="sim")]
