@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
@@ -68,8 +69,8 @@ def learned(storages: set[int], module: torch.nn.Module | None) -> Iterator[None
 @contextlib.contextmanager
 def first_forwards(each: Callable[[torch.nn.Module], None]) -> Iterator[None]:
     """Each module this thread runs, not inside one it ran before, handed to ``each`` before its
-    first forward here (a forward pre-hook on every module; a lazy module's own pre-hook, which
-    makes its parameters, runs after this one: see `lazy`).
+    first forward here (a forward pre-hook on every module, first among the global ones; a lazy
+    module's own pre-hook, which makes its parameters, runs after this one: see `lazy`).
 
     >>> seen, layer = [], torch.nn.Sequential(torch.nn.Linear(2, 2))
     >>> with first_forwards(lambda module: seen.append(type(module).__name__)):
@@ -87,6 +88,11 @@ def first_forwards(each: Callable[[torch.nn.Module], None]) -> Iterator[None]:
             each(sub)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
+    # Before any global pre-hook registered earlier: one that writes a module's weights acts
+    # after its state is taken, in the forward and in a run again alike.
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    if isinstance(hooks, collections.OrderedDict) and handle.id in hooks:
+        hooks.move_to_end(handle.id, last=False)
     try:
         yield
     finally:

@@ -949,6 +949,28 @@ def test_a_function_scope_writing_a_modules_state_before_running_it_is_refused_o
     assert any(f"wrote '{written}' before running" in str(w.message) for w in caught)
 
 
+def test_a_global_pre_hook_registered_before_actoffs_writing_a_weight_is_refused_at_the_forward():
+    """A global forward pre-hook registered before actoff's (a framework clamping weights) ran
+    before the module's state was taken: the run again then refused the write in backward, after
+    it had written the weight a second time. actoff's hook now runs first, so the write is one
+    the forward made, refused at the scope's exit as a module scope's is, before any run again."""
+    from actoff.runtime.placements.checkpoint import StateChangedError
+
+    def clamp(module, args):
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.clamp_(-0.2, 0.2)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(clamp)
+    try:
+        with pytest.raises(StateChangedError, match=r"wrote into its parameter 'Linear.weight' in forward"):
+            _small_blocks_grads(
+                _ScaledLinear, "checkpoint", function_scopes=True, body=lambda block, x: block.linear(x)
+            )
+    finally:
+        handle.remove()
+
+
 class _Gate(nn.Module):
     def __init__(self) -> None:
         super().__init__()
