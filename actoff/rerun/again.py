@@ -241,21 +241,29 @@ def _called_as_given_back(began: StateAtStart | None, name: str) -> Iterator[Non
 class _Given:
     """A module's state as a run again gave it back, to compare at its first forward there: the
     versions of its parameters, buffers and tensor attributes (and their storages, for the guard),
-    and what each attribute of its submodules is bound to (torch's own left out: ``training``)."""
+    what each attribute of its submodules is bound to (torch's own left out: ``training``), and
+    the items of the dictionaries and lists they hold (LoRA's ``scaling["default"]``)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         prefix = type(module).__name__
         self.tensors: list[tuple[str, torch.Tensor, int, int | None]] = []
-        self.bindings: list[tuple[str, torch.nn.Module, dict, str, Any]] = []
+        self.bindings: list[tuple[str, torch.nn.Module, Any, Any, Any]] = []
         for sub_name, sub in module.named_modules():
             where = f"{prefix}.{sub_name}".rstrip(".")
             for table, skip in ((vars(sub), _TORCH_OWN), (sub._parameters, ()), (sub._buffers, ())):
                 for key, value in table.items():
                     if key in skip:
                         continue
-                    self.bindings.append((f"{where}.{key}", sub, table, key, value))
-                    if isinstance(value, torch.Tensor):
-                        self.tensors.append((f"{where}.{key}", value, value._version, _storage(value)))
+                    self._note(f"{where}.{key}", sub, table, key, value)
+                    if type(value) in (dict, list):
+                        items = value.items() if type(value) is dict else enumerate(value)
+                        for index, item in items:
+                            self._note(f"{where}.{key}[{index!r}]", sub, value, index, item)
+
+    def _note(self, where: str, sub: torch.nn.Module, table: Any, key: Any, value: Any) -> None:
+        self.bindings.append((where, sub, table, key, value))
+        if isinstance(value, torch.Tensor):
+            self.tensors.append((where, value, value._version, _storage(value)))
 
     def changed(self) -> str | None:
         """What was written since, by name (``LayerNorm.weight``), or None."""
@@ -263,7 +271,9 @@ class _Given:
             if tensor._version != version:
                 return where
         for where, _, table, key, value in self.bindings:
-            now = table.get(key, _GONE)
+            now = (
+                (table[key] if key < len(table) else _GONE) if type(table) is list else table.get(key, _GONE)
+            )
             if now is not value and not _same_value(now, value):
                 return where
         return None
@@ -298,7 +308,7 @@ def _same_value(now: Any, then: Any) -> bool:
 def _written(name: str, where: str) -> StateChangedError:
     block = f"block {name!r}" if name else "a function scope"
     return StateChangedError(
-        f"actoff: {block} wrote {where!r} before running that module, and would write it again in the "
+        f"actoff: {block} wrote '{where}' before running that module, and would write it again in the "
         "run again, which would run the module on another value than the forward did and give wrong "
         "gradients. Write it inside the module's forward, or decorate the module itself with "
         "@actoff.offload (its state is then taken before the write)."
