@@ -280,11 +280,15 @@ class _Given:
 
     def forget(self, ran: _Given) -> None:
         """Leave out what belongs to the module that ``ran``: its forward's to write (a module
-        shared by two others, run in the first)."""
+        shared by two others, run in the first; a dictionary both hold)."""
         storages = {storage for _, _, _, storage in ran.tensors if storage is not None}
         subs = {id(sub) for _, sub, _, _, _ in ran.bindings}
+        # A dictionary or list it holds, another module may hold too (a state both count in).
+        held = {id(value) for *_, value in ran.bindings if type(value) in (dict, list)}
         self.tensors = [entry for entry in self.tensors if entry[3] not in storages]
-        self.bindings = [entry for entry in self.bindings if id(entry[1]) not in subs]
+        self.bindings = [
+            entry for entry in self.bindings if id(entry[1]) not in subs and id(entry[2]) not in held
+        ]
 
 
 _GONE = object()

@@ -991,6 +991,35 @@ def test_a_global_pre_hook_registered_before_actoffs_writing_a_weight_is_refused
         handle.remove()
 
 
+class _CountsInAShare(nn.Module):
+    def __init__(self, share: dict) -> None:
+        super().__init__()
+        self.linear, self.share = nn.Linear(16, 16), share
+
+    def forward(self, x):
+        self.share["calls"] += 1
+        return x + torch.tanh(self.linear(x)) / self.share["calls"]
+
+
+class _ShareADictionary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        share = {"calls": 0}
+        self.first, self.second = _CountsInAShare(share), _CountsInAShare(share)
+
+
+def test_a_dictionary_two_modules_of_a_function_scope_hold_is_the_first_ones_to_write():
+    """Two modules holding one dictionary, each counting its calls in it: what the first writes
+    of it in its forward is what the second began with in the forward too. Comparing the items
+    of the modules' dictionaries refused it (a review's reproducer; it trained bit for bit
+    before); the dictionary is the first's once it ran. Checkpoint: bit for bit (the same kernels)."""
+    body = lambda block, x: block.second(block.first(x))  # noqa: E731
+    expected = _small_blocks_grads(_ShareADictionary, None, function_scopes=True, body=body)
+    _assert_same(
+        _small_blocks_grads(_ShareADictionary, "checkpoint", function_scopes=True, body=body), expected
+    )
+
+
 class _Gate(nn.Module):
     def __init__(self) -> None:
         super().__init__()

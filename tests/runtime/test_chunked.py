@@ -716,8 +716,12 @@ def test_the_chunk_setting_is_validated():
 # bias (a tensor subclass) cannot be made under its modes (the reason for `_CausalTail` off CUDA).
 @pytest.mark.no_sim_device
 @pytest.mark.parametrize("gqa", [True, False], ids=["grouped_keys", "a_key_head_per_query_head"])
-@pytest.mark.parametrize("length, start", [(40, 27), (2100, 700)], ids=["one_row_block", "row_blocks"])
-def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, length, start):
+@pytest.mark.parametrize(
+    "length, start, batch, scale",
+    [(40, 27, 1, None), (2100, 700, 1, None), (40, 27, 2, 0.3)],
+    ids=["short", "long", "two_sequences_scaled"],
+)
+def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, length, start, batch, scale):
     """The chunk's attention both ways it is served: through PyTorch's lower-right bias (the CUDA
     path: keys repeated per query head for its kernel; here on the CPU, where the bias makes a
     mask) and in two flash calls merged by their log-sum-exp (`_CausalTail`, off CUDA: the earlier
@@ -730,12 +734,14 @@ def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, leng
 
     torch.manual_seed(0)
     heads = 2 if gqa else 8
-    q = torch.randn(1, 8, length, 4, requires_grad=True)
-    k, v = (torch.randn(1, heads, length, 4, requires_grad=True) for _ in range(2))
-    extra = {"scale": None, "enable_gqa": gqa}
+    q = torch.randn(batch, 8, length, 4, requires_grad=True)
+    k, v = (torch.randn(batch, heads, length, 4, requires_grad=True) for _ in range(2))
+    extra = {"scale": scale, "enable_gqa": gqa}
 
     def last_rows(q, k, v):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[..., start:, :]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[
+            ..., start:, :
+        ]
         return [out, *torch.autograd.grad(out.square().sum(), (q, k, v))]
 
     exact = last_rows(*(t.detach().double().requires_grad_() for t in (q, k, v)))

@@ -178,7 +178,7 @@ class ChunkMode(TorchFunctionMode):
             return _ATTENTION(q, k, v, is_causal=True, **extra)
         if q.device.type == "cuda":
             return _lower_right_kernel(q, k, v, self.stop - self.start, extra)
-        if _flash_takes(q, k, v, extra["enable_gqa"]):
+        if q.device.type == "cpu" and _flash_takes(q, k, v, extra["enable_gqa"]):  # its kernels: CPU only
             return _CausalTail.apply(q, k, v, extra)
         return _RowBlocks.apply(q, k, v, extra)
 
@@ -211,12 +211,12 @@ _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
-    """Whether PyTorch's CPU flash kernels take these shapes as SDPA does: 4-D, one batch size,
-    one head size, as many key as value heads, as many query heads or (``gqa``) a multiple, a
+    """Whether PyTorch's CPU flash kernels take these shapes as SDPA does: 4-D, rows contiguous
+    in their last dimension, one batch size, one head size, as many key as value heads, as many query heads or (``gqa``) a multiple, a
     dtype they compute in (else `_RowBlocks`: 3-D or 5-D calls, value heads of another size as in
     multi-head latent attention, keys broadcast over the batch or the heads)."""
     tensors = (q, k, v)
-    if not all(t.dim() == 4 and t.dtype in _FLASH_DTYPES for t in tensors):
+    if not all(t.dim() == 4 and t.dtype in _FLASH_DTYPES and t.stride(-1) == 1 for t in tensors):
         return False
     heads, key_heads = q.shape[1], k.shape[1]
     return (
@@ -240,6 +240,10 @@ class _CausalTail(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: dict) -> torch.Tensor:
         groups = q.shape[-3] // k.shape[-3] if extra["enable_gqa"] else 1
         rows, before = q.shape[-2], k.shape[-2] - q.shape[-2]
+        if before < 1:  # the kernel over no keys leaves its rows unset: `ChunkMode` serves these whole
+            raise ValueError(
+                f"_CausalTail needs keys before the {rows} query rows; it got {k.shape[-2]} keys"
+            )
         earlier, earlier_sum = _FLASH(
             _folded(q, 0, rows, groups), k[..., :before, :], v[..., :before, :], scale=extra["scale"]
         )
@@ -274,7 +278,8 @@ class _CausalTail(torch.autograd.Function):
         )
         own_k, own_v = (_repeated(t[..., before:, :], groups) for t in (k, v))
         own = _FLASH_BACKWARD(grad, q, own_k, own_v, out, logsumexp, 0.0, True, scale=scale)
-        grad_q = (_unfolded(earlier[0], groups).float() + own[0].float()).to(q.dtype)  # one rounding
+        wide = torch.promote_types(q.dtype, torch.float32)  # the two summed in float32 at least
+        grad_q = (_unfolded(earlier[0], groups).to(wide) + own[0].to(wide)).to(q.dtype)
         grad_k = torch.cat([earlier[1], _summed(own[1], groups)], dim=-2)
         grad_v = torch.cat([earlier[2], _summed(own[2], groups)], dim=-2)
         return grad_q, grad_k, grad_v, None
