@@ -226,7 +226,7 @@ def _called_as_given_back(began: StateAtStart | None, name: str) -> Iterator[Non
             where = state.changed() if state is not None else None
             if where is not None:
                 raise _written(name, where)
-            ran = _Given(module)
+            ran = state if state is not None else _Given(module)  # what it owns, less what ran before
             for _, _, _, storage in ran.tensors:
                 guard.guarded.pop(storage, None)
             for other in given.values():
