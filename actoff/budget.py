@@ -33,13 +33,13 @@ memory, and the moment's own, the logits and their gradient at the head):
 - the forward of each block: every kept block before it, the stored bytes of the block before
   it on their way out (a ``tokenwise`` one: the next block's placement waits for them), its own
   bytes as it saves them (none for a ``stream`` block, whose saves go as their copies land, nor
-  for a ``checkpoint`` one, which saves its inputs only, streamed), and what is copying out where
-  a streamed block is at or just before it (at most the copy window);
-- the head, between forward and backward: every kept block, and the last block's stored bytes
-  on their way out (its window's, if it streams);
+  for a ``checkpoint`` one, which saves its inputs only, streamed), and what is copying out (at
+  most the copy window) from it or the offloaded block before it (kept blocks wait for no copy);
+- the head, between forward and backward: every kept block, and the last offloaded block's stored
+  bytes on their way out (its window's, if it streams);
 - the backward of each block, from the last: the kept blocks before it (their backward comes
   later), its own working bytes (kept, rebuilt or run again; none for a ``stream`` block) and
-  the fetch window; for the last block, at least its copies still under way at the head, which
+  the fetch window; for the last block, at least the copies still under way at the head, which
   are served from the device and count in the fetch window (Note [forward what is still on the
   device] in actoff.runtime.fetch). A token-wise block that both stores and recomputes rows holds its stored
   rows twice while it is rebuilt: fetched packed, and scattered into the rebuilt tensors (the
@@ -101,9 +101,9 @@ CUDA_MARGIN_SHARE = 0.05
 REPLAN_TOLERANCE = 0.10
 
 #: Plans leave a share of the budget free for what the model does not see (the device arena's
-#: buffers as placements change, a block's transients in backward, the allocator's rounding):
-#: a first plan, from the measuring steps' peaks, missed its step's by up to 12% on the
-#: simulated device; a plan made from the peaks of its own placements' step, by 1 to 4%.
+#: buffers as placements change, a block's transients in backward, the allocator's rounding): a
+#: first plan, from the measuring steps' peaks, missed its step's by up to 12% on the simulated
+#: device; a plan made from the peaks of its own placements' step, by 1 to 4%.
 PLAN_HEADROOM = 0.15
 CALIBRATED_HEADROOM = 0.03
 
@@ -176,8 +176,7 @@ PLACEMENTS = (
 
 @dataclass(frozen=True)
 class Windows:
-    """The step's windows in bytes (Note [the budget model]): ``fetch`` in backward, ``copy`` in
-    forward."""
+    """The step's windows in bytes (Note [the budget model]): ``fetch`` in backward, ``copy`` in forward."""
 
     fetch: float = 0.0
     copy: float = 0.0
@@ -252,14 +251,12 @@ def _host_bytes(block: BlockCost, placement: Placement) -> float:
 
 def _forward_bytes(block: BlockCost, placement: Placement) -> float:
     """Bytes a block holds through its own forward: all it saves, but for a ``stream`` block (its
-    copies go as they land) and a ``checkpoint`` or ``chunked`` one (it saves nothing but its inputs,
-    streamed)."""
+    copies go as they land) and a ``checkpoint`` or ``chunked`` one (its inputs only, streamed)."""
     return 0.0 if placement.kind in ("stream", "checkpoint", "chunked") else block.saved_bytes
 
 
 def _leaving(block: BlockCost, placement: Placement) -> float:
-    """A block's copies out still in flight through the next block's forward: a token-wise
-    block's, issued at its end (streamed ones count in the copy window)."""
+    """A token-wise block's copies out, issued at its end, in flight through the next forward."""
     return _host_bytes(block, placement) if placement.kind == "tokenwise" else 0.0
 
 
@@ -386,23 +383,26 @@ def moments(
     kept = [b.saved_bytes if p.kind == "keep" else 0 for b, p in pairs]
     leaving = [_leaving(b, p) for b, p in pairs]
     streaming = [_streaming(b, p, windows) for b, p in pairs]
+    under_way, last = [], 0.0  # copies out of the nearest offloaded block before each, at most the window
+    for nbytes, placement in zip(streaming, placements, strict=True):
+        under_way.append(last)
+        last = last if placement.kind == "keep" else nbytes
     forward = outside.forward + max(
         sum(kept[:index])
         + (leaving[index - 1] if index else 0.0)
         + _forward_bytes(block, placement)
-        + max(streaming[index], streaming[index - 1] if index else 0.0)
+        + max(streaming[index], under_way[index])
         for index, (block, placement) in enumerate(pairs)
     )
-    head = outside.head + sum(kept) + leaving[-1] + streaming[-1]
-    offloaded = any(p.kind != "keep" for p in placements)
-    fetch = windows.fetch if offloaded else 0.0
+    head = outside.head + sum(kept) + leaving[-1] + last  # kept blocks' forwards wait for no copy
+    fetch = windows.fetch if any(p.kind != "keep" for p in placements) else 0.0
     # A chunked block's working bytes may be negative (Note [the chunked placement in the plan]).
     backward = -float("inf")
     for index, (block, placement) in enumerate(pairs):
         own = kept[index] if placement.kind == "keep" else _working_bytes(block, placement)
         ahead = fetch if index and any(p.kind != "keep" for p in placements[:index]) else 0.0
-        if index == len(pairs) - 1:  # its copies still under way at the head are served from the device
-            ahead = max(ahead, streaming[-1])
+        if index == len(pairs) - 1:  # copies still under way at the head are served from the device
+            ahead = max(ahead, last)
         backward = max(backward, sum(kept[:index]) + own + ahead)
     return forward, head, outside.backward + backward
 

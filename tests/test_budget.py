@@ -65,6 +65,19 @@ def test_a_streamed_block_holds_only_its_copy_window_in_forward_and_its_fetch_wi
     assert moments(blocks, stream, 0, Windows(copy=500))[0] == 50
 
 
+
+def test_copies_out_of_a_streamed_block_last_through_the_kept_blocks_after_it():
+    # A kept block's forward waits for no copy: what the streamed block before it still copies
+    # out is on the device through its forward, the head and the last block's backward. Counted
+    # only where the streamed block was last or just before, a plan keeping the last blocks
+    # peaked 1.05-1.13x its budget one run in seven (tests/runtime/test_over_budget.py).
+    blocks = [BLOCK] * 3
+    placements = [Placement("stream"), Placement("keep"), Placement("keep")]
+    forward, head, backward = moments(blocks, placements, 0, Windows(fetch=5, copy=15))
+    assert forward == 50 + 50 + 15  # the last block's forward: two kept, the first's copies
+    assert head == 2 * 50 + 15
+    assert backward == 50 + 50 + 15  # the last block's: both kept, the copies served from the device
+
 def test_a_block_that_stores_and_recomputes_holds_its_stored_rows_twice_when_rebuilt():
     # Fetched packed, then scattered into the rebuilt tensors: the packed copy goes last.
     for stored, extra in ((0.0, 0), (0.5, 15), (1.0, 0)):
