@@ -65,7 +65,6 @@ def test_a_streamed_block_holds_only_its_copy_window_in_forward_and_its_fetch_wi
     assert moments(blocks, stream, 0, Windows(copy=500))[0] == 50
 
 
-
 def test_copies_out_of_a_streamed_block_last_through_the_kept_blocks_after_it():
     # A kept block's forward waits for no copy: what the streamed block before it still copies
     # out is on the device through its forward, the head and the last block's backward. Counted
@@ -77,6 +76,7 @@ def test_copies_out_of_a_streamed_block_last_through_the_kept_blocks_after_it():
     assert forward == 50 + 50 + 15  # the last block's forward: two kept, the first's copies
     assert head == 2 * 50 + 15
     assert backward == 50 + 50 + 15  # the last block's: both kept, the copies served from the device
+
 
 def test_a_block_that_stores_and_recomputes_holds_its_stored_rows_twice_when_rebuilt():
     # Fetched packed, then scattered into the rebuilt tensors: the packed copy goes last.
