@@ -715,13 +715,16 @@ def test_the_chunk_setting_is_validated():
 # A function's values on plain tensors: the simulated device adds nothing, and PyTorch's lower-right
 # bias (a tensor subclass) cannot be made under its modes (the reason for `_CausalTail` off CUDA).
 @pytest.mark.no_sim_device
+@pytest.mark.parametrize("key_blocks", [1, 3], ids=["earlier_keys_in_one_call", "in_three"])
 @pytest.mark.parametrize("gqa", [True, False], ids=["grouped_keys", "a_key_head_per_query_head"])
 @pytest.mark.parametrize(
     "length, start, batch, scale",
     [(40, 27, 1, None), (2100, 700, 1, None), (40, 27, 2, 0.3)],
     ids=["short", "long", "two_sequences_scaled"],
 )
-def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, length, start, batch, scale):
+def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(
+    monkeypatch, gqa, length, start, batch, scale, key_blocks
+):
     """The chunk's attention both ways it is served: through PyTorch's lower-right bias (the CUDA
     path: keys repeated per query head for its kernel; here on the CPU, where the bias makes a
     mask) and in two flash calls merged by their log-sum-exp (`_CausalTail`, off CUDA: the earlier
@@ -730,8 +733,10 @@ def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, leng
     The bound is the float32 error of SDPA itself over the whole sequence (measured here against
     the same float64 reference), twice, plus one rounding of the largest value: a key's gradient
     sums over up to 1400 query rows, so no fixed tolerance fits every length."""
+    from actoff.runtime.placements import chunk_attention
     from actoff.runtime.placements.chunk_attention import _CausalTail, _lower_right_kernel
 
+    monkeypatch.setattr(chunk_attention, "KEY_BLOCK", -(-start // key_blocks))  # the earlier keys: start
     torch.manual_seed(0)
     heads = 2 if gqa else 8
     q = torch.randn(batch, 8, length, 4, requires_grad=True)
@@ -754,6 +759,35 @@ def test_the_lower_right_attention_paths_give_the_whole_sequences_rows(gqa, leng
         for got, own, wanted in zip(found, sdpa, exact, strict=True):
             bound = 2 * (own.double() - wanted).abs().max() + FLOAT32_EPS * wanted.abs().max()
             assert (got.double() - wanted).abs().max() <= bound
+
+
+@pytest.mark.no_sim_device
+def test_a_chunks_key_gradients_go_into_the_running_sums_a_key_block_at_a_time(monkeypatch):
+    """Served with ``into`` (Note [a chunk's key gradients in place]), the chunk's attention adds
+    its key and value gradients to those buffers and gives the keys none: the values it returns
+    otherwise, bit for bit (the same calls on the same keys), and its backward makes no tensor of
+    the keys' length: what it allocates is a key block's and the chunk's rows' (under a quarter
+    of one key tensor here; the gradients returned whole are two key tensors, and their joins two more)."""
+    from actoff.device.sim.memory import DeviceMemory
+    from actoff.runtime.placements import chunk_attention
+
+    monkeypatch.setattr(chunk_attention, "KEY_BLOCK", 256)
+    torch.manual_seed(0)
+    length, start = 8192, 8128
+    rows = torch.randn(1, 8, length - start, 16, requires_grad=True)
+    keys, values = (torch.randn(1, 2, length, 16, requires_grad=True) for _ in range(2))
+    extra = {"scale": None, "enable_gqa": True}
+    out = chunk_attention._CausalTail.apply(rows, keys, values, extra)
+    returned = torch.autograd.grad(out.square().sum(), (rows, keys, values))
+    into = (torch.zeros_like(keys), torch.zeros_like(values))
+    loss = chunk_attention._CausalTail.apply(rows, keys, values, {**extra, "into": into}).square().sum()
+    memory = DeviceMemory()
+    with memory:
+        grad_rows, grad_keys = torch.autograd.grad(loss, (rows, keys), allow_unused=True)
+    assert grad_keys is None
+    assert torch.equal(grad_rows, returned[0])
+    assert torch.equal(into[0], returned[1]) and torch.equal(into[1], returned[2])
+    assert memory.peak < keys.numel() * keys.element_size() // 4, memory.peak
 
 
 @pytest.mark.no_sim_device

@@ -149,11 +149,21 @@ class Watch(TorchFunctionMode):
 class ChunkMode(TorchFunctionMode):
     """A re-run on tokens ``[start, stop)``: attention's keys and values written into ``keys`` and
     ``values`` (the keys pass: the run then ends), or attention served from the chunk's queries
-    against their rows up to ``stop``, as leaves (``served``; Note [chunked backward])."""
+    against their rows up to ``stop``, as leaves (``served``; Note [chunked backward]). Given
+    ``into``, full-length buffers for the keys' and values' gradients, the two-call attention adds
+    its key and value gradients there in backward and gives the leaves none (Note [a chunk's key
+    gradients in place])."""
 
-    def __init__(self, start: int, stop: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        start: int,
+        stop: int,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
-        self.start, self.stop, self.keys, self.values = start, stop, keys, values
+        self.start, self.stop, self.keys, self.values, self.into = start, stop, keys, values, into
         self.taken: tuple[torch.Tensor, torch.Tensor] | None = None  # this chunk's k, v
         self.served: list[torch.Tensor] = []  # the leaves attention read: keys and values up to stop
 
@@ -179,7 +189,7 @@ class ChunkMode(TorchFunctionMode):
         if q.device.type == "cuda":
             return _lower_right_kernel(q, k, v, self.stop - self.start, extra)
         if q.device.type == "cpu" and _flash_takes(q, k, v, extra["enable_gqa"]):  # its kernels: CPU only
-            return _CausalTail.apply(q, k, v, extra)
+            return _CausalTail.apply(q, k, v, {**extra, "into": self.into})
         return _RowBlocks.apply(q, k, v, extra)
 
 
@@ -256,7 +266,7 @@ class _CausalTail(torch.autograd.Function):
         ).to(q.dtype)
         logsumexp = logsumexp.squeeze(-1)
         ctx.save_for_backward(q, k, v, out, logsumexp)
-        ctx.scale, ctx.groups = extra["scale"], groups
+        ctx.scale, ctx.groups, ctx.into = extra["scale"], groups, extra.get("into")
         return out
 
     @staticmethod
@@ -265,24 +275,67 @@ class _CausalTail(torch.autograd.Function):
         groups, scale = ctx.groups, ctx.scale
         rows, before = q.shape[-2], k.shape[-2] - q.shape[-2]
         grad = grad.contiguous()
+        folded = [_folded(t, 0, rows, groups) for t in (grad, q, out)]
         folded_sum = _folded(logsumexp.unsqueeze(-1), 0, rows, groups).squeeze(-1).contiguous()
-        earlier = _FLASH_BACKWARD(
-            *(_folded(t, 0, rows, groups) for t in (grad, q)),
-            k[..., :before, :],
-            v[..., :before, :],
-            _folded(out, 0, rows, groups),
-            folded_sum,
-            0.0,
-            False,
-            scale=scale,
-        )
+        # Into the step's buffers (`ChunkMode`'s ``into``), else into this call's own.
+        into = ctx.into if ctx.into is not None else (torch.empty_like(k), torch.empty_like(v))
+        add = ctx.into is not None
+        # The calls' query gradients summed in float32 at least.
+        wide = torch.promote_types(q.dtype, torch.float32)
+        grad_q = torch.zeros(q.shape, dtype=wide, device=q.device)
+        for first in range(0, before, KEY_BLOCK):
+            last = min(before, first + KEY_BLOCK)
+            earlier = _FLASH_BACKWARD(
+                *folded[:2],
+                k[..., first:last, :],
+                v[..., first:last, :],
+                folded[2],
+                folded_sum,
+                0.0,
+                False,
+                scale=scale,
+            )
+            grad_q.add_(_unfolded(earlier[0], groups))
+            _put(into, first, last, earlier[1], earlier[2], add)
+            del earlier
         own_k, own_v = (_repeated(t[..., before:, :], groups) for t in (k, v))
         own = _FLASH_BACKWARD(grad, q, own_k, own_v, out, logsumexp, 0.0, True, scale=scale)
-        wide = torch.promote_types(q.dtype, torch.float32)  # the two summed in float32 at least
-        grad_q = (_unfolded(earlier[0], groups).to(wide) + own[0].to(wide)).to(q.dtype)
-        grad_k = torch.cat([earlier[1], _summed(own[1], groups)], dim=-2)
-        grad_v = torch.cat([earlier[2], _summed(own[2], groups)], dim=-2)
-        return grad_q, grad_k, grad_v, None
+        grad_q = grad_q.add_(own[0]).to(q.dtype)
+        _put(into, before, k.shape[-2], _summed(own[1], groups), _summed(own[2], groups), add)
+        if add:
+            return grad_q, None, None, None
+        return grad_q, *into, None
+
+
+def _put(
+    into: tuple[torch.Tensor, torch.Tensor],
+    first: int,
+    last: int,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    add: bool,
+) -> None:
+    """Key and value gradients of keys ``[first, last)`` added to, or written into, ``into``."""
+    for buffer, grad in zip(into, (dk, dv), strict=True):
+        if add:
+            buffer[..., first:last, :].add_(grad)
+        else:
+            buffer[..., first:last, :].copy_(grad)
+
+
+#: Earlier keys per flash backward call of a chunk's attention (Note [a chunk's key gradients
+#: in place]): the call's key and value gradients are this many keys' at most.
+KEY_BLOCK = 2048
+
+# Note [a chunk's key gradients in place]: a chunk's attention reads every key up to its end, so
+# its backward gives gradients for all of them: returned whole, they were two full-length
+# tensors (and two more where the earlier keys' and the chunk's own were joined) on top of the
+# step's running sums of the key and value gradients, which `_chunks` then added them to: about
+# 2.7 KB a token of the 128 MiB proxy's 10 at its peak. So the earlier keys go to the flash
+# backward KEY_BLOCK at a time (with the merged output and log-sum-exp each call's rows are
+# exact: the key gradients are the same sums, the query gradients add over the calls, in float32
+# at least), and each call's key and value gradients are added straight into the running sums,
+# the leaves of the chunk's keys getting none. Called apart (a test), the gradients are returned.
 
 
 # Note [a chunk's attention in two calls]: a chunk's rows see every earlier token's key and their

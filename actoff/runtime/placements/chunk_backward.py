@@ -285,7 +285,7 @@ def _chunks(block: Block, values: list[Any], out_grads: list[torch.Tensor | None
     grads = _Grads(block, [values[position] for position in block.where], keys, vals)
     for start, stop in reversed(block.chunks()):
         sliced, leaves = block.sliced(values, start, stop)
-        mode = ChunkMode(start, stop, keys, vals)
+        mode = ChunkMode(start, stop, keys, vals, (grads.keys, grads.vals))
         with torch.enable_grad(), mode:
             output = block.call(sliced)
         if len(mode.served) != 2:
