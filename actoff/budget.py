@@ -30,20 +30,19 @@ The device peak is the largest of three moments, each with what the step holds o
 blocks then (`Outside`: weights, gradients, optimizer state, one autograd node's working
 memory, and the moment's own, the logits and their gradient at the head):
 
-- the forward of each block: every kept block before it, the stored bytes of the block before
-  it on their way out (a ``tokenwise`` one: the next block's placement waits for them), its own
-  bytes as it saves them (none for a ``stream`` block, whose saves go as their copies land, nor
-  for a ``checkpoint`` one, which saves its inputs only, streamed), and what is copying out (at
-  most the copy window) from it or the offloaded block before it (kept blocks wait for no copy);
-- the head, between forward and backward: every kept block, and the last offloaded block's stored
-  bytes on their way out (its window's, if it streams);
+- the forward of each block: every kept block before it, its own bytes as it saves them (none
+  for a ``stream`` block, whose saves go as their copies land, nor for a ``checkpoint`` one, which
+  saves its inputs only, streamed), and what the offloaded block before it (kept blocks wait for
+  no copy; the next offloaded one's placement waits for a token-wise block's) still copies out: a
+  token-wise block's stored bytes, a streamed one's window (or its own, at most the window);
+- the head, between forward and backward: every kept block, and the last offloaded block's bytes
+  on their way out (its window's, if it streams);
 - the backward of each block, from the last: the kept blocks before it (their backward comes
-  later), its own working bytes (kept, rebuilt or run again; none for a ``stream`` block) and
-  the fetch window; for the last block, at least the copies still under way at the head, which
-  are served from the device and count in the fetch window (Note [forward what is still on the
-  device] in actoff.runtime.fetch). A token-wise block that both stores and recomputes rows holds its stored
-  rows twice while it is rebuilt: fetched packed, and scattered into the rebuilt tensors (the
-  packed copy goes when the last is rebuilt).
+  later), its own working bytes (kept, rebuilt or run again; none for a ``stream`` block) and the
+  fetch window; for the last block, at least the copies still under way at the head, served from
+  the device (Note [forward what is still on the device] in actoff.runtime.fetch). A token-wise
+  block that stores and recomputes rows holds its stored rows twice while it is rebuilt: fetched
+  packed, and scattered into the rebuilt tensors (the packed copy goes when the last is rebuilt).
 
 So kept blocks are best the last ones: their backward comes first and lets them go before any
 offloaded block comes back.
@@ -100,10 +99,9 @@ CUDA_MARGIN_SHARE = 0.05
 #: replanned from the new measurements.
 REPLAN_TOLERANCE = 0.10
 
-#: Plans leave a share of the budget free for what the model does not see (the device arena's
-#: buffers as placements change, a block's transients in backward, the allocator's rounding): a
-#: first plan, from the measuring steps' peaks, missed its step's by up to 12% on the simulated
-#: device; a plan made from the peaks of its own placements' step, by 1 to 4%.
+#: Plans leave a share of the budget free for what the model does not see (the device arena's buffers
+#: as placements change, a block's transients in backward, the allocator's rounding): a first plan, from
+#: the measuring steps' peaks, missed its step's by up to 12% on the simulated device; one from its own, 1-4%.
 PLAN_HEADROOM = 0.15
 CALIBRATED_HEADROOM = 0.03
 
@@ -250,8 +248,7 @@ def _host_bytes(block: BlockCost, placement: Placement) -> float:
 
 
 def _forward_bytes(block: BlockCost, placement: Placement) -> float:
-    """Bytes a block holds through its own forward: all it saves, but for a ``stream`` block (its
-    copies go as they land) and a ``checkpoint`` or ``chunked`` one (its inputs only, streamed)."""
+    """What a block holds through its own forward: all it saves, but if it streams (its inputs, at least)."""
     return 0.0 if placement.kind in ("stream", "checkpoint", "chunked") else block.saved_bytes
 
 
@@ -383,18 +380,21 @@ def moments(
     kept = [b.saved_bytes if p.kind == "keep" else 0 for b, p in pairs]
     leaving = [_leaving(b, p) for b, p in pairs]
     streaming = [_streaming(b, p, windows) for b, p in pairs]
-    under_way, last = [], 0.0  # copies out of the nearest offloaded block before each, at most the window
-    for nbytes, placement in zip(streaming, placements, strict=True):
+    # Copies from the nearest offloaded block before each may be under way: kept blocks wait for none.
+    under_way, last, left, held = [], 0.0, [], 0.0
+    for nbytes, out, placement in zip(streaming, leaving, placements, strict=True):
         under_way.append(last)
-        last = last if placement.kind == "keep" else nbytes
+        left.append(held)
+        if placement.kind != "keep":
+            last, held = nbytes, out
     forward = outside.forward + max(
         sum(kept[:index])
-        + (leaving[index - 1] if index else 0.0)
+        + left[index]
         + _forward_bytes(block, placement)
         + max(streaming[index], under_way[index])
         for index, (block, placement) in enumerate(pairs)
     )
-    head = outside.head + sum(kept) + leaving[-1] + last  # kept blocks' forwards wait for no copy
+    head = outside.head + sum(kept) + held + last
     fetch = windows.fetch if any(p.kind != "keep" for p in placements) else 0.0
     # A chunked block's working bytes may be negative (Note [the chunked placement in the plan]).
     backward = -float("inf")
@@ -402,7 +402,7 @@ def moments(
         own = kept[index] if placement.kind == "keep" else _working_bytes(block, placement)
         ahead = fetch if index and any(p.kind != "keep" for p in placements[:index]) else 0.0
         if index == len(pairs) - 1:  # copies still under way at the head are served from the device
-            ahead = max(ahead, last)
+            ahead = max(ahead, last + (held if placement.kind == "keep" else 0.0))
         backward = max(backward, sum(kept[:index]) + own + ahead)
     return forward, head, outside.backward + backward
 

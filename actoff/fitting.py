@@ -140,17 +140,19 @@ def _cheapest(
     """Placements for ``blocks`` (in forward order), those at the indices ``kept`` kept and the
     others offloaded, with the least added time such that each block's forward and backward
     moments stay within the budget, and the whole plan ``fits`` (which depends on the last
-    placement only)."""
-    # state: the last placement (None at the start) -> (seconds, placements so far)
-    states: dict[Placement | None, tuple[float, tuple[Placement, ...]]] = {None: (0.0, ())}
+    offloaded placement only: the kept blocks are given)."""
+    # state: the last offloaded block and its placement (None before any), whose copies out may
+    # still be under way (kept blocks wait for none) -> (seconds, placements so far)
+    Last = tuple[int, Placement] | None
+    states: dict[Last, tuple[float, tuple[Placement, ...]]] = {None: (0.0, ())}
     held = 0.0  # the saved bytes of the kept blocks before this one
     for index, block in enumerate(blocks):
-        following: dict[Placement | None, tuple[float, tuple[Placement, ...]]] = {}
-        before = blocks[index - 1] if index else None
+        following: dict[Last, tuple[float, tuple[Placement, ...]]] = {}
         options = [PLACEMENTS[0]] if index in kept else [p for p in allowed(block) if p != PLACEMENTS[0]]
         for previous, (seconds, chosen) in states.items():
-            leaving = _leaving(before, previous) if previous is not None else 0.0
-            streamed = _streaming(before, previous, windows) if previous is not None else 0.0
+            source = (blocks[previous[0]], previous[1]) if previous is not None else None
+            leaving = _leaving(*source) if source is not None else 0.0
+            streamed = _streaming(*source, windows) if source is not None else 0.0
             ahead = windows.fetch if any(p != PLACEMENTS[0] for p in chosen) else 0.0
             for placement in options:
                 forward = (
@@ -163,8 +165,9 @@ def _cheapest(
                 if outside.forward + forward > budget_bytes or outside.backward + backward > budget_bytes:
                     continue
                 total = seconds + added_seconds(block, placement, link_bytes_per_s, windows)
-                if placement not in following or total < following[placement][0] - 1e-15:
-                    following[placement] = (total, (*chosen, placement))
+                key = previous if index in kept else (index, placement)
+                if key not in following or total < following[key][0] - 1e-15:
+                    following[key] = (total, (*chosen, placement))
         states = following
         held += block.saved_bytes if index in kept else 0.0
         if not states:

@@ -76,6 +76,11 @@ def test_copies_out_of_a_streamed_block_last_through_the_kept_blocks_after_it():
     assert forward == 50 + 50 + 15  # the last block's forward: two kept, the first's copies
     assert head == 2 * 50 + 15
     assert backward == 50 + 50 + 15  # the last block's: both kept, the copies served from the device
+    # A token-wise block's copies, issued at its end, likewise (only an offloaded block's placement
+    # waits for them): its 50 stored bytes through the two kept forwards and the head.
+    placements = [Placement("tokenwise", 1.0), Placement("keep"), Placement("keep")]
+    forward, head, backward = moments(blocks, placements, 0, Windows(fetch=5, copy=15))
+    assert (forward, head, backward) == (50 + 50 + 50, 2 * 50 + 50, 50 + 50 + 50)  # within the fetch window
 
 
 def test_a_block_that_stores_and_recomputes_holds_its_stored_rows_twice_when_rebuilt():
