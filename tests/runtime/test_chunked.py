@@ -149,6 +149,33 @@ def test_backward_holds_a_chunk_where_checkpoint_holds_the_block():
     assert peaks["chunked"] < peaks["checkpoint"], peaks
 
 
+def test_a_blocks_inputs_come_back_at_its_own_backward_not_at_the_next_blocks():
+    """(Note [no fetch ahead of chunks]) on the simulated device, where records are copied back,
+    the most bytes fetched and not let go at once are one block's inputs; a fetch window in bytes
+    still fetches the block before's ahead. ``prefetch_depth`` is not read: setting it warns."""
+    model = make_model(num_layers=3, hidden_size=64)
+    expected = train(copy.deepcopy(model), 1, seq=64)
+    fetched, inputs = {}, {}
+    for window in (None, "1GiB"):
+        net = copy.deepcopy(model)
+        actoff.offload_(
+            net, block_cls=Block, policy="chunked", min_bytes=0, chunk_tokens=16, fetch_window=window
+        )
+        with simulated_device(seed=2):
+            history = train(net, 1, seq=64)
+            stats = actoff.stats()
+        assert_close_history(expected, history)
+        fetched[window] = stats.fetched_peak_bytes
+        inputs[window] = sorted(block.bytes_saved for block in stats.blocks.values())
+        actoff.reset()
+    assert inputs[None] == inputs["1GiB"] and len(set(inputs[None])) == 1, inputs  # the same blocks
+    one_block = inputs[None][0]
+    assert fetched[None] == one_block, (fetched, one_block)
+    assert fetched["1GiB"] >= 2 * one_block, (fetched, one_block)
+    with pytest.warns(UserWarning, match="prefetch_depth=2.*has no effect under policy='chunked'"):
+        actoff.offload_(copy.deepcopy(model), block_cls=Block, policy="chunked", prefetch_depth=2)
+
+
 def test_once_probed_the_forward_runs_in_chunks_too():
     """(Note [a chunked forward]) the first step's forward runs whole (its rows are the check's and
     the probe's reference), the next ones in chunks, holding less; the losses within
