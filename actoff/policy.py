@@ -112,8 +112,7 @@ class PolicySpec:
         return self.tier if isinstance(self.tier, str) else self.tier(settings)
 
 
-_WINDOWS = ("fetch_window", "copy_window")  # in bytes (auto plans its own)
-_DEPTH = ("prefetch_depth", *_WINDOWS)  # and in blocks: not read by chunked (Note [no fetch ahead of chunks])
+_DEPTH = ("prefetch_depth", "fetch_window", "copy_window")  # the windows (auto plans its own)
 _BUILT_IN = (
     PolicySpec("keep", placement="kept", tier="keep", reads=_DEPTH),
     PolicySpec("recompute", placement="tokenwise", tier="cpu", splits_by_token=True, reads=_DEPTH),
@@ -123,7 +122,7 @@ _BUILT_IN = (
                reads=("cpu_fraction", "nvme_fraction", *_DEPTH), fractions=_configured,
                needs_nvme=lambda settings: settings.nvme_fraction > 0),
     PolicySpec("checkpoint", placement="checkpoint", tier="cpu", reruns_block=True, reads=_DEPTH),
-    PolicySpec("chunked", placement="chunked", tier="cpu", reruns_block=True, reads=("chunk_tokens", *_WINDOWS)),
+    PolicySpec("chunked", placement="chunked", tier="cpu", reruns_block=True, reads=("chunk_tokens", *_DEPTH)),
     PolicySpec("auto", placement="planned", tier="cpu", splits_by_token=True, reruns_block=True, planned=True,
                reads=("host_bandwidth", "gpu_budget", "chunk_tokens"), fractions=_as_planned),
 )  # fmt: skip

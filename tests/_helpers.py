@@ -313,3 +313,20 @@ def tiny_llama(**changes):
     config = transformers.LlamaConfig(**{**settings, **changes})
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def fetches_issued(layers) -> list[list[bool]]:
+    """A list filled, at each layer's output gradient in backward (the last layer's first), with
+    whether each scope run of the step has had a fetch issued (Note [fetch per saved tensor])."""
+    from actoff.runtime.runtime import get_runtime
+
+    issued: list[list[bool]] = []
+
+    def at_backward(module, args, output):
+        output.register_hook(
+            lambda grad: issued.append([run.fetch_issued for run in get_runtime().step.runs])
+        )
+
+    for layer in layers:
+        layer.register_forward_hook(at_backward)
+    return issued

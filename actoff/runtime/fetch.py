@@ -7,7 +7,7 @@ last step of the same shape unpacked (each backward records it), else the forwar
 When autograd unpacks a record, the records after it in that order start coming back, as far as
 the window reaches:
 - a window of runs (``prefetch_depth``, the default): every record of the run being unpacked and
-  of the ``depth`` runs before it;
+  of the ``depth`` runs before it, up to a run whose placement is not fetched ahead (``chunked``);
 - a window of bytes (``fetch_window``): records fetched and not yet let go (coming back, or back
   and waiting for their node) hold at most that many bytes; ``0`` fetches each at its own unpack,
   as PyTorch's ``save_on_cpu`` does, with one node's saves on the device at a time.
@@ -87,6 +87,8 @@ class FetchQueue:
             candidate = order[self.cursor]
             if window is None and candidate.run.index < run.index - depth:
                 break  # past the window of runs
+            if window is None and candidate.run is not run and not candidate.run.placement.fetches_ahead:
+                break  # its own first unpack fetches it (Note [no fetch ahead of chunks]), and those before it
             if candidate.run.index not in self.entered:
                 self._enter(candidate.run)
             if not self._needs_fetch(candidate):

@@ -232,8 +232,6 @@ class ScopeRun(PackHook):
         window = step.window if step.window is not None else config.fetch_window
         if window is not None and step.depth is None:
             return 0, window
-        if step.depth is None and not self.placement.fetches_ahead:
-            return 0, None
         return (config.prefetch_depth if step.depth is None else step.depth), None
 
     def released(self) -> None:

@@ -20,6 +20,7 @@ from _helpers import (
     RECOMPUTE_TOL,
     assert_close_history,
     assert_same_history,
+    fetches_issued,
     make_model,
     tiny_llama,
     train,
@@ -152,7 +153,7 @@ def test_backward_holds_a_chunk_where_checkpoint_holds_the_block():
 def test_a_blocks_inputs_come_back_at_its_own_backward_not_at_the_next_blocks():
     """(Note [no fetch ahead of chunks]) on the simulated device, where records are copied back,
     the most bytes fetched and not let go at once are one block's inputs; a fetch window in bytes
-    still fetches the block before's ahead. ``prefetch_depth`` is not read: setting it warns."""
+    still fetches the block before's ahead."""
     model = make_model(num_layers=3, hidden_size=64)
     expected = train(copy.deepcopy(model), 1, seq=64)
     fetched, inputs = {}, {}
@@ -172,8 +173,24 @@ def test_a_blocks_inputs_come_back_at_its_own_backward_not_at_the_next_blocks():
     one_block = inputs[None][0]
     assert fetched[None] == one_block, (fetched, one_block)
     assert fetched["1GiB"] >= 2 * one_block, (fetched, one_block)
-    with pytest.warns(UserWarning, match="prefetch_depth=2.*has no effect under policy='chunked'"):
-        actoff.offload_(copy.deepcopy(model), block_cls=Block, policy="chunked", prefetch_depth=2)
+
+
+def test_a_chunked_blocks_inputs_are_not_fetched_ahead_by_the_block_after_it_whatever_its_policy():
+    """(Note [no fetch ahead of chunks]) ``[cpu, chunked, cpu]`` at the default window of one
+    block: the last block's backward fetches nothing of the chunked block's (nor, behind it, the
+    first block's), the chunked block's fetches the first block's; a review's case, where the rule
+    had been the unpacking block's own."""
+    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(1))
+    model = make_model(num_layers=3, hidden_size=64)
+    for layer, policy in zip(model.layers, ("cpu", "chunked", "cpu"), strict=True):
+        actoff.offload(
+            layer, policy=policy, min_bytes=0, **({"chunk_tokens": 16} if policy == "chunked" else {})
+        )
+    issued = fetches_issued(model.layers)
+    with simulated_device(seed=0):
+        model.loss(tokens).backward()
+    # At each block's output gradient (last block first): which runs' fetches have been issued.
+    assert issued == [[False, False, False], [False, False, True], [True, True, True]], issued
 
 
 def test_once_probed_the_forward_runs_in_chunks_too():

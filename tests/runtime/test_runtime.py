@@ -12,6 +12,7 @@ from _helpers import (
     assert_history_as_placed,
     assert_same_history,
     baseline_and_offloaded,
+    fetches_issued,
     make_model,
     run_without_deadlock,
     train,
@@ -808,15 +809,7 @@ def test_prefetch_depth_is_each_scopes_own():
     actoff.offload(model.layers[0], policy="cpu", min_bytes=0)  # the default depth, 1
     for layer in model.layers[1:]:
         actoff.offload(layer, policy="cpu", min_bytes=0, prefetch_depth=0)
-    issued = []
-
-    def at_backward(module, args, output):
-        output.register_hook(
-            lambda grad: issued.append([run.fetch_issued for run in get_runtime().step.runs])
-        )
-
-    for layer in model.layers:
-        layer.register_forward_hook(at_backward)
+    issued = fetches_issued(model.layers)
     with simulated_device(seed=0):
         model.loss(tokens).backward()
     assert issued == [

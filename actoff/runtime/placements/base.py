@@ -96,9 +96,9 @@ class Placement:
     #: Places every record whole on its tier as it is saved (Note [copy out at pack]): a subclass
     #: that chooses per record says False.
     stores_whole: ClassVar[bool] = True
-    #: Under a window of blocks (``prefetch_depth``), the runs before it start coming back at its
-    #: first unpack: False where each run's come back at its own (chunked: Note [no fetch ahead
-    #: of chunks] in actoff.runtime.placements.chunked).
+    #: Under a window of blocks (``prefetch_depth``), its records start coming back at the first
+    #: unpack of a run after it: False where they come back at its own (chunked: Note [no fetch
+    #: ahead of chunks] in actoff.runtime.placements.chunked).
     fetches_ahead: ClassVar[bool] = True
 
     def __init__(self, run: ScopeRun, tier: str | None = None) -> None:

@@ -386,14 +386,15 @@ class ChunkedPlacement(CheckpointPlacement):
     """
 
     name = "chunked"
-    # Note [no fetch ahead of chunks]: a block's inputs, the only records of a chunked run, come
-    # back at its own backward's first unpack, not at the start of the block after it's: under
-    # the default window of one block they would lie on the device through that block's whole
-    # backward, 1 KiB a token more on the 128 MiB proxy at its floor (9216 tokens against 10752
-    # with ACTOFF_FETCH_WINDOW=0; results/cpu-2026-12-03-chunked-128-key-blocks). The wait for
-    # that one copy is small beside a backward that runs the block again in chunks. So the
-    # policy does not read ``prefetch_depth`` (setting it warns); ``fetch_window`` still fetches
-    # ahead within its bytes, and ``auto`` plans its own windows.
+    # Note [no fetch ahead of chunks]: under a window of blocks (``prefetch_depth``), a chunked
+    # block's inputs, its only records, come back at its own backward's first unpack, not at the
+    # start of the block after it's (whatever that block's placement: the fetch queue stops at
+    # such a run, and at the runs before it): fetched ahead they would lie on the device through
+    # that block's whole backward, 1 KiB a token more on the 128 MiB proxy at its floor (9216
+    # tokens against 10752 with ACTOFF_FETCH_WINDOW=0; results/cpu-2026-12-03-chunked-128-key-
+    # blocks). Its backward then waits for that copy (its time not measured against a fetch
+    # ahead). A window in bytes (``fetch_window``, and ``auto``'s plans) still fetches ahead
+    # within its bytes.
     fetches_ahead = False
 
     def __init__(
