@@ -142,12 +142,26 @@ def load(paths: list[str]) -> list[dict]:
     return records
 
 
+def one_count(records: list[dict]) -> dict[str, list[int]]:
+    """The policies run at one block count only, with it: they cannot be split per block.
+
+    >>> one_count([{"policy": "a", "layers": 2}, {"policy": "a", "layers": 4}, {"policy": "b", "layers": 2}])
+    {'b': [2]}
+    """
+    counts: dict[str, set[int]] = {}
+    for record in records:
+        counts.setdefault(record["policy"], set()).add(record["layers"])
+    return {policy: sorted(layers) for policy, layers in sorted(counts.items()) if len(layers) < 2}
+
+
 def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
     """A row per policy, mode and GPU: the proxy's figures scaled to the full model (Note [a
-    projection from the proxy]) and the longest length they leave room for."""
+    projection from the proxy]) and the longest length they leave room for. Policies run at one
+    block count only are left out (`one_count`), unless no policy has two."""
     config = ModelConfig.preset(preset)
     rows = []
-    for policy in sorted({r["policy"] for r in records}):
+    policies = sorted({r["policy"] for r in records} - set(one_count(records)))
+    for policy in policies or sorted({r["policy"] for r in records}):  # none: per_block says why
         mine = [r for r in records if r["policy"] == policy]
         lines = {
             layers: fit(
@@ -208,12 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rows = project(load(args.runs), args.shrink, args.preset)
+    records = load(args.runs)
+    rows = project(records, args.shrink, args.preset)
     floor = attention_floor(ModelConfig.preset(args.preset))
     print(
         f"attention floor (k, v, dk, dv and the residual stream with its gradient, bf16): {floor / 2**10:.0f} KiB/token"
     )
     print(format_table(rows, COLUMNS))
+    left_out = one_count(records)
+    if left_out:
+        named = ", ".join(
+            f"{policy} (at {', '.join(map(str, layers))} blocks)" for policy, layers in left_out.items()
+        )
+        print(f"\nLeft out, run at one block count only (the bytes per block need two): {named}")
     print(
         "\nKiB/token: the full model's device bytes per token at 32 blocks (of which per block: what each block "
         "leaves on the device); longest: in Ki tokens (1024); x 2**20: over 1,048,576 tokens; host and NVMe: "

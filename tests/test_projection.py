@@ -79,3 +79,27 @@ def test_the_command_reads_jsonl_files_and_writes_its_rows(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "KiB/token" in done.stdout and "attention floor" in done.stdout
     assert len(json.loads(out.read_text())["rows"]) == 4
+
+
+def test_a_policy_at_one_block_count_is_left_out_and_named(tmp_path):
+    # The H200 run of 2026-12-04 ran torch_save_on_cpu at 2 blocks only; the projection raised
+    # for every policy then, where it can still project those run at two counts.
+    projection = _load_benchmark("projection")
+    once = [{**r, "policy": "q"} for r in _records() if r.get("layers") == 2 and r.get("status") == "ok"]
+    both = [r for r in _records() if r.get("status") == "ok"]
+    rows = projection.project(both + once, SHRINK)
+    assert {r["policy"] for r in rows} == {"p"} and len(rows) == 4
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("".join(json.dumps(r) + "\n" for r in _records() + once))
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "projection.py"),
+        str(runs),
+        "--shrink",
+        str(SHRINK),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (
+        "Left out, run at one block count only (the bytes per block need two): q (at 2 blocks)" in done.stdout
+    )
