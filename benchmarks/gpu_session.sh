@@ -27,7 +27,7 @@
 #   budgets       7B-shaped, 4 layers, 8k: every policy once, then auto under 3 budgets from keep's
 #                 peak to the floor (the main run's question on CUDA): the budget asked against the
 #                 peak the allocator counted, transients inside blocks included
-#   projection-8b the 8B shape itself at 2 and 4 blocks, 64k and 128k, LoRA rank 16, six policies
+#   projection-8b the 8B shape itself at 2 and 4 blocks, 96k and 128k, LoRA rank 16, six policies
 #                 (auto at its floor), then benchmarks/projection.py on them: the measured bytes
 #                 per token scaled to 32 blocks, the longest length on this GPU and the others
 #   maxseq-8b     the longest sequence from 128k: 8B-shaped, a frozen base with rank-16 LoRA, 32
@@ -216,12 +216,13 @@ stage() {
       run budgets.log python3 benchmarks/long_context.py --preset 7b --layers 4 --seq 8k --steps 3 --warmup 1 \
         --policies none,keep,torch_checkpoint,torch_save_on_cpu,cpu,checkpoint,auto --auto-budgets 3 \
         --timeout 60 --time-budget "$(inner_budget)" --jsonl "$OUT/budgets.jsonl" --plot "$OUT/budgets.png" ;;
-    projection-8b)  # ACTOFF_GPU_BUDGET below every plan: auto's least-memory plan. 64k and 128k:
-      # at 16k and 32k every policy's peak is the loss's, not a block's (results/h200-2026-12-04/)
+    projection-8b)  # ACTOFF_GPU_BUDGET below every plan: auto's least-memory plan. 96k and 128k:
+      # at 16k and 32k every policy's peak is the loss's, not a block's (results/h200-2026-12-04/);
+      # a checkpoint's block passes the loss's ~6.8 GiB + 33 KB a token near 64k. Most wanted first.
       for layers in 2 4; do
         run projection-8b.log ACTOFF_GPU_BUDGET=1MiB python3 benchmarks/long_context.py --preset 8b \
-          --layers "$layers" --lora 16 --seq 64k,128k --steps 1 --warmup 1 --auto-budgets 0 \
-          --policies torch_checkpoint+tile+loss,torch_checkpoint_cpu+tile+loss,torch_save_on_cpu+tile+loss,cpu+tile+loss,auto+tile+loss,chunked+tile+loss \
+          --layers "$layers" --lora 16 --seq 96k,128k --steps 1 --warmup 1 --auto-budgets 0 \
+          --policies chunked+tile+loss,torch_checkpoint_cpu+tile+loss,auto+tile+loss,cpu+tile+loss,torch_checkpoint+tile+loss,torch_save_on_cpu+tile+loss \
           --timeout 120 --time-budget "$(inner_budget 200)" --jsonl "$OUT/projection-8b-l$layers.jsonl"
       done
       run projection-8b.log python3 benchmarks/projection.py "$OUT/projection-8b-l2.jsonl" \

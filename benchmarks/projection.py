@@ -143,15 +143,22 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def one_count(records: list[dict]) -> dict[str, list[int]]:
-    """The policies run at one block count only, with it: they cannot be split per block.
+    """The policies with a line at one block count only (a count needs two lengths for its line),
+    with the counts that have one: they cannot be split per block.
 
-    >>> one_count([{"policy": "a", "layers": 2}, {"policy": "a", "layers": 4}, {"policy": "b", "layers": 2}])
+    >>> runs = [("a", 2, 64), ("a", 2, 128), ("a", 4, 64), ("a", 4, 128), ("b", 2, 64), ("b", 2, 128),
+    ...         ("b", 4, 64)]  # b's 4 blocks were cut after one length
+    >>> one_count([{"policy": p, "layers": layers, "seq": seq} for p, layers, seq in runs])
     {'b': [2]}
     """
-    counts: dict[str, set[int]] = {}
+    lengths: dict[str, dict[int, set[int]]] = {}
     for record in records:
-        counts.setdefault(record["policy"], set()).add(record["layers"])
-    return {policy: sorted(layers) for policy, layers in sorted(counts.items()) if len(layers) < 2}
+        lengths.setdefault(record["policy"], {}).setdefault(record["layers"], set()).add(record["seq"])
+    fitted = {
+        policy: sorted(n for n, seqs in counts.items() if len(seqs) >= 2)
+        for policy, counts in lengths.items()
+    }
+    return {policy: counts for policy, counts in sorted(fitted.items()) if len(counts) < 2}
 
 
 def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
@@ -163,12 +170,12 @@ def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
     policies = sorted({r["policy"] for r in records} - set(one_count(records)))
     for policy in policies or sorted({r["policy"] for r in records}):  # none: per_block says why
         mine = [r for r in records if r["policy"] == policy]
-        lines = {
-            layers: fit(
-                longest([(r["seq"], r["activation_peak_bytes"]) for r in mine if r["layers"] == layers])
-            )
+        points = {
+            layers: longest([(r["seq"], r["activation_peak_bytes"]) for r in mine if r["layers"] == layers])
             for layers in sorted({r["layers"] for r in mine})
         }
+        # A count cut after one length has no line; with the others its policy is left out (one_count).
+        lines = {layers: fit(p) for layers, p in points.items() if len({t for t, _ in p}) > 1 or not policies}
         each, apart, intercept = per_block(lines)
         per_token = shrink * (apart + config.num_layers * each)
         host_each = statistics.median(r["act_cpu_bytes"] / r["seq"] / r["layers"] for r in mine)
@@ -232,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     left_out = one_count(records)
     if left_out:
         named = ", ".join(
-            f"{policy} (at {', '.join(map(str, layers))} blocks)" for policy, layers in left_out.items()
+            f"{policy} ({'a line at ' + ', '.join(map(str, layers)) + ' blocks' if layers else 'no line'})"
+            for policy, layers in left_out.items()
         )
-        print(f"\nLeft out, run at one block count only (the bytes per block need two): {named}")
+        print(f"\nLeft out, without a line (two lengths) at two block counts: {named}")
     print(
         "\nKiB/token: the full model's device bytes per token at 32 blocks (of which per block: what each block "
         "leaves on the device); longest: in Ki tokens (1024); x 2**20: over 1,048,576 tokens; host and NVMe: "

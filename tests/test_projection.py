@@ -61,6 +61,8 @@ def test_the_full_models_bytes_per_token_and_longest_length():
 
 
 def test_one_block_count_is_refused_with_what_is_missing():
+    # No policy at two block counts: nothing to project, and the error says why (where some
+    # policies have two, the others are left out: the tests below).
     projection = _load_benchmark("projection")
     records = [r for r in _records() if r.get("layers") == 2]
     with pytest.raises(ValueError, match="two block counts"):
@@ -100,6 +102,22 @@ def test_a_policy_at_one_block_count_is_left_out_and_named(tmp_path):
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert (
-        "Left out, run at one block count only (the bytes per block need two): q (at 2 blocks)" in done.stdout
-    )
+    assert "Left out, without a line (two lengths) at two block counts: q (a line at 2 blocks)" in done.stdout
+
+
+def test_a_block_count_cut_after_one_length_leaves_its_policy_out():
+    # gpu_session.sh's projection stage runs two lengths per policy in one process: a policy
+    # stopped at its time limit after the first length at 4 blocks has no line there.
+    projection = _load_benchmark("projection")
+    ok = [r for r in _records() if r.get("status") == "ok"]
+    cut = [{**r, "policy": "q"} for r in ok if r["layers"] == 2 or r["seq"] == 2048]
+    assert projection.one_count(ok + cut) == {"q": [2]}
+    rows = projection.project(ok + cut, SHRINK)
+    assert {r["policy"] for r in rows} == {"p"}
+
+
+def test_the_projections_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(_load_benchmark("projection"), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, f"{result.failed} of {result.attempted} failed"

@@ -1,5 +1,6 @@
 """The kvikio adapter against kvikio 26's Python API: a stand-in here, the real package where
-it is installed (its compat path on host buffers, with a stub CUDA driver)."""
+it is installed (its compat path on host buffers, with a stub CUDA driver where no CUDA device
+is)."""
 
 import importlib.util
 import os
@@ -307,8 +308,9 @@ _STUB_SOURCE = (
 )
 @pytest.mark.skipif(
     torch.cuda.is_available(),
-    reason="a real CUDA driver is here (the stub is for machines without one; beside a real one "
-    "the child hung for minutes on an H200, 2026-12-04); the gpu-marked kvikio tests cover this machine",
+    reason="a CUDA device is here (the stub driver is for machines without one; beside a real one the "
+    "child hung for minutes on an H200, 2026-12-04); test_nvme.py's test_nvme_on_cuda_is_exact[kvikio] "
+    "runs the real kvikio on such a machine",
 )
 def test_real_kvikio_compat_path_with_a_stub_driver(tmp_path):
     compiler = shutil.which("cc") or shutil.which("gcc")
