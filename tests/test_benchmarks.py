@@ -3,6 +3,7 @@
 The figures are never asserted as timings (these machines are noisy).
 """
 
+import gc
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -766,6 +768,24 @@ def test_lora_freezes_the_base_and_trains_only_adapters():
     )
     with pytest.raises(ValueError, match="at least 1"):
         lora.lora_(Transformer(ModelConfig.preset("tiny")), 0)
+
+
+@pytest.mark.parametrize("input_grads", [False, True])
+def test_lora_makes_the_embeddings_output_a_leaf_only_where_asked(input_grads):
+    # Note [input grads only where reentrant]: a leaf is held by its gradient's accumulator for
+    # the whole step, so the first block's input stayed on the device under every policy.
+    lora = _load_benchmark("long_context").lora
+    from actoff.reference import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig.preset("tiny"))
+    lora.lora_(model, 4, use_peft=False, input_grads=input_grads)
+    outputs = []
+    model.embed.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+    loss = model.loss(torch.randint(0, 256, (1, 17)))
+    gc.collect()
+    assert (outputs[0]() is not None) == input_grads  # without it nothing holds the output now
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n and ".0." in n)
 
 
 def test_lora_uses_peft_where_installed():

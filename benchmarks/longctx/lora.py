@@ -49,15 +49,26 @@ class LoRALinear(nn.Module):
         return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
 
-def lora_(model: nn.Module, rank: int, alpha: float | None = None, *, use_peft: bool | None = None) -> str:
+def lora_(
+    model: nn.Module,
+    rank: int,
+    alpha: float | None = None,
+    *,
+    use_peft: bool | None = None,
+    input_grads: bool = False,
+) -> str:
     """Freeze every parameter of ``model`` and add rank-``rank`` adapters (``alpha`` defaults
     to twice the rank) on the projections of `LORA_TARGETS`, in place; what made them
     (``"peft 0.x"`` or ``"actoff LoRALinear"``). ``use_peft``: None picks peft when installed.
 
-    The embedding's output is made to require grad, as Hugging Face's
-    ``enable_input_require_grads`` does for LoRA: reentrant checkpointing (torch_checkpoint_cpu)
-    passes no gradient into a block none of whose inputs requires one, and the first block's
-    adapters would then never learn.
+    Note [input grads only where reentrant]: with ``input_grads`` the embedding's output is made
+    to require grad, as Hugging Face's ``enable_input_require_grads`` does for LoRA: reentrant
+    checkpointing (torch_checkpoint_cpu) passes no gradient into a block none of whose inputs
+    requires one, and the first block's adapters would then never learn. Nothing else needs it,
+    and it costs: the output becomes a leaf, which its gradient's accumulator holds on the device
+    for the whole step (whatever saves it, offloaded or not), and whose gradient is made at the
+    end of backward: two residual-stream tensors at full length (16 KB a token of
+    Llama-3.1-8B), the first block's input that every other policy stores off the device.
 
     >>> from actoff.reference import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig.preset("tiny"))
@@ -102,7 +113,7 @@ def lora_(model: nn.Module, rank: int, alpha: float | None = None, *, use_peft: 
             setattr(parent, name, LoRALinear(child, rank, alpha))
         made = "actoff LoRALinear"
     embed = getattr(model, "embed", None)
-    if embed is not None:
+    if embed is not None and input_grads:
         embed.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
     return made
 

@@ -91,7 +91,10 @@ def _prepare(spec: dict, config, device, cuda: bool, memory):
     if spec.get("lora"):  # first: the policy's wrappers and tiles then hold the adapted layers
         from .lora import lora_
 
-        made = lora_(model, spec["lora"])
+        # Note [input grads only where reentrant]
+        made = lora_(
+            model, spec["lora"], input_grads=split_variants(spec["policy"])[0] == "torch_checkpoint_cpu"
+        )
     ballast = None
     if spec.get("emulate_layers"):  # Note [emulated layers]: before the policy, which reads auto's budget
         from .emulate import Ballast
