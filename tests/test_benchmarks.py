@@ -772,7 +772,7 @@ def test_lora_freezes_the_base_and_trains_only_adapters():
 
 @pytest.mark.parametrize("input_grads", [False, True])
 def test_lora_makes_the_embeddings_output_a_leaf_only_where_asked(input_grads):
-    # Note [input grads only where reentrant]: a leaf is held by its gradient's accumulator for
+    # (Note [input grads only where reentrant]) A leaf is held by its gradient's accumulator for
     # the whole step, so the first block's input stayed on the device under every policy.
     lora = _load_benchmark("long_context").lora
     from actoff.reference import ModelConfig, Transformer

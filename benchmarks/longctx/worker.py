@@ -91,7 +91,7 @@ def _prepare(spec: dict, config, device, cuda: bool, memory):
     if spec.get("lora"):  # first: the policy's wrappers and tiles then hold the adapted layers
         from .lora import lora_
 
-        # Note [input grads only where reentrant]
+        # Note [input grads only where reentrant] in lora.py
         made = lora_(
             model, spec["lora"], input_grads=split_variants(spec["policy"])[0] == "torch_checkpoint_cpu"
         )
