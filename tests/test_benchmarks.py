@@ -3,6 +3,7 @@
 The figures are never asserted as timings (these machines are noisy).
 """
 
+import functools
 import gc
 import importlib.util
 import json
@@ -773,19 +774,35 @@ def test_lora_freezes_the_base_and_trains_only_adapters():
 @pytest.mark.parametrize("input_grads", [False, True])
 def test_lora_makes_the_embeddings_output_a_leaf_only_where_asked(input_grads):
     # (Note [input grads only where reentrant]) A leaf is held by its gradient's accumulator for
-    # the whole step, so the first block's input stayed on the device under every policy.
+    # the whole step, so the first block's input stayed on the device under every policy; a
+    # reentrant checkpoint (torch_checkpoint_cpu's) needs it for the first block's adapters.
+    import torch.utils.checkpoint
+
     lora = _load_benchmark("long_context").lora
     from actoff.reference import ModelConfig, Transformer
 
+    tokens = torch.randint(0, 256, (1, 17))
     model = Transformer(ModelConfig.preset("tiny"))
     lora.lora_(model, 4, use_peft=False, input_grads=input_grads)
     outputs = []
     model.embed.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
-    loss = model.loss(torch.randint(0, 256, (1, 17)))
+    loss = model.loss(tokens)
     gc.collect()
     assert (outputs[0]() is not None) == input_grads  # without it nothing holds the output now
     loss.backward()
-    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n and ".0." in n)
+    first = [p for n, p in model.named_parameters() if "lora_" in n and n.startswith("layers.0.")]
+    assert len(first) == 14 and all(p.grad is not None for p in first)
+    model.zero_grad(set_to_none=True)
+    block = model.layers[0]  # under a reentrant checkpoint, as torch_checkpoint_cpu runs it (less the copies)
+    block.forward = functools.partial(
+        torch.utils.checkpoint.checkpoint, type(block).forward.__get__(block), use_reentrant=True
+    )
+    if input_grads:
+        model.loss(tokens).backward()
+    else:  # PyTorch says so, and the first block's adapters learn nothing
+        with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+            model.loss(tokens).backward()
+    assert all((p.grad is not None) == input_grads for p in first)
 
 
 def test_lora_uses_peft_where_installed():

@@ -68,7 +68,7 @@ def lora_(
     and it costs: the output becomes a leaf, which its gradient's accumulator holds on the device
     for the whole step (whatever saves it, offloaded or not), and whose gradient is made at the
     end of backward: two residual-stream tensors at full length (16 KB a token of
-    Llama-3.1-8B), the first block's input that every other policy stores off the device.
+    Llama-3.1-8B), the first block's input that the offloading policies store off the device.
 
     >>> from actoff.reference import ModelConfig, Transformer
     >>> model = Transformer(ModelConfig.preset("tiny"))
