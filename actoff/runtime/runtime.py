@@ -63,7 +63,7 @@ from .placements import Call, Placement, placement_class
 from .stats import BlockStats, Stats, collect, snapshot, window_figures
 from .step import ScopeRun, Step
 
-__all__ = ["Runtime", "find_device", "get_runtime", "reset_runtimes", "thread_state"]
+__all__ = ["Runtime", "find_device", "get_runtime", "let_go_landed", "reset_runtimes", "thread_state"]
 
 
 class _ThreadState(threading.local):
@@ -397,6 +397,18 @@ def get_runtime() -> Runtime:
     return runtime
 
 
+def let_go_landed() -> None:
+    """`Runtime.let_go_landed` for the calling thread's runtime, if it has one (Note [let go as
+    copies land] in actoff.runtime.step): the tiled modules and the chunked loss call it at each
+    chunk.
+
+    >>> let_go_landed()  # no step in flight: nothing to do
+    """
+    runtime = _local.runtime
+    if runtime is not None and runtime.step is not None:
+        runtime.step.let_go_landed(runtime.lock)
+
+
 def reset_runtimes() -> None:
     """`Runtime.close` every thread's runtime (`actoff.reset`)."""
     with _runtimes_lock:
@@ -425,6 +437,8 @@ os.register_at_fork(after_in_child=_fresh_in_child)
 @contextlib.contextmanager
 def _saving(run: ScopeRun, module: torch.nn.Module | None) -> Iterator[None]:
     """Around a block's forward: the run's saved-tensor hooks, and for a function scope the
-    parameters of the modules it runs learned as it runs them (`actoff.params.learned`)."""
+    parameters of the modules it runs learned as it runs them (`actoff.params.learned`); first,
+    the copies out that landed let go (Note [let go as copies land] in actoff.runtime.step)."""
+    run.step.let_go_landed(run.runtime.lock)
     with torch.autograd.graph.saved_tensors_hooks(run.pack, unpack), learned(run.param_storages, module):
         yield

@@ -106,11 +106,27 @@ class Step:
     # copies are finished (stream-side) when the run after it is placed. Not for the last
     # ``keep_last`` runs, which stay where they are.
     #
+    # Note [let go as copies land]: a landed copy is seen at the next save, and none comes after
+    # a block's last: a block's inputs (a chunked block's only records, saved as its forward ends)
+    # held their device memory through the next block's forward, and the last block's through the
+    # loss and its backward, a residual row a token each: on the 8B proxy the loss's backward
+    # bound the step with it (results/cpu-2026-12-04-row-sums). So what runs between saves looks
+    # too, without waiting: each chunk of a chunked block's forward, each scope's entry, and each
+    # chunk of a tiled module (the final norm) and of the chunked loss, forward and backward, in
+    # the training thread (`actoff.runtime.runtime.let_go_landed`, `Step.let_go_landed`), until backward begins.
+    #
     # Note [the floor moves small tensors too]: a run that streams with both windows at none (the
     # auto policy's measuring steps and its plans at the floor, or ACTOFF_FETCH_WINDOW=0 and
     # ACTOFF_COPY_WINDOW=0) is at its least memory, save_on_cpu's, and moves every saved tensor,
     # those under ``min_bytes`` too: kept, a block's small saves (norms' statistics, attention's
     # log-sum-exp) put the main run's auto 160 KiB over save_on_cpu's peak, out of memory at it.
+    def let_go_landed(self, lock: Any) -> None:
+        """Records whose copy out has landed let go of their device tensor now, under the
+        runtime's ``lock`` (Note [let go as copies land]); nothing once backward began, or waits."""
+        if self.outbound and not self.backward_started:
+            with lock:
+                self.copies_out(None)
+
     def copies_out(self, window: int | None, waiting: ScopeRun | None = None) -> None:
         """Records whose copy has landed let go of their device tensor (no wait); past ``window``
         bytes still held, the oldest are waited for, stream-side (the wait timed into

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from actoff.rerun.state import RngState
+from actoff.runtime.runtime import let_go_landed
 
-__all__ = ["AutocastState", "RngState", "check_chunking", "chunk_bounds"]
+__all__ = ["AutocastState", "RngState", "check_chunking", "chunk_bounds", "let_go_landed"]
 
 
 def check_chunking(chunks: object, max_tokens: object, *, what: str) -> tuple[int | None, int | None]:

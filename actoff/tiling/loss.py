@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .chunking import AutocastState, check_chunking, chunk_bounds
+from .chunking import AutocastState, check_chunking, chunk_bounds, let_go_landed
 
 __all__ = ["chunked_cross_entropy", "chunked_loss_"]
 
@@ -47,6 +47,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         autocast = AutocastState.capture(hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start, stop in bounds:
+            let_go_landed()  # Note [let go as copies land] in actoff.runtime.step
             logits = F.linear(hidden[start:stop], weight, bias)  # (n, V): one chunk's logits
             total += F.cross_entropy(
                 logits.float(), labels[start:stop], ignore_index=ignore_index, reduction="sum"
@@ -69,6 +70,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         weight_leaf = weight.detach().requires_grad_(wants_weight)
         bias_leaf = bias.detach().requires_grad_(wants_bias) if bias is not None else None
         for start, stop in ctx.bounds:
+            let_go_landed()
             rows = hidden[start:stop].detach().requires_grad_(wants_hidden)  # (n, H)
             with torch.enable_grad(), ctx.autocast.restore():
                 logits = F.linear(rows, weight_leaf, bias_leaf)  # (n, V)

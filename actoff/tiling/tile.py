@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from actoff.config import Config, get_config
 from actoff.module_classes import ModuleClasses, class_matcher, nothing_matched
 
-from .chunking import AutocastState, RngState, check_chunking, chunk_bounds
+from .chunking import AutocastState, RngState, check_chunking, chunk_bounds, let_go_landed
 
 __all__ = ["tile_"]
 
@@ -107,6 +107,7 @@ class _TiledCall:
     def forward_chunks(self, x: torch.Tensor, *, keep_rng: bool) -> torch.Tensor:
         out = None
         for start, stop in self.bounds:
+            let_go_landed()  # Note [let go as copies land] in actoff.runtime.step
             if keep_rng:
                 self.rng.append(RngState.capture(x.device))
             piece = self.call(x.narrow(self.dim, start, stop - start), self.leaves)
@@ -156,6 +157,7 @@ class _TiledFunction(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(targets)
         assert call.autocast is not None
         for (start, stop), rng in zip(call.bounds, call.rng, strict=True):
+            let_go_landed()
             rows = x.narrow(call.dim, start, stop - start).detach().requires_grad_(wants_x)
             with torch.enable_grad(), call.autocast.restore(), rng.restore():
                 piece = call.call(rows, leaves)

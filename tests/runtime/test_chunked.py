@@ -931,3 +931,48 @@ def test_on_cuda_the_chunks_hold_less_than_a_checkpoint_and_train_the_same():
         # bf16: each chunk's products rounded once more (8 chunks: 9 roundings of 2**-8).
         torch.testing.assert_close(got, wanted, rtol=0, atol=wanted.abs().max().item() * 9 * 2**-8)
     assert peaks["chunked"] < peaks["checkpoint"], peaks
+
+
+def test_the_rows_check_sums_a_step_of_tokens_at_a_time():
+    """`row_sums` of a bf16 output in steps of 16 tokens: the same sums as all at once, bit for bit
+    (each token's row is reduced alone, the same 128 values in the same order), its temporaries a
+    step's float32 copies (3 x 16 x 128 x 4 bytes) and each step's sums (a 512-byte block each:
+    64 steps, 32 KiB), not the output's at full length (3 copies of 512 KiB): the chunked forward
+    keeps these sums of a whole block's output, and at full length they were its peak on the 8B
+    proxy (Note [a chunked forward])."""
+    from actoff.device.sim.memory import DeviceMemory
+    from actoff.runtime.placements.chunk_backward import row_sums
+
+    x = torch.randn(2, 1024, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    whole = row_sums(x, 1)
+    memory = DeviceMemory()
+    with memory:
+        stepped = row_sums(x, 1, step=16)
+    torch.testing.assert_close(stepped, whole, rtol=0, atol=0)
+    full_copy = 1024 * 2 * 64 * 4
+    assert memory.peak < full_copy // 4, memory.peak
+
+
+def test_a_chunked_forward_holds_its_output_keys_and_values_and_a_chunk():
+    """(Note [a chunked forward]) once probed, a block's forward in chunks of 16 of 1024 tokens
+    holds beyond its input its output (one row a token), its keys and values at full length (2 of
+    4 heads each: one row between them) and one chunk's activations (under 0.2 of a row here):
+    under 2.5 rows, where the rows check's sums of the whole output at once added 0.84."""
+    from actoff.reference import rope_tables
+
+    model = make_model(num_layers=1, hidden_size=64, intermediate_size=128)
+    _chunked(model, 16)
+    seq, peaks = 1024, []
+    row = 2 * seq * 64 * 4  # one (2, 1024, 64) float32 tensor
+    cos, sin = rope_tables(
+        seq, model.config.head_dim, model.config.rope_theta, device="cpu", dtype=torch.float32
+    )
+    with simulated_device(seed=0) as device:
+        for _ in range(3):
+            x = torch.randn(2, seq, 64, requires_grad=True)
+            start = device.memory.live
+            device.memory.reset_peak()
+            out = model.layers[0](x, cos, sin)
+            peaks.append((device.memory.peak - start) / row)
+            out.sum().backward()
+    assert peaks[0] > 4 and max(peaks[1:]) < 2.5, peaks  # the first forward runs whole: the probe's

@@ -123,10 +123,24 @@ def token_dim(tensor: torch.Tensor, seq_len: int, configured: int) -> int | None
     return unique_dim(tuple(tensor.shape), seq_len)
 
 
-def row_sums(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Per token, the sum of its values and of their magnitudes, in float32: ``(rows, 2)``."""
-    rows = tensor.detach().float().movedim(dim, 0).reshape(tensor.shape[dim], -1)
-    return torch.stack((rows.sum(1), rows.abs().sum(1)), dim=1)
+def row_sums(tensor: torch.Tensor, dim: int, step: int | None = None) -> torch.Tensor:
+    """Per token, the sum of its values and of their magnitudes, in float32: ``(rows, 2)``;
+    ``step`` tokens at a time (None: all at once). Their float32 copies and magnitudes are its
+    temporaries: on a whole block's output, two of them at full length were the chunked forward's
+    peak on the 8B proxy (1 KiB a token of its 1.8; results/cpu-2026-12-04-row-sums).
+
+    >>> x = torch.arange(6.0).reshape(3, 2) - 2
+    >>> row_sums(x, 0, step=2).tolist()
+    [[-3.0, 3.0], [1.0, 1.0], [5.0, 5.0]]
+    """
+    length = tensor.shape[dim]
+    step = length if step is None else max(1, step)
+    sums = []
+    for start in range(0, length, step):
+        part = tensor.detach().narrow(dim, start, min(step, length - start))
+        rows = part.float().movedim(dim, 0).reshape(part.shape[dim], -1)
+        sums.append(torch.stack((rows.sum(1), rows.abs().sum(1)), dim=1))
+    return sums[0] if len(sums) == 1 else torch.cat(sums)
 
 
 class _Grads:
@@ -189,6 +203,9 @@ def forward(block: Block, values: list[Any], watch: Callable[[int, list[Any]], A
     full: list[Any] = []
     spec = None
     for start, stop in block.chunks():
+        block.run.step.let_go_landed(
+            block.run.runtime.lock
+        )  # Note [let go as copies land] in actoff.runtime.step
         sliced = slice_inputs(values, block.statuses, block.seq_len, block.token_dim, start, stop)
         mode = ChunkMode(start, stop, keys, vals)
         with mode, watch(stop - start, sliced) as watched:

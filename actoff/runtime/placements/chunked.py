@@ -121,7 +121,7 @@ class _ChunkedFunction(torch.autograd.Function):
             if floating and dim is None:
                 raise watch.refuse(f"an output of shape {list(leaf.shape)} has no token dimension")
             block.out_dims.append(dim)
-            block.rows.append(row_sums(leaf, dim) if dim is not None else None)
+            block.rows.append(row_sums(leaf, dim, block.chunk) if dim is not None else None)
             block.kept.append(None if dim is not None else leaf)
         block.began = start.kept()  # each call in backward starts from it (`Block.call`)
         ctx.block = block
