@@ -4,21 +4,28 @@ bytes per token measured on its CPU proxy (issue 39's arithmetic, from measureme
 Note [a projection from the proxy]: ``long_context.py --preset 8b --shrink K`` trains the 8B
 shape with hidden, MLP and vocabulary divided by K (heads kept) on the simulated device, which
 counts every allocation. Its records give, per policy, the step's activation peak (the device
-bytes over the weights, gradients and tokens live at the step's start) at each length. Here:
-1. Per policy and block count, the line through (length, activation peak) at the `FIT_LENGTHS`
-   longest lengths: its slope is the device bytes per token, its intercept what does not grow
-   with the length (the loss's and the tiles' chunks, LoRA's state, kernels' scratch). The
-   longest only: a step's peak is the most of its phases' peaks, each a line of its own, and at
-   short lengths a flat one (the loss's chunks) can bind where the steepest binds at long ones. Two block counts split the
-   slope into a part per block (what each block leaves on the device: torch_checkpoint's inputs)
-   and a part that does not grow with the blocks (the block at work, the one fetched ahead).
+bytes over the weights, gradients and tokens live at the step's start) at each length, and each
+phase's. Here:
+1. Per policy, phase and block count, the line through (length, activation peak) at the
+   `FIT_LENGTHS` longest lengths: its slope is the device bytes per token, its intercept what
+   does not grow with the length (the loss's and the tiles' chunks, LoRA's state, kernels'
+   scratch). A step's peak is the most of its phases' peaks (forward, loss, the loss's
+   backward, the blocks' backward: `phases` in the simulated device's records, less the bytes
+   live at the step's start), each a line of its own: a flat one (the loss's chunks) binds at
+   short lengths, the steepest at long ones, so each is projected alone and the one that binds
+   first at the full model's lengths names the row (``binds``). Records without phases (CUDA's)
+   give the step's peak, one line, at its longest lengths only. Two block counts split each
+   slope into a part per block (what each block leaves on the device: torch_checkpoint's
+   inputs) and a part that does not grow with the blocks (the block at work, the one fetched
+   ahead).
 2. The full model's bytes per token: K times the proxy's at 32 blocks (every width is K times
    larger; per-head terms such as SDPA's log-sum-exp, 128 B a token a block, are scaled too: an
    overstatement of at most 4 KiB a token per block whose saves are on the device). The
    intercept is scaled by K**2 (the chunks' tokens and the vocabulary are both divided by K).
 3. The longest length: the device's budget (actoff's CUDA default, total less max(2 GiB, 5%)),
    less the weights (bf16; full fine-tune: and their bf16 gradients, the optimizer's state off the
-   device, as ALST runs it) and the scaled intercept, over the bytes per token. The host bytes at
+   device, as ALST runs it) and the scaled intercept, over the bytes per token; the shortest of
+   the phases'. The host bytes at
    that length are the proxy's bytes sent to host memory per token and block, times K and 32;
    past `HOST_BYTES` the rest is NVMe's.
 Full fine-tune uses LoRA's measured bytes per token: a full fine-tune saves at least those (the
@@ -161,42 +168,81 @@ def one_count(records: list[dict]) -> dict[str, list[int]]:
     return {policy: counts for policy, counts in sorted(fitted.items()) if len(counts) < 2}
 
 
+def phase_peaks(record: dict) -> dict[str, int]:
+    """A record's activation bytes at each phase's peak (Note [a projection from the proxy]): the
+    phase's peak less the bytes live at the step's start; without phases, the step's as ``step``.
+
+    >>> phase_peaks({"static_bytes": 10, "activation_peak_bytes": 25, "phases": [["forward", 12, 20], ["loss", 12, 35]]})
+    {'forward': 10, 'loss': 25}
+    >>> phase_peaks({"activation_peak_bytes": 25})
+    {'step': 25}
+    """
+    phases = record.get("phases")
+    if not phases or record.get("static_bytes") is None:
+        return {"step": record["activation_peak_bytes"]}
+    return {name: peak - record["static_bytes"] for name, _live, peak in phases}
+
+
+def _phase_lines(mine: list[dict], shrink: int, layers_full: int) -> dict[str, tuple[float, float, float]]:
+    """Per phase every record of a policy has: its full model's bytes per token, of which per
+    block, and its intercept scaled (Note [a projection from the proxy], steps 1 and 2)."""
+    names = set.intersection(*(set(phase_peaks(r)) for r in mine))
+    scaled = {}
+    for name in sorted(names):
+        points = {
+            layers: longest([(r["seq"], phase_peaks(r)[name]) for r in mine if r["layers"] == layers])
+            for layers in sorted({r["layers"] for r in mine})
+        }
+        # A count cut after one length has no line: its policy was left out (`one_count`), or every
+        # policy was, and `per_block` says why.
+        lines = {layers: fit(p) for layers, p in points.items() if len({t for t, _ in p}) > 1}
+        each, apart, intercept = per_block(lines)
+        scaled[name] = (shrink * (apart + layers_full * each), shrink * each, intercept * shrink**2)
+    return scaled
+
+
+def _reach(room: float, per_token: float) -> float:
+    """Tokens ``per_token`` bytes each fit in ``room`` (a line that does not grow: no bound)."""
+    if room <= 0:
+        return 0
+    return room / per_token if per_token > 0 else float("inf")
+
+
 def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
     """A row per policy, mode and GPU: the proxy's figures scaled to the full model (Note [a
-    projection from the proxy]) and the longest length they leave room for. Policies run at one
-    block count only are left out (`one_count`), unless no policy has two."""
+    projection from the proxy]), phase by phase, and the longest length they leave room for,
+    named by the phase that binds there. Policies run at one block count only are left out
+    (`one_count`), unless no policy has two."""
     config = ModelConfig.preset(preset)
     rows = []
     policies = sorted({r["policy"] for r in records} - set(one_count(records)))
     for policy in policies or sorted({r["policy"] for r in records}):  # none: per_block says why
         mine = [r for r in records if r["policy"] == policy]
-        points = {
-            layers: longest([(r["seq"], r["activation_peak_bytes"]) for r in mine if r["layers"] == layers])
-            for layers in sorted({r["layers"] for r in mine})
-        }
-        # A count cut after one length has no line; with the others its policy is left out (one_count).
-        lines = {layers: fit(p) for layers, p in points.items() if len({t for t, _ in p}) > 1 or not policies}
-        each, apart, intercept = per_block(lines)
-        per_token = shrink * (apart + config.num_layers * each)
+        lines = _phase_lines(mine, shrink, config.num_layers)
         host_each = statistics.median(r["act_cpu_bytes"] / r["seq"] / r["layers"] for r in mine)
         host_per_token = shrink * config.num_layers * host_each
         for mode in MODES:
             for gpu, total in GPUS.items():
-                room = cuda_budget(total) - weights_bytes(config, mode) - intercept * shrink**2
-                reach = int(room / per_token) if room > 0 else 0
+                room = cuda_budget(total) - weights_bytes(config, mode)
+                reaches = {name: _reach(room - c, per_token) for name, (per_token, _, c) in lines.items()}
+                binds = min(reaches, key=lambda name: reaches[name])
+                per_token, each, _ = lines[binds]
+                reach = int(reaches[binds])
                 host = host_per_token * reach
                 rows.append(
                     {
                         "policy": policy,
                         "mode": mode,
                         "gpu": gpu,
+                        "binds": binds,
                         "kib_per_token": per_token / 2**10,
-                        "kib_per_block": shrink * each / 2**10,
+                        "kib_per_block": each / 2**10,
                         "x_attention_floor": per_token / attention_floor(config),
                         "longest_k": reach / 2**10,
                         "x_target": reach / TARGET_TOKENS,
                         "host_gb": min(host, HOST_BYTES) / 1e9,
                         "nvme_gb": max(0.0, host - HOST_BYTES) / 1e9,
+                        "phases_k": {name: min(r, 2**40) / 2**10 for name, r in reaches.items()},
                     }
                 )
     return rows
@@ -206,6 +252,7 @@ COLUMNS = [
     ("policy", "policy"),
     ("mode", "mode"),
     ("gpu", "GPU"),
+    ("binds", "binds in"),
     ("kib_per_token", "KiB/token"),
     ("kib_per_block", "of which per block"),
     ("x_attention_floor", "x attention floor"),
@@ -244,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"\nLeft out, without a line (two lengths) at two block counts: {named}")
     print(
-        "\nKiB/token: the full model's device bytes per token at 32 blocks (of which per block: what each block "
+        "\nbinds in: the phase whose line leaves the least room (step: records without phases); KiB/token: "
+        "that phase's full model's device bytes per token at 32 blocks (of which per block: what each block "
         "leaves on the device); longest: in Ki tokens (1024); x 2**20: over 1,048,576 tokens; host and NVMe: "
         f"what actoff sent off the device at that length, host up to {HOST_BYTES / 1e9:.0f} GB (PyTorch's tools: "
         "not counted). Note [a projection from the proxy] in benchmarks/projection.py says how it scales."

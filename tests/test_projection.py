@@ -121,3 +121,36 @@ def test_the_projections_docstring_examples_run():
 
     result = doctest.testmod(_load_benchmark("projection"), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, f"{result.failed} of {result.attempted} failed"
+
+
+def test_each_phase_is_projected_and_the_one_that_binds_names_the_row():
+    # The 8B proxy of 2026-12-04 bound in the loss's backward at 4k and 8k tokens while its
+    # forward's line was steeper: fitted whole, the step's peak gave the loss's line. Here the
+    # loss is flat and binds at the proxy's lengths, the forward steeper and binds at the full
+    # model's: the row says the forward's, its length the forward's room over its bytes.
+    projection = _load_benchmark("projection")
+    static, flat, loss_slope, forward_slope = 3 * 2**20, 20 * 2**20, 500.0, 1800.0
+    records = []
+    for layers in (2, 4):
+        for seq in (4096, 8192):
+            forward = seq * (forward_slope + layers * 8)
+            loss = flat + seq * (loss_slope + layers * 8)
+            phases = [["forward", 0, static + forward], ["loss backward", 0, static + loss]]
+            records.append(
+                {"policy": "p", "status": "ok", "layers": layers, "seq": seq, "static_bytes": static,
+                 "activation_peak_bytes": max(forward, loss), "act_cpu_bytes": 0, "phases": phases}
+            )  # fmt: skip
+    assert all(
+        r["activation_peak_bytes"] == r["phases"][1][2] - static for r in records
+    )  # the loss binds here
+    rows = projection.project(records, SHRINK)
+    for row in rows:
+        assert row["binds"] == "forward"
+        per_token = SHRINK * (forward_slope + 32 * 8)
+        assert row["kib_per_token"] * 2**10 == pytest.approx(per_token)
+        weights = 8_030_261_248 * 2 * (2 if row["mode"] == "full" else 1)
+        room = cuda_budget(projection.GPUS[row["gpu"]]) - weights
+        assert row["longest_k"] * 2**10 == int(room / per_token)
+        loss_reach = (room - flat * SHRINK**2) / (SHRINK * (loss_slope + 32 * 8))
+        assert row["phases_k"]["loss backward"] * 2**10 == pytest.approx(loss_reach)
+        assert row["longest_k"] * 2**10 < loss_reach
