@@ -13,8 +13,9 @@ phase's. Here:
    backward, the blocks' backward: `phases` in the simulated device's records, less the bytes
    live at the step's start), each a line of its own: a flat one (the loss's chunks) binds at
    short lengths, the steepest at long ones, so each is projected alone and the one that binds
-   first at the full model's lengths names the row (``binds``). Records without phases (CUDA's)
-   give the step's peak, one line, at its longest lengths only. Two block counts split each
+   first at the full model's lengths names the row (``binds``). Records without phases (CUDA's,
+   an uncapped simulated device's), or whose phases differ, give the step's peak, one line, at
+   its longest lengths only. Two block counts split each
    slope into a part per block (what each block leaves on the device: torch_checkpoint's
    inputs) and a part that does not grow with the blocks (the block at work, the one fetched
    ahead).
@@ -25,9 +26,8 @@ phase's. Here:
 3. The longest length: the device's budget (actoff's CUDA default, total less max(2 GiB, 5%)),
    less the weights (bf16; full fine-tune: and their bf16 gradients, the optimizer's state off the
    device, as ALST runs it) and the scaled intercept, over the bytes per token; the shortest of
-   the phases'. The host bytes at
-   that length are the proxy's bytes sent to host memory per token and block, times K and 32;
-   past `HOST_BYTES` the rest is NVMe's.
+   the phases'. The host bytes at that length are the proxy's bytes sent to host memory per
+   token and block, times K and 32; past `HOST_BYTES` the rest is NVMe's.
 Full fine-tune uses LoRA's measured bytes per token: a full fine-tune saves at least those (the
 frozen base's inputs are saved for the adapters anyway), so its lengths are upper bounds.
 
@@ -184,13 +184,18 @@ def phase_peaks(record: dict) -> dict[str, int]:
 
 
 def _phase_lines(mine: list[dict], shrink: int, layers_full: int) -> dict[str, tuple[float, float, float]]:
-    """Per phase every record of a policy has: its full model's bytes per token, of which per
-    block, and its intercept scaled (Note [a projection from the proxy], steps 1 and 2)."""
-    names = set.intersection(*(set(phase_peaks(r)) for r in mine))
+    """Per phase: its full model's bytes per token, of which per block, and its intercept scaled
+    (Note [a projection from the proxy], steps 1 and 2). Records whose phases differ (some
+    without any) are fitted by the step's peak, one line (``step``)."""
+    peaks = [phase_peaks(r) for r in mine]
+    if any(set(p) != set(peaks[0]) for p in peaks):
+        peaks = [{"step": r["activation_peak_bytes"]} for r in mine]
     scaled = {}
-    for name in sorted(names):
+    for name in sorted(peaks[0]):
         points = {
-            layers: longest([(r["seq"], phase_peaks(r)[name]) for r in mine if r["layers"] == layers])
+            layers: longest(
+                [(r["seq"], p[name]) for r, p in zip(mine, peaks, strict=True) if r["layers"] == layers]
+            )
             for layers in sorted({r["layers"] for r in mine})
         }
         # A count cut after one length has no line: its policy was left out (`one_count`), or every
@@ -201,11 +206,19 @@ def _phase_lines(mine: list[dict], shrink: int, layers_full: int) -> dict[str, t
     return scaled
 
 
+#: The most tokens a row says (a phase whose line does not grow sets no bound): 2**40.
+UNBOUNDED = 2**40
+
+
 def _reach(room: float, per_token: float) -> float:
-    """Tokens ``per_token`` bytes each fit in ``room`` (a line that does not grow: no bound)."""
+    """Tokens ``per_token`` bytes each fit in ``room``, at most `UNBOUNDED`.
+
+    >>> _reach(10.0, 2.0), _reach(-1.0, 2.0), _reach(10.0, 0.0) == UNBOUNDED
+    (5.0, 0, True)
+    """
     if room <= 0:
         return 0
-    return room / per_token if per_token > 0 else float("inf")
+    return min(room / per_token, UNBOUNDED) if per_token > 0 else UNBOUNDED
 
 
 def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
@@ -242,7 +255,7 @@ def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
                         "x_target": reach / TARGET_TOKENS,
                         "host_gb": min(host, HOST_BYTES) / 1e9,
                         "nvme_gb": max(0.0, host - HOST_BYTES) / 1e9,
-                        "phases_k": {name: min(r, 2**40) / 2**10 for name, r in reaches.items()},
+                        "phases_k": {name: r / 2**10 for name, r in reaches.items()},
                     }
                 )
     return rows

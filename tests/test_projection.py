@@ -154,3 +154,26 @@ def test_each_phase_is_projected_and_the_one_that_binds_names_the_row():
         loss_reach = (room - flat * SHRINK**2) / (SHRINK * (loss_slope + 32 * 8))
         assert row["phases_k"]["loss backward"] * 2**10 == pytest.approx(loss_reach)
         assert row["longest_k"] * 2**10 < loss_reach
+
+
+def test_records_whose_phases_differ_are_fitted_by_the_steps_peak():
+    # A review found the per-phase fit crashing (min of nothing) where some records had phases and
+    # others none (CUDA's, an uncapped simulated device's): their step's peak is one line.
+    projection = _load_benchmark("projection")
+    records = [r for r in _records() if r.get("status") == "ok"]
+    records[0] = {
+        **records[0],
+        "static_bytes": 0,
+        "phases": [["forward", 0, records[0]["activation_peak_bytes"]]],
+    }
+    rows = projection.project(records, SHRINK)
+    assert {r["binds"] for r in rows} == {"step"}
+    assert rows[0]["kib_per_token"] * 2**10 == pytest.approx(SHRINK * (APART + 32 * EACH))
+
+
+def test_a_line_that_does_not_grow_sets_no_bound():
+    # A review found int(inf) raising where no phase's line grows: the row says UNBOUNDED.
+    projection = _load_benchmark("projection")
+    flat = [{**r, "activation_peak_bytes": INTERCEPT} for r in _records() if r.get("status") == "ok"]
+    rows = projection.project(flat, SHRINK)
+    assert all(r["longest_k"] * 2**10 == projection.UNBOUNDED for r in rows)

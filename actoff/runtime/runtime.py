@@ -398,8 +398,8 @@ def get_runtime() -> Runtime:
 
 
 def let_go_landed() -> None:
-    """`Runtime.let_go_landed` for the calling thread's runtime, if it has one (Note [let go as
-    copies land] in actoff.runtime.step): the tiled modules and the chunked loss call it at each
+    """`Step.let_go_landed` for the calling thread's runtime's step, if it has one (Note [let go
+    as copies land] in actoff.runtime.step): the tiled modules and the chunked loss call it at each
     chunk.
 
     >>> let_go_landed()  # no step in flight: nothing to do

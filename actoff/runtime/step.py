@@ -111,22 +111,22 @@ class Step:
     # held their device memory through the next block's forward, and the last block's through the
     # loss and its backward, a residual row a token each: on the 8B proxy the loss's backward
     # bound the step with it (results/cpu-2026-12-04-row-sums). So what runs between saves looks
-    # too, without waiting: each chunk of a chunked block's forward, each scope's entry, and each
-    # chunk of a tiled module (the final norm) and of the chunked loss, forward and backward, in
-    # the training thread (`actoff.runtime.runtime.let_go_landed`, `Step.let_go_landed`), until backward begins.
+    # too, without waiting, until backward begins: each scope's entry, each chunk of a chunked
+    # block's forward, and each chunk of a tiled module (the final norm) and of the chunked loss,
+    # forward and backward (`actoff.runtime.runtime.let_go_landed`, `Step.let_go_landed`). Only
+    # in the training thread, whose runtime it is: on CUDA autograd runs the loss's and the tiles'
+    # backward in its device threads, where nothing looks, so there a copy still in flight when
+    # the loss's forward ends is let go at backward (the simulated device runs backward in the
+    # training thread, and its copies land at once: it lets go earlier than a GPU may). The last
+    # block's records, let go, come back from the host at its backward's first unpack instead of
+    # being served from the device (Note [forward what is still on the device]): a copy in at
+    # backward's start, as every other block's; ``keep_last=1`` keeps them instead.
     #
     # Note [the floor moves small tensors too]: a run that streams with both windows at none (the
     # auto policy's measuring steps and its plans at the floor, or ACTOFF_FETCH_WINDOW=0 and
     # ACTOFF_COPY_WINDOW=0) is at its least memory, save_on_cpu's, and moves every saved tensor,
     # those under ``min_bytes`` too: kept, a block's small saves (norms' statistics, attention's
     # log-sum-exp) put the main run's auto 160 KiB over save_on_cpu's peak, out of memory at it.
-    def let_go_landed(self, lock: Any) -> None:
-        """Records whose copy out has landed let go of their device tensor now, under the
-        runtime's ``lock`` (Note [let go as copies land]); nothing once backward began, or waits."""
-        if self.outbound and not self.backward_started:
-            with lock:
-                self.copies_out(None)
-
     def copies_out(self, window: int | None, waiting: ScopeRun | None = None) -> None:
         """Records whose copy has landed let go of their device tensor (no wait); past ``window``
         bytes still held, the oldest are waited for, stream-side (the wait timed into
@@ -152,6 +152,14 @@ class Step:
                 if record.state is not State.OFFLOADING or record.device_tensor is None:
                     held -= record.geometry.nbytes
         self.outbound = [r for r in still if r.state is State.OFFLOADING and r.device_tensor is not None]
+
+    def let_go_landed(self, lock: Any) -> None:
+        """Records whose copy out has landed let go of their device tensor now, under the
+        runtime's ``lock`` (Note [let go as copies land]); nothing once backward began, or waits."""
+        if self.outbound and not self.backward_started:
+            with lock:
+                if not self.backward_started:  # it may have begun while the lock was held elsewhere
+                    self.copies_out(None)
 
 
 class ScopeRun(PackHook):

@@ -880,3 +880,110 @@ def test_a_landed_copy_lets_go_of_the_device_before_the_next_save(policy, after)
             assert_same_history([expected], [actual])
         else:
             assert_close_history([expected], [actual])
+
+
+class _Closed:
+    """A copy's ticket that says it has not landed (the real one put back to open it)."""
+
+    def query(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("after", ["chunked loss", "tiled norm"])
+def test_a_copy_landing_during_the_losss_backward_lets_go_there(after):
+    """(Note [let go as copies land]) the last block's copies land only once the loss's forward
+    is over (their tickets say not landed until then): the chunked loss's backward chunks, or the
+    tiled norm's, let them go, before the blocks' backward begins."""
+    model = make_model(num_layers=2)
+    if after == "tiled norm":
+        actoff.tile_(model, filter_fn=lambda module, name: name == "norm", max_tokens=8)
+    actoff.offload_(model, block_cls=Block, policy="chunked", min_bytes=0, chunk_tokens=8)
+    closed: dict = {}
+
+    def held() -> list:
+        step = get_runtime().step
+        return [record for run in step.runs for record in run.records if record.device_tensor is not None]
+
+    def close(_module, _args, output) -> None:
+        for record in held():
+            record.copy_ticket.synchronize()
+            closed[record] = record.copy_ticket
+            record.copy_ticket = _Closed()
+        output.register_hook(lambda grad: seen.append(len(held())))  # the last block's output gradient
+
+    model.layers[-1].register_forward_hook(close)
+    generator = torch.Generator().manual_seed(0)
+    with simulated_device(seed=0):
+        for _ in range(2):
+            tokens = torch.randint(0, 256, (2, 33), generator=generator)
+            seen: list[int] = []
+            hidden = model.hidden(tokens[:, :-1])
+            if after == "chunked loss":
+                loss = actoff.chunked_cross_entropy(
+                    hidden, model.head.weight, tokens[:, 1:], shift=False, max_tokens=8
+                )
+            else:
+                loss = torch.nn.functional.cross_entropy(
+                    model.head(hidden).reshape(-1, 256), tokens[:, 1:].reshape(-1)
+                )
+            assert len(held()) == len(closed) > 0  # not landed: held through the loss's forward
+            for record, ticket in closed.items():
+                record.copy_ticket = ticket  # landed now
+            closed.clear()
+            loss.backward()
+            assert seen == [0], seen
+
+
+@pytest.mark.parametrize("lands", ["before the next block", "during its keys pass"])
+def test_a_blocks_inputs_go_as_the_next_chunked_block_runs(lands, monkeypatch):
+    """(Note [let go as copies land]) the first block's inputs, their copy landed before the
+    second block starts, are let go at its scope's entry (seen at its keys pass's first chunk);
+    landed only during its keys pass, at its chunks' first (not at its end, its first save)."""
+    import actoff.runtime.placements.chunk_backward as chunk_backward
+
+    model = make_model(num_layers=2)
+    actoff.offload_(model, block_cls=Block, policy="chunked", min_bytes=0, chunk_tokens=8)
+    first = model.layers[0]
+    closed: dict = {}
+    seen: list[int] = []
+    calls = {"n": -1}  # slice_inputs calls in the second block's forward; -1: outside it
+    chunked = {"now": False}  # the second step: its forward runs in chunks
+
+    def held_first() -> int:
+        run = get_runtime().step.runs[0]
+        return sum(record.device_tensor is not None for record in run.records)
+
+    def after_first(_module, _args, _output) -> None:
+        for record in get_runtime().step.runs[0].records:
+            if record.device_tensor is not None:
+                record.copy_ticket.synchronize()  # landed now
+                if lands == "during its keys pass" and chunked["now"]:
+                    closed[record] = record.copy_ticket
+                    record.copy_ticket = _Closed()  # until the keys pass's first chunk
+        calls["n"] = 0
+
+    real = chunk_backward.slice_inputs
+
+    def slice_inputs(*args, **kwargs):
+        if calls["n"] >= 0 and not get_runtime().step.backward_started:
+            if calls["n"] == 0:  # the keys pass's first chunk
+                seen.append(held_first())
+                for record, ticket in closed.items():
+                    record.copy_ticket = ticket  # landed now
+                closed.clear()
+            elif calls["n"] == 4:  # the chunks' first (33 - 1 tokens in chunks of 8: 4 a pass)
+                seen.append(held_first())
+            calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_backward, "slice_inputs", slice_inputs)
+    first.register_forward_hook(after_first)
+    generator = torch.Generator().manual_seed(0)
+    with simulated_device(seed=0):
+        for step in range(2):  # the first forward runs whole (the probe's); the second in chunks
+            calls["n"], seen[:], chunked["now"] = -1, [], step == 1
+            model.loss(torch.randint(0, 256, (2, 33), generator=generator)).backward()
+    expected = (
+        [0, 0] if lands == "before the next block" else [3, 0]
+    )  # 3: the hidden states and rotary tables
+    assert seen == expected, seen

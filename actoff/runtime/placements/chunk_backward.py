@@ -203,9 +203,8 @@ def forward(block: Block, values: list[Any], watch: Callable[[int, list[Any]], A
     full: list[Any] = []
     spec = None
     for start, stop in block.chunks():
-        block.run.step.let_go_landed(
-            block.run.runtime.lock
-        )  # Note [let go as copies land] in actoff.runtime.step
+        # Note [let go as copies land] in actoff.runtime.step
+        block.run.step.let_go_landed(block.run.runtime.lock)
         sliced = slice_inputs(values, block.statuses, block.seq_len, block.token_dim, start, stop)
         mode = ChunkMode(start, stop, keys, vals)
         with mode, watch(stop - start, sliced) as watched:
