@@ -120,23 +120,30 @@ class Step:
     # training thread, and its copies land at once: it lets go earlier than a GPU may). The last
     # block's records, let go, come back from the host at its backward's first unpack instead of
     # being served from the device (Note [forward what is still on the device]): a copy in at
-    # backward's start, as every other block's; ``keep_last=1`` keeps them instead.
+    # backward's start, as every other block's; ``keep_last=1`` keeps them instead. Not for the
+    # NVMe tier (``lets_go_between_saves``): its records, let go, start their writes, and read
+    # back they need host staging room that a tight host budget spends on those writes (a read
+    # found none under 200 KiB: tests/tiers/nvme/test_staging.py, in the simulated-device pass).
     #
     # Note [the floor moves small tensors too]: a run that streams with both windows at none (the
     # auto policy's measuring steps and its plans at the floor, or ACTOFF_FETCH_WINDOW=0 and
     # ACTOFF_COPY_WINDOW=0) is at its least memory, save_on_cpu's, and moves every saved tensor,
     # those under ``min_bytes`` too: kept, a block's small saves (norms' statistics, attention's
     # log-sum-exp) put the main run's auto 160 KiB over save_on_cpu's peak, out of memory at it.
-    def copies_out(self, window: int | None, waiting: ScopeRun | None = None) -> None:
+    def copies_out(
+        self, window: int | None, waiting: ScopeRun | None = None, *, between_saves: bool = False
+    ) -> None:
         """Records whose copy has landed let go of their device tensor (no wait); past ``window``
         bytes still held, the oldest are waited for, stream-side (the wait timed into
-        ``waiting``'s figures: the run whose forward it holds up)."""
+        ``waiting``'s figures: the run whose forward it holds up). ``between_saves``: only those
+        whose tier lets go there (Note [let go as copies land])."""
         held, still = 0, []
         for record in self.outbound:
             if record.state is not State.OFFLOADING or record.device_tensor is None:
                 continue  # finished since (`progress`), or released
             ticket = record.copy_ticket
-            if ticket is None or ticket.query():  # landed, or a write the tier watches itself
+            skipped = between_saves and not record.tier.lets_go_between_saves
+            if not skipped and (ticket is None or ticket.query()):  # landed, or a write the tier watches
                 record.tier.advance(record, force=ticket is not None)
             if record.state is State.OFFLOADING and record.device_tensor is not None:
                 still.append(record)
@@ -159,7 +166,7 @@ class Step:
         if self.outbound and not self.backward_started:
             with lock:
                 if not self.backward_started:  # it may have begun while the lock was held elsewhere
-                    self.copies_out(None)
+                    self.copies_out(None, between_saves=True)
 
 
 class ScopeRun(PackHook):

@@ -34,6 +34,8 @@ class Tier:
     name = "keep"
     #: Records of this tier come back to the device by `fetch` (Note [fetch per saved tensor]).
     fetches = False
+    #: A landed copy lets go between saves too (Note [let go as copies land] in actoff.runtime.step).
+    lets_go_between_saves = True
 
     def place(self, record: Record) -> None:
         """Start moving ``record`` off the device; a record that cannot go stays RESIDENT."""

@@ -983,7 +983,36 @@ def test_a_blocks_inputs_go_as_the_next_chunked_block_runs(lands, monkeypatch):
         for step in range(2):  # the first forward runs whole (the probe's); the second in chunks
             calls["n"], seen[:], chunked["now"] = -1, [], step == 1
             model.loss(torch.randint(0, 256, (2, 33), generator=generator)).backward()
-    expected = (
-        [0, 0] if lands == "before the next block" else [3, 0]
-    )  # 3: the hidden states and rotary tables
-    assert seen == expected, seen
+    if lands == "before the next block":
+        assert seen == [0, 0], seen
+    else:  # 3 records (the hidden states, the rotary tables): one of them may go by another path
+        assert seen[0] > 0 and seen[1] == 0, seen
+
+
+def test_nvme_records_are_not_let_go_between_saves(nvme_dir):
+    """(Note [let go as copies land]) an NVMe record whose host copy has landed keeps its device
+    tensor through the loss, as before: let go there, its write starts, and read back in backward
+    it needs staging room a tight host budget spends on the writes (a read found none under 200
+    KiB in the simulated-device pass of tests/tiers/nvme/test_staging.py)."""
+    model = make_model(num_layers=2)
+    actoff.offload_(model, block_cls=Block, policy="nvme", nvme_dir=nvme_dir, min_bytes=0)
+    counts: list[int] = []
+
+    def held() -> list:
+        step = get_runtime().step
+        return [record for run in step.runs for record in run.records if record.device_tensor is not None]
+
+    def landed(*_) -> None:
+        for record in held():
+            if record.copy_ticket is not None:
+                record.copy_ticket.synchronize()
+        counts.append(len(held()))
+
+    model.layers[-1].register_forward_hook(landed)
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    with simulated_device(seed=0):
+        hidden = model.hidden(tokens[:, :-1])
+        loss = actoff.chunked_cross_entropy(hidden, model.head.weight, tokens[:, 1:], shift=False, max_tokens=8)
+        counts.append(len(held()))
+        loss.backward()
+    assert counts[0] > 0 and counts[1] == counts[0], counts
