@@ -189,16 +189,21 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The normed last hidden states ``(B, S, H)``: what the head turns into logits (for a
-        loss that never makes all the logits, e.g. `actoff.chunked_cross_entropy`)."""
+    def residual(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The blocks' output ``(B, S, H)``, before the final norm (for a loop that runs the
+        norm, head and loss as one region, e.g. an offload scope of their own)."""
         x = self.embed(tokens)  # (B, S, H)
         cos, sin = rope_tables(
             tokens.shape[1], self.config.head_dim, self.config.rope_theta, device=tokens.device, dtype=x.dtype
         )
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.norm(x)
+        return x
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The normed last hidden states ``(B, S, H)``: what the head turns into logits (for a
+        loss that never makes all the logits, e.g. `actoff.chunked_cross_entropy`)."""
+        return self.norm(self.residual(tokens))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden(tokens))

@@ -121,6 +121,26 @@ def test_long_context_smoke(tmp_path):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_auto_fits_the_main_runs_floor_where_save_on_cpu_does(tmp_path):
+    """(Note [auto plans the head and loss too]) The main run's lowest budget is the least peak of
+    the policies that ran, torch_save_on_cpu's here, whose context moves the head's and the
+    loss's saves too; with those outside every actoff scope auto ran out of memory under it (2
+    blocks at 256 tokens: 20.6 MB asked). Fails with the head and loss left out of auto's scopes."""
+    out_json = tmp_path / "lc.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "256", "--layers", "2",
+               "--steps", "1", "--policies", "keep,torch_save_on_cpu,auto", "--json", str(out_json)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = json.loads(out_json.read_text())["records"]
+    floor = min(r["budget_bytes"] for r in records if r["policy"] == "auto")
+    (at_floor,) = [r for r in records if r["policy"] == "auto" and r["budget_bytes"] == floor]
+    save_on_cpu = next(r for r in records if r["policy"] == "torch_save_on_cpu")
+    assert floor - 2**16 < save_on_cpu["peak_allocated_bytes"] <= floor  # Note [the floor budget]
+    assert at_floor["status"] == "ok", at_floor
+    assert at_floor["peak_allocated_bytes"] <= floor, at_floor
+    assert at_floor["auto_plan"].startswith("3 stream"), at_floor  # 2 blocks and the head+loss scope
+
+
 def test_long_context_writes_records_as_made_and_keeps_to_its_time_budget(tmp_path):
     """A worker that hangs after its first length: that record is already in the JSON lines,
     the hung length is reported as a timeout, and the budget spent leaves the next policy

@@ -17,7 +17,7 @@ import torch
 import actoff
 from actoff.device.cuda import peak_counters
 
-from .policies import LOSS_TOKENS, split_variants
+from .policies import LOSS_TOKENS, next_token_loss, split_variants
 from .tunnel import tunnel_device
 from .warmup import warm_up
 
@@ -121,8 +121,9 @@ class Step:
         self.timeline.sample()
 
     def _forward(self):
-        """The blocks' output (None under DDP: the model runs whole), the logits (None under
-        the chunked loss: never all of them at once) and the loss."""
+        """The blocks' output (normed, or not where the norm runs in auto's head+loss scope;
+        None under DDP: the model runs whole), the logits (None under the chunked loss: never
+        all of them at once) and the loss."""
         model, net, tokens = self.model, self.net, self.tokens
         if self.chunked_loss:  # the head and loss over chunks of tokens: never all the logits
             hidden = model.hidden(tokens[:, :-1]) if net is model else net.module.hidden(tokens[:, :-1])
@@ -131,16 +132,18 @@ class Step:
                 hidden, model.head.weight, tokens[:, 1:], shift=False, max_tokens=self.loss_tokens
             )
             return hidden, None, loss
-        if net is model:  # the same as model(...), with the head apart for the phases
-            hidden = model.hidden(tokens[:, :-1])
+        if net is not model:
+            logits = net(tokens[:, :-1])
+            return None, logits, next_token_loss(logits, tokens[:, 1:])
+        scoped = getattr(model, "head_and_loss", None)  # Note [auto plans the head and loss too]
+        if scoped is not None:
+            residual = model.residual(tokens[:, :-1])
             self.mark("forward")
-            logits = model.head(hidden)
-        else:
-            hidden, logits = None, net(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
-        )
-        return hidden, logits, loss
+            return residual, *scoped(residual, tokens[:, 1:])
+        hidden = model.hidden(tokens[:, :-1])  # the same as model(...), with the head apart for the phases
+        self.mark("forward")
+        logits = model.head(hidden)
+        return hidden, logits, next_token_loss(logits, tokens[:, 1:])
 
     def timed(self) -> float:
         """One step; its seconds on `clock` (its process CPU seconds go to `cpu_times`)."""

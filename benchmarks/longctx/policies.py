@@ -8,6 +8,7 @@ suffixes: the variants of `VARIANTS` and ``+verify``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
@@ -239,7 +240,47 @@ def _offload(model, policy: str, nvme_dir: str | None, planner_off: bool) -> Non
         overrides["nvme_dir"] = nvme_dir
     if planner_off:
         overrides["planner"] = "off"
-    actoff.offload_(model, block_cls=Block, config=actoff.Config.from_env(**overrides))
+    config = actoff.Config.from_env(**overrides)
+    actoff.offload_(model, block_cls=Block, config=config)
+    if name == "auto":  # Note [auto plans the head and loss too]
+        model.head_and_loss = actoff.offload(
+            functools.partial(head_and_loss, model), config=config, name="head+loss"
+        )
+
+
+# Note [auto plans the head and loss too]: under ``auto`` the final norm, the head and the
+# (unchunked) loss run as one more scope, which auto places as it places a block. Outside every
+# scope their saves (the normed hidden states, the log-probabilities: 5 of 44.6 MiB at the main
+# run's 1024 tokens) stayed on the device through the loss's backward, where
+# ``torch_save_on_cpu``, whose context holds the whole step, moves them; so the main run's floor
+# budget, ``torch_save_on_cpu``'s peak, sat under auto's least peak and auto ran out of memory
+# there (tests/test_benchmarks.py, 256 tokens). This is what a user at the edge of memory does
+# (README, "Other ways in"); the explicit policies keep the blocks-only scoping they are
+# compared by (a uniform ``checkpoint`` would run the head twice). The chunked loss (``+loss``)
+# never holds all the logits and stays as it was.
+def head_and_loss(model, residual, targets):
+    """The final norm, the head and the cross-entropy over the blocks' output ``residual``: the
+    logits (which a training loop's body holds through backward) and the loss.
+
+    >>> import torch
+    >>> from actoff.reference import ModelConfig, Transformer
+    >>> model = Transformer(ModelConfig.preset("tiny"))
+    >>> tokens = torch.randint(0, 256, (1, 9))
+    >>> logits, loss = head_and_loss(model, model.residual(tokens[:, :-1]), tokens[:, 1:])
+    >>> bool(loss == model.loss(tokens))
+    True
+    """
+    logits = model.head(model.norm(residual))
+    return logits, next_token_loss(logits, targets)
+
+
+def next_token_loss(logits, targets):
+    """The cross-entropy of ``logits`` ``(B, S, V)`` against ``targets`` ``(B, S)``, in float32."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+    )
 
 
 def save_on_host(*, pinned: bool):

@@ -1012,7 +1012,9 @@ def test_nvme_records_are_not_let_go_between_saves(nvme_dir):
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     with simulated_device(seed=0):
         hidden = model.hidden(tokens[:, :-1])
-        loss = actoff.chunked_cross_entropy(hidden, model.head.weight, tokens[:, 1:], shift=False, max_tokens=8)
+        loss = actoff.chunked_cross_entropy(
+            hidden, model.head.weight, tokens[:, 1:], shift=False, max_tokens=8
+        )
         counts.append(len(held()))
         loss.backward()
     assert counts[0] > 0 and counts[1] == counts[0], counts
