@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "ModelConfig", "Transformer", "rope_tables"]
+__all__ = ["Block", "ModelConfig", "Transformer", "next_token_loss", "rope_tables"]
 
 
 @dataclass(frozen=True)
@@ -189,9 +189,9 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
 
-    def residual(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The blocks' output ``(B, S, H)``, before the final norm (for a loop that runs the
-        norm, head and loss as one region, e.g. an offload scope of their own)."""
+    def blocks_output(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last block's output ``(B, S, H)``, before the final norm (for a loop that runs the
+        norm, head and loss as one region, e.g. an offload scope of their own: `head_and_loss`)."""
         x = self.embed(tokens)  # (B, S, H)
         cos, sin = rope_tables(
             tokens.shape[1], self.config.head_dim, self.config.rope_theta, device=tokens.device, dtype=x.dtype
@@ -203,12 +203,33 @@ class Transformer(nn.Module):
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """The normed last hidden states ``(B, S, H)``: what the head turns into logits (for a
         loss that never makes all the logits, e.g. `actoff.chunked_cross_entropy`)."""
-        return self.norm(self.residual(tokens))
+        return self.norm(self.blocks_output(tokens))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden(tokens))
 
+    def head_and_loss(self, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final norm, the head and the next-token loss over the blocks' ``output``: the
+        logits and the loss.
+
+        >>> model = Transformer(ModelConfig.preset("tiny"))
+        >>> tokens = torch.randint(0, 256, (1, 9))
+        >>> logits, loss = model.head_and_loss(model.blocks_output(tokens[:, :-1]), tokens[:, 1:])
+        >>> bool(loss == model.loss(tokens)), tuple(logits.shape)
+        (True, (1, 8, 256))
+        """
+        logits = self.head(self.norm(output))
+        return logits, next_token_loss(logits, targets)
+
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy on ``tokens`` ``(B, S)``."""
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        return next_token_loss(self(tokens[:, :-1]), tokens[:, 1:])
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of ``logits`` ``(B, S, V)`` against ``targets`` ``(B, S)``, in float32.
+
+    >>> round(next_token_loss(torch.zeros(1, 2, 4), torch.tensor([[0, 3]])).item(), 6)  # uniform: log 4
+    1.386294
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

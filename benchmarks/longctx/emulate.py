@@ -34,7 +34,7 @@ paid out of N / L of the room, where L blocks would share one.
 from __future__ import annotations
 
 from .lora import trainable_bytes
-from .policies import is_actoff_policy, split_variants
+from .policies import HEAD_AND_LOSS, is_actoff_policy, split_variants
 
 __all__ = [
     "HELD_BY_POLICY",
@@ -143,8 +143,9 @@ class Ballast:
         import torch
 
         keep_per_block = None
-        if stats.blocks:
-            keep_per_block = sum(b.bytes_per_tier["keep"] for b in stats.blocks.values()) / len(stats.blocks)
+        blocks = [b for name, b in stats.blocks.items() if name != HEAD_AND_LOSS]  # blocks only
+        if blocks:
+            keep_per_block = sum(b.bytes_per_tier["keep"] for b in blocks) / len(blocks)
         dtype_bytes = torch.empty(0, dtype=getattr(torch, spec["dtype"])).element_size()
         per_block = held_per_block(
             spec["policy"], seq, spec["batch"], self.hidden, dtype_bytes, keep_per_block

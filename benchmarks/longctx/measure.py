@@ -16,8 +16,9 @@ import torch
 
 import actoff
 from actoff.device.cuda import peak_counters
+from actoff.reference import next_token_loss
 
-from .policies import LOSS_TOKENS, next_token_loss, split_variants
+from .policies import LOSS_TOKENS, split_variants
 from .tunnel import tunnel_device
 from .warmup import warm_up
 
@@ -108,14 +109,15 @@ class Step:
         with self.step_context():
             # The logits stay referenced through backward, as in a training loop's body: they
             # count in the step's peak.
-            hidden, _logits, loss = self._forward()
+            output, _logits, loss = self._forward()
             self.mark("loss")
-            if self.capped is not None and hidden is not None and hidden.requires_grad:
-                hidden.register_hook(lambda grad: (self.mark("loss backward"), grad)[1])
-            # The blocks' normed output is not: a loop through Hugging Face's chunked_loss_ never
-            # sees it, and one that kept it would hold a row a token through the blocks' backward
-            # (on the 8B proxy a fifth of the chunked placement's bytes there).
-            del hidden
+            if self.capped is not None and output is not None and output.requires_grad:
+                output.register_hook(lambda grad: (self.mark("loss backward"), grad)[1])
+            # The blocks' (normed) output is not: a loop through Hugging Face's chunked_loss_
+            # never sees it, and one that kept it would hold a row a token through the blocks'
+            # backward (on the 8B proxy a fifth of the chunked placement's bytes there). What the
+            # norm or the head saves of it is theirs (in auto's head+loss scope, placed by auto).
+            del output
         loss.backward()
         self.mark("blocks backward")
         self.timeline.sample()
@@ -135,11 +137,11 @@ class Step:
         if net is not model:
             logits = net(tokens[:, :-1])
             return None, logits, next_token_loss(logits, tokens[:, 1:])
-        scoped = getattr(model, "head_and_loss", None)  # Note [auto plans the head and loss too]
+        scoped = getattr(model, "scoped_head_and_loss", None)  # Note [auto plans the head and loss too]
         if scoped is not None:
-            residual = model.residual(tokens[:, :-1])
+            output = model.blocks_output(tokens[:, :-1])
             self.mark("forward")
-            return residual, *scoped(residual, tokens[:, 1:])
+            return output, *scoped(output, tokens[:, 1:])
         hidden = model.hidden(tokens[:, :-1])  # the same as model(...), with the head apart for the phases
         self.mark("forward")
         logits = model.head(hidden)

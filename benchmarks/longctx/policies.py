@@ -8,7 +8,6 @@ suffixes: the variants of `VARIANTS` and ``+verify``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 # none: no actoff, autograd keeps every activation; keep: actoff's hooks, nothing moved.
@@ -225,7 +224,8 @@ def _hf_checkpoint_offload(model) -> None:
 
 
 def _offload(model, policy: str, nvme_dir: str | None, planner_off: bool) -> None:
-    """``model``'s blocks under one of actoff's policies (``tokenwise:CPU:NVME``, ``+verify``)."""
+    """``model``'s blocks under one of actoff's policies (``tokenwise:CPU:NVME``, ``+verify``), and under
+    ``auto`` its head and loss too (Note [auto plans the head and loss too])."""
     import actoff
     from actoff.reference import Block
 
@@ -243,44 +243,27 @@ def _offload(model, policy: str, nvme_dir: str | None, planner_off: bool) -> Non
     config = actoff.Config.from_env(**overrides)
     actoff.offload_(model, block_cls=Block, config=config)
     if name == "auto":  # Note [auto plans the head and loss too]
-        model.head_and_loss = actoff.offload(
-            functools.partial(head_and_loss, model), config=config, name="head+loss"
-        )
+        model.scoped_head_and_loss = actoff.offload(model.head_and_loss, config=config, name=HEAD_AND_LOSS)
 
+
+#: The scope's name under ``auto`` (Note [auto plans the head and loss too]).
+HEAD_AND_LOSS = "head+loss"
 
 # Note [auto plans the head and loss too]: under ``auto`` the final norm, the head and the
-# (unchunked) loss run as one more scope, which auto places as it places a block. Outside every
-# scope their saves (the normed hidden states, the log-probabilities: 5 of 44.6 MiB at the main
-# run's 1024 tokens) stayed on the device through the loss's backward, where
-# ``torch_save_on_cpu``, whose context holds the whole step, moves them; so the main run's floor
-# budget, ``torch_save_on_cpu``'s peak, sat under auto's least peak and auto ran out of memory
-# there (tests/test_benchmarks.py, 256 tokens). This is what a user at the edge of memory does
-# (README, "Other ways in"); the explicit policies keep the blocks-only scoping they are
-# compared by (a uniform ``checkpoint`` would run the head twice). The chunked loss (``+loss``)
-# never holds all the logits and stays as it was.
-def head_and_loss(model, residual, targets):
-    """The final norm, the head and the cross-entropy over the blocks' output ``residual``: the
-    logits (which a training loop's body holds through backward) and the loss.
-
-    >>> import torch
-    >>> from actoff.reference import ModelConfig, Transformer
-    >>> model = Transformer(ModelConfig.preset("tiny"))
-    >>> tokens = torch.randint(0, 256, (1, 9))
-    >>> logits, loss = head_and_loss(model, model.residual(tokens[:, :-1]), tokens[:, 1:])
-    >>> bool(loss == model.loss(tokens))
-    True
-    """
-    logits = model.head(model.norm(residual))
-    return logits, next_token_loss(logits, targets)
-
-
-def next_token_loss(logits, targets):
-    """The cross-entropy of ``logits`` ``(B, S, V)`` against ``targets`` ``(B, S)``, in float32."""
-    import torch
-
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
-    )
+# (unchunked) loss run as one more scope (`Transformer.head_and_loss`), which auto places as it
+# places a block. Outside every scope their saves (the norm's input and normed output, its
+# intermediate, the log-probabilities: 7 of 44.6 MiB at the main run's 1024 tokens) stayed on the
+# device through the loss's backward, where ``torch_save_on_cpu``, whose context holds the whole
+# step, moves them; so the main run's floor budget, ``torch_save_on_cpu``'s peak, sat under auto's
+# least peak and auto ran out of memory there (tests/test_benchmarks.py, 256 tokens). This is what
+# a user at the edge of memory does (README, "Other ways in"). Not for the explicit policies, which
+# keep the blocks-only scoping they are compared by (a uniform ``checkpoint`` would run the head
+# twice; ``cpu`` would gain the same room: so at the floor auto has a scope they lack), nor under
+# DDP (the wrapper runs the model whole), nor under the chunked loss (``+loss``: never all the
+# logits). Its phases move: the norm's forward falls in ``loss`` and its backward in ``loss
+# backward``. The scoped callable is the model's attribute, bound to it: set after any copy of the
+# model (rounds.py copies before `apply_policy`). Under ``--emulate-layers`` the ballast's blocks
+# leave it out (`Ballast.hold`).
 
 
 def save_on_host(*, pinned: bool):
