@@ -871,6 +871,30 @@ def test_emulation_refuses_what_it_cannot_count_and_scales_the_host_budget(monke
     assert actoff.parse_size(seen[0]["ACTOFF_HOST_BUDGET"], what="x") == 8 * 2**30
 
 
+def test_the_ballast_charges_missing_blocks_the_blocks_keep_bytes_not_the_head_and_losss():
+    """(Note [auto plans the head and loss too]) Under auto the head and loss are a scope in
+    actoff.stats(); a missing block holds what a block keeps, so the ballast averages the blocks
+    only. Averaged with the head+loss scope, each missing block was charged (8 + 8 + 20) / 3 = 12
+    bytes, not 8 (fails with the scope counted)."""
+    import types
+
+    from actoff.reference import ModelConfig, Transformer
+
+    emulate = _load_benchmark("long_context").emulate
+    model = Transformer(ModelConfig.preset("tiny"))
+    ballast = emulate.Ballast(model, model.config, torch.device("cpu"), 2 * len(model.layers))
+    kept = {
+        name: types.SimpleNamespace(bytes_per_tier={"keep": n})
+        for name, n in (("layers.0", 8), ("layers.1", 8))
+    }
+    kept[emulate.HEAD_AND_LOSS] = types.SimpleNamespace(bytes_per_tier={"keep": 20})
+    fields = ballast.hold(
+        {"policy": "auto", "dtype": "float32", "batch": 1}, 64, types.SimpleNamespace(blocks=kept)
+    )
+    assert fields["held_per_block_bytes"] == 8 and fields["ballast_held_bytes"] == 8 * ballast.missing
+    ballast.release_held()
+
+
 def test_probe_limits_follow_the_last_probe_and_a_probe_that_cannot_finish_is_not_started(monkeypatch):
     """(Note [probe time limits]) each probe's limit is sized from the last one that trained,
     and a probe predicted to outlast the time left ends the search with a lower bound."""
