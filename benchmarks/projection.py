@@ -27,7 +27,8 @@ phase's. Here:
    less the weights (bf16; full fine-tune: and their bf16 gradients, the optimizer's state off the
    device, as ALST runs it) and the scaled intercept, over the bytes per token; the shortest of
    the phases'. The host bytes at that length are the proxy's bytes sent to host memory per
-   token and block, times K and 32; past `HOST_BYTES` the rest is NVMe's.
+   token and block, times K and 32 (the head and loss scope's, where auto ran one, once: not
+   per block); past `HOST_BYTES` the rest is NVMe's.
 Full fine-tune uses LoRA's measured bytes per token: a full fine-tune saves at least those (the
 frozen base's inputs are saved for the adapters anyway), so its lengths are upper bounds.
 
@@ -221,6 +222,20 @@ def _reach(room: float, per_token: float) -> float:
     return min(room / per_token, UNBOUNDED) if per_token > 0 else UNBOUNDED
 
 
+def _host_per_token(record: dict, layers: int) -> float:
+    """The proxy's bytes per token sent to host memory, its blocks' scaled to ``layers`` blocks;
+    the head and loss scope's (auto's: Note [auto plans the head and loss too]) once, as the
+    full model has one.
+
+    >>> _host_per_token({"act_cpu_bytes": 4096, "seq": 16, "layers": 2}, 32)  # older records: blocks only
+    4096.0
+    >>> _host_per_token({"act_cpu_bytes": 4096, "head_and_loss_cpu_bytes": 1024, "seq": 16, "layers": 2}, 32)
+    3136.0
+    """
+    head = record.get("head_and_loss_cpu_bytes", 0)
+    return ((record["act_cpu_bytes"] - head) / record["layers"] * layers + head) / record["seq"]
+
+
 def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
     """A row per policy, mode and GPU: the proxy's figures scaled to the full model (Note [a
     projection from the proxy]), phase by phase, and the longest length they leave room for,
@@ -232,8 +247,7 @@ def project(records: list[dict], shrink: int, preset: str = "8b") -> list[dict]:
     for policy in policies or sorted({r["policy"] for r in records}):  # none: per_block says why
         mine = [r for r in records if r["policy"] == policy]
         lines = _phase_lines(mine, shrink, config.num_layers)
-        host_each = statistics.median(r["act_cpu_bytes"] / r["seq"] / r["layers"] for r in mine)
-        host_per_token = shrink * config.num_layers * host_each
+        host_per_token = shrink * statistics.median(_host_per_token(r, config.num_layers) for r in mine)
         for mode in MODES:
             for gpu, total in GPUS.items():
                 room = cuda_budget(total) - weights_bytes(config, mode)

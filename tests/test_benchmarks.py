@@ -143,6 +143,9 @@ def test_auto_fits_the_main_runs_floor_where_save_on_cpu_does(tmp_path):
     assert at_floor["status"] == "ok", at_floor
     assert at_floor["peak_allocated_bytes"] - save_on_cpu["peak_allocated_bytes"] < 2**16, at_floor
     assert at_floor["auto_plan"].startswith("3 stream"), at_floor  # 2 blocks and the head+loss scope
+    # The head and loss scope's host bytes are told apart (projection.py counts them once, not per block).
+    assert 0 < at_floor["head_and_loss_cpu_bytes"] < at_floor["act_cpu_bytes"] / 2, at_floor
+    assert save_on_cpu["head_and_loss_cpu_bytes"] == 0
 
 
 def test_long_context_writes_records_as_made_and_keeps_to_its_time_budget(tmp_path):

@@ -177,3 +177,19 @@ def test_a_line_that_does_not_grow_sets_no_bound():
     flat = [{**r, "activation_peak_bytes": INTERCEPT} for r in _records() if r.get("status") == "ok"]
     rows = projection.project(flat, SHRINK)
     assert all(r["longest_k"] * 2**10 == projection.UNBOUNDED for r in rows)
+
+
+def test_the_head_and_loss_scopes_host_bytes_count_once_not_per_block():
+    """Under auto the benchmark runs the head and loss as one more scope (Note [auto plans the
+    head and loss too]); its host bytes are in the record's total but belong to the model once:
+    scaled as a block's, 2 blocks to 32 would count them 16 times."""
+    projection = _load_benchmark("projection")
+    head = 50  # proxy bytes per token the head and loss scope sent to the host
+    records = [r for r in _records() if r.get("status") == "ok"]
+    for record in records:
+        record["act_cpu_bytes"] += head * record["seq"]
+        record["head_and_loss_cpu_bytes"] = head * record["seq"]
+    for row in projection.project(records, SHRINK):
+        host = SHRINK * (32 * HOST_EACH + head) * int(row["longest_k"] * 2**10)
+        assert row["host_gb"] * 1e9 == pytest.approx(min(host, projection.HOST_BYTES))
+        assert row["nvme_gb"] * 1e9 == pytest.approx(max(0, host - projection.HOST_BYTES))

@@ -18,7 +18,7 @@ import actoff
 from actoff.device.cuda import peak_counters
 from actoff.reference import next_token_loss
 
-from .policies import LOSS_TOKENS, split_variants
+from .policies import HEAD_AND_LOSS, LOSS_TOKENS, split_variants
 from .tunnel import tunnel_device
 from .warmup import warm_up
 
@@ -294,6 +294,10 @@ def _step_fields(spec: dict, seq: int, step_s: float, cpu_times: list[float], st
         "tokens_per_s": spec["batch"] * seq / step_s,
         "act_keep_bytes": sum(b.bytes_per_tier["keep"] for b in blocks),
         "act_cpu_bytes": sum(b.bytes_per_tier["cpu"] for b in blocks),
+        # Of them, the head and loss scope's, once a step, not a block's (Note [auto plans the head and loss too])
+        "head_and_loss_cpu_bytes": sum(
+            b.bytes_per_tier["cpu"] for n, b in stats.blocks.items() if n == HEAD_AND_LOSS
+        ),
         "act_nvme_bytes": sum(b.bytes_per_tier["nvme"] for b in blocks),
         "act_recompute_bytes": sum(b.bytes_per_tier["recompute"] for b in blocks),
         "copy_ms": sum(b.copy_ms for b in blocks),
