@@ -21,10 +21,8 @@ says which stay on the device until the block's backward:
 
 The windows are the step's: ``copy`` bytes of saved tensors may be copying out at once in
 forward (a ``stream`` block's), ``fetch`` bytes may be fetched and not yet let go in backward
-(any offloaded block's records). A copy hides behind compute as far as its window lets compute
-run ahead of it: behind up to two forwards (its block's and the next) out, two backwards (twice
-a forward each) back; with a window of ``w`` block's worth of bytes, ``w`` of them; what is
-left is added to the step.
+(any offloaded block's records). What a plan adds to the step's time is actoff.step_time's (Note
+[one link]): copies the compute does not hide, and recompute.
 
 The device peak is the largest of three moments, each with what the step holds outside the
 blocks then (`Outside`: weights, gradients, optimizer state, one autograd node's working
@@ -78,14 +76,12 @@ __all__ = [
     "Placement",
     "Plan",
     "Windows",
-    "added_seconds",
     "allowed",
     "cuda_budget",
     "least",
     "moments",
     "off_by",
     "outside_from",
-    "predict",
 ]
 
 # Note [the CUDA margin]: the default budget of a CUDA device is its total memory less the
@@ -277,39 +273,6 @@ def _working_bytes(block: BlockCost, placement: Placement) -> float:
     return block.saved_bytes
 
 
-def _recompute_s(block: BlockCost, placement: Placement) -> float:
-    if placement.kind == "checkpoint":
-        return block.forward_s
-    if placement.kind == "chunked":
-        return 2 * block.forward_s - block.attention_s
-    if placement.kind == "tokenwise":
-        return (1.0 - placement.stored) * (block.forward_s - block.attention_s)
-    return 0.0
-
-
-def added_seconds(block: BlockCost, placement: Placement, link_bytes_per_s: float, windows: Windows) -> float:
-    """Time a placement adds to a step over ``keep``: copies not hidden, and recompute.
-
-    >>> block = BlockCost(0.01, 0.002, 10_000_000, 10_000_000, 30_000_000)
-    >>> # re-run 10 ms; windows of none: its input's copies (10 ms each way) hide behind nothing
-    >>> round(added_seconds(block, Placement("checkpoint"), 1e9, Windows()), 4)
-    0.03
-    >>> one = Windows(fetch=50e6, copy=50e6)  # a block's worth each way: 50 ms of copy, 10 and 20 hidden
-    >>> round(added_seconds(block, Placement("stream"), 1e9, one), 4)
-    0.07
-    """
-    host = _host_bytes(block, placement)
-    if host == 0.0:
-        return _recompute_s(block, placement)
-    copy_s = host / link_bytes_per_s
-    forward = block.forward_s
-    # Copied at a token-wise block's end: behind the next block's forward; streamed: behind as
-    # much compute as the copy window lets run ahead.
-    out_hidden = forward if placement.kind == "tokenwise" else forward * min(windows.copy / host, 2.0)
-    in_hidden = 2 * forward * min(windows.fetch / host, 2.0)
-    return max(0.0, copy_s - out_hidden) + max(0.0, copy_s - in_hidden) + _recompute_s(block, placement)
-
-
 @dataclass(frozen=True)
 class Outside:
     """The step's device memory outside the blocks at each moment of Note [the budget model]
@@ -345,30 +308,6 @@ class Plan:
     def describe(self) -> str:
         counts = collections.Counter(str(placement) for placement in self.placements)
         return ", ".join(f"{n} {name}" for name, n in counts.items()) + f"; {self.windows}"
-
-
-def predict(
-    blocks: Sequence[BlockCost],
-    placements: Sequence[Placement],
-    link_bytes_per_s: float,
-    *,
-    outside_bytes: Outside | float = 0,
-    windows: Windows = Windows(),
-) -> tuple[float, float]:
-    """The step's device peak and the time the placements add (Note [the budget model]).
-
-    >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 2
-    >>> predict(blocks, [Placement("keep")] * 2, 1e9, outside_bytes=100)
-    (200.0, 0.0)
-    >>> peak, _ = predict(blocks, [Placement("checkpoint"), Placement("keep")], 1e9, outside_bytes=100)
-    >>> peak  # the kept block at the head; it is let go before the checkpointed one comes back whole
-    150.0
-    >>> predict(blocks, [Placement("stream")] * 2, 1e9, outside_bytes=100)[0]  # windows of 0: nothing
-    100.0
-    """
-    return float(max(moments(blocks, placements, outside_bytes, windows))), sum(
-        added_seconds(b, p, link_bytes_per_s, windows) for b, p in zip(blocks, placements, strict=True)
-    )
 
 
 def moments(

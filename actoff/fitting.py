@@ -20,12 +20,11 @@ from .budget import (
     _leaving,
     _streaming,
     _working_bytes,
-    added_seconds,
     allowed,
     least,
     moments,
-    predict,
 )
+from .step_time import added_seconds, predict
 
 __all__ = ["WINDOW_SHARES", "floor_plan", "plan", "plans", "window_choices"]
 
@@ -51,11 +50,13 @@ def plan(
     """The least added time whose predicted peak fits ``budget_bytes``, or None if nothing does.
 
     Keeping is free in time, so each count of kept blocks is tried (the last ones that may be
-    kept: their backward comes first and lets them go before an offloaded block comes back), with every
+    kept: their backward comes first and lets them go before an offloaded block comes back; a kept
+    block between offloaded ones, which would leave them the link, is not tried), with every
     pair of windows (``choices``, else `window_choices`; ``options``: `plans`'s ``outside_bytes``
     and ``choices``); the offloaded blocks get placements by dynamic programming over the blocks
-    in order, the state being the last placement (what is still copying out while a block runs). Exact: the moments depend on neighbours only, and on
-    the last offloaded block for the head and the kept blocks.
+    in order, the state being the last placement (what is still copying out while a block runs). Exact: the moments and
+    the added times (Note [one link] in actoff.step_time) depend on neighbours only, and on the last offloaded block
+    for the head and the kept blocks.
 
     >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4  # 50 bytes each: copies take no time
     >>> plan(blocks, 1e9, 200).describe()  # keep fits: keep
@@ -142,7 +143,9 @@ def _cheapest(
     moments stay within the budget, and the whole plan ``fits`` (which depends on the last
     offloaded placement only: the kept blocks are given)."""
     # state: the last offloaded block and its placement (None before any), whose copies out may
-    # still be under way (kept blocks wait for none) -> (seconds, placements so far)
+    # still be under way (kept blocks wait for none) -> (seconds, placements so far). The seconds
+    # are those of the blocks before the last offloaded one: its own depend on the block after it
+    # (Note [one link]), added when that block is placed, or at the end if it is the last.
     Last = tuple[int, Placement] | None
     states: dict[Last, tuple[float, tuple[Placement, ...]]] = {None: (0.0, ())}
     held = 0.0  # the saved bytes of the kept blocks before this one
@@ -164,7 +167,11 @@ def _cheapest(
                 backward = held + _working_bytes(block, placement) + ahead
                 if outside.forward + forward > budget_bytes or outside.backward + backward > budget_bytes:
                     continue
-                total = seconds + added_seconds(block, placement, link_bytes_per_s, windows)
+                total = seconds
+                if previous is not None and previous[0] == index - 1:
+                    total += added_seconds(
+                        blocks[previous[0]], previous[1], link_bytes_per_s, windows, (block, placement)
+                    )
                 key = previous if index in kept else (index, placement)
                 if key not in following or total < following[key][0] - 1e-15:
                     following[key] = (total, (*chosen, placement))
@@ -172,8 +179,15 @@ def _cheapest(
         held += block.saved_bytes if index in kept else 0.0
         if not states:
             return None
-    valid = [state for state in states.values() if fits(state[1])]
-    return min(valid, key=lambda state: state[0])[1] if valid else None
+    last = len(blocks) - 1
+
+    def total(key: Last, state: tuple[float, tuple[Placement, ...]]) -> float:
+        if key is None or key[0] != last:
+            return state[0]
+        return state[0] + added_seconds(blocks[last], key[1], link_bytes_per_s, windows)
+
+    valid = [(total(key, state), state[1]) for key, state in states.items() if fits(state[1])]
+    return min(valid, key=lambda found: found[0])[1] if valid else None
 
 
 def floor_plan(

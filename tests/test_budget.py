@@ -9,15 +9,14 @@ from actoff.budget import (
     Outside,
     Placement,
     Windows,
-    added_seconds,
     allowed,
     cuda_budget,
     least,
     moments,
     off_by,
     outside_from,
-    predict,
 )
+from actoff.step_time import added_seconds, predict
 
 BLOCK = BlockCost(0.01, 0.002, 10, 10, 30)  # 50 bytes: input 10, attention 10, the rest 30
 
@@ -110,26 +109,6 @@ def test_kept_blocks_are_gone_before_offloaded_ones_come_back():
     late_peak = predict(blocks, late, 1e9, outside_bytes=outside)[0]
     early_peak = predict(blocks, early, 1e9, outside_bytes=outside)[0]
     assert early_peak > late_peak  # kept early, they are still held when the rest come back
-
-
-def test_windows_hide_copies_behind_compute_up_to_two_blocks():
-    block = BlockCost(0.01, 0.002, 10**7, 10**7, 3 * 10**7)  # 50 MB: 50 ms over 1 GB/s
-    stream, seconds = Placement("stream"), []
-    for share in (0, 0.5, 1, 2, 4):
-        windows = Windows(fetch=share * 50e6, copy=share * 50e6)
-        seconds.append(added_seconds(block, stream, 1e9, windows))
-    # out: 50 ms less share x 10 ms of forward; back: 50 ms less share x 20 ms of backward
-    assert seconds == pytest.approx([0.1, 0.085, 0.07, 0.04, 0.04])
-    assert added_seconds(block, stream, 1e12, Windows(fetch=50e6, copy=50e6)) == 0.0
-
-
-def test_recompute_costs_its_share_of_the_forward_outside_attention():
-    block = BlockCost(0.01, 0.002, 10, 10, 30)
-    free = 1e18  # the link takes no time: only recompute is left
-    assert added_seconds(block, Placement("checkpoint"), free, Windows()) == pytest.approx(0.01)
-    assert added_seconds(block, Placement("tokenwise", 0.0), free, Windows()) == pytest.approx(0.008)
-    assert added_seconds(block, Placement("tokenwise", 0.75), free, Windows()) == pytest.approx(0.002)
-    assert added_seconds(block, Placement("keep"), 1.0, Windows()) == 0.0
 
 
 @pytest.mark.parametrize("windows", [Windows(), Windows(fetch=20, copy=40)])

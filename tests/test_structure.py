@@ -11,7 +11,7 @@ layer or the layers below it, ``TYPE_CHECKING`` imports for types included):
     rerun           what every placement that runs a block again needs
     memory          arenas and their layouts, the replay allocator
     device          device backends: base, cuda, sim/
-    leaves          config, policy, budget, planner, params, owners, figures, units, module_classes, _version:
+    leaves          config, policy, budget, step_time, fitting, planner, params, owners, figures, units, module_classes, _version:
                     pure, import only each other
 """
 
@@ -47,6 +47,7 @@ TOP_LEVEL = {
             "config",
             "policy",
             "budget",
+            "step_time",
             "fitting",
             "units",
             "planner",

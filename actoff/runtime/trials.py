@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from actoff.budget import CALIBRATED_HEADROOM, PLAN_HEADROOM, REPLAN_TOLERANCE, Plan, predict
+from actoff.budget import CALIBRATED_HEADROOM, PLAN_HEADROOM, REPLAN_TOLERANCE, Plan
+from actoff.step_time import predict
 
 if TYPE_CHECKING:
     from .planning import Ended, StepPlan

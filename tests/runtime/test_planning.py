@@ -2,9 +2,10 @@
 on time alone (Note [a plan kept against time noise]). Pure numbers: the costs and plans are
 built here, predicted by the model of actoff.budget."""
 
-from actoff.budget import BlockCost, Outside, Placement, Plan, Windows, predict
+from actoff.budget import BlockCost, Outside, Placement, Plan, Windows
 from actoff.runtime.planning import StepPlan
 from actoff.runtime.trials import still_good
+from actoff.step_time import predict
 
 # Two blocks: 10 ms forwards, 2 ms of attention, 5 MB saved each; a 1 GB/s link.
 COSTS = (BlockCost(0.010, 0.002, 10**6, 10**6, 3 * 10**6),) * 2
