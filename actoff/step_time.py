@@ -25,13 +25,23 @@ from collections.abc import Sequence
 
 from .budget import BlockCost, Outside, Placement, Windows, _host_bytes, moments
 
-__all__ = ["added_seconds", "predict"]
+__all__ = ["added_seconds", "followings", "predict"]
 
 #: Windows of none: each copy waits for its own, as ``save_on_cpu``'s.
 _NO_WINDOWS = Windows()
 
 #: Where a block comes in forward order: the next block and its placement, or None for the last.
 Following = tuple[BlockCost, Placement] | None
+
+
+def followings(blocks: Sequence[BlockCost], placements: Sequence[Placement]) -> list[Following]:
+    """Each block's `Following`: the next block and its placement, None for the last.
+
+    >>> [f if f is None else str(f[1]) for f in followings([None, None], [Placement("stream"), Placement("keep")])]
+    ['keep', None]
+    """
+    pairs = list(zip(blocks, placements, strict=True))
+    return [*pairs[1:], None]
 
 
 def _recompute_s(block: BlockCost, placement: Placement) -> float:
@@ -115,11 +125,10 @@ def predict(
     >>> predict(blocks, [Placement("stream")] * 2, 1e9, outside_bytes=100)[0]  # windows of 0: nothing
     100.0
     """
-    pairs = list(zip(blocks, placements, strict=True))
     seconds = sum(
-        added_seconds(
-            block, placement, link_bytes_per_s, windows, pairs[index + 1] if index + 1 < len(pairs) else None
+        added_seconds(block, placement, link_bytes_per_s, windows, following)
+        for block, placement, following in zip(
+            blocks, placements, followings(blocks, placements), strict=True
         )
-        for index, (block, placement) in enumerate(pairs)
     )
     return float(max(moments(blocks, placements, outside_bytes, windows))), seconds

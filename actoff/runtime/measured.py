@@ -16,7 +16,7 @@ import torch
 from actoff.budget import BlockCost, Placement, Windows
 from actoff.params import param_like
 from actoff.policy import AutoDecision
-from actoff.step_time import added_seconds
+from actoff.step_time import added_seconds, followings
 
 if TYPE_CHECKING:
     from actoff.device.base import Stopwatch
@@ -354,10 +354,7 @@ def figures(states: list[AutoRun], step_plan: StepPlan | None) -> None:
         if step_plan is not None:
             cost = step_plan.costs[index]
             placement = step_plan.plan.placements[index]
-            placements = step_plan.plan.placements
-            following = (
-                (step_plan.costs[index + 1], placements[index + 1]) if index + 1 < len(placements) else None
-            )
+            following = followings(step_plan.costs, step_plan.plan.placements)[index]
             added = added_seconds(
                 cost, placement, step_plan.link_bytes_per_s, step_plan.plan.windows, following
             )
