@@ -49,9 +49,10 @@ def plan(
 ) -> Plan | None:
     """The least added time whose predicted peak fits ``budget_bytes``, or None if nothing does.
 
-    Keeping is free in time, so each count of kept blocks is tried (the last ones that may be
-    kept: their backward comes first and lets them go before an offloaded block comes back; a kept
-    block between offloaded ones, which would leave them the link, is not tried), with every
+    Keeping is free in time, so each count of kept blocks is tried: the last ones that may be
+    kept (their backward comes first and lets them go before an offloaded block comes back; a
+    kept block between offloaded ones, which would leave them the link, is not tried), and every
+    block open to nothing else (`actoff.budget.allowed`) wherever it lies. Each comes with every
     pair of windows (``choices``, else `window_choices`; ``options``: `plans`'s ``outside_bytes``
     and ``choices``); the offloaded blocks get placements by dynamic programming over the blocks
     in order, the state being the last placement (what is still copying out while a block runs). Exact: the moments and
@@ -87,13 +88,15 @@ def plans(
     ['2 stream, 2 keep', '1 stream, 3 keep']
     """
     outside = outside_bytes if isinstance(outside_bytes, Outside) else Outside.flat(outside_bytes)
-    # A block that may only run in chunks (`BlockCost.chunks_only`) is never kept: the kept blocks
-    # are the last of the others.
+    # A block that may only run in chunks (`BlockCost.chunks_only`) is never kept, one that may
+    # only be kept (no split, no re-run, no host room) always is: the others kept are the last.
     keepable = [index for index, block in enumerate(blocks) if PLACEMENTS[0] in allowed(block)]
+    forced = frozenset(index for index in keepable if allowed(blocks[index]) == (PLACEMENTS[0],))
+    free = [index for index in keepable if index not in forced]
     best: Plan | None = None
     found: dict[tuple[Placement, ...], Plan] = {}
-    for count in range(len(keepable), -1, -1):
-        kept = frozenset(keepable[len(keepable) - count :])
+    for count in range(len(free), -1, -1):
+        kept = forced | frozenset(free[len(free) - count :])
         if outside.head + sum(blocks[index].saved_bytes for index in kept) > budget_bytes:
             continue
         for windows in [Windows()] if len(kept) == len(blocks) else (choices or window_choices(blocks)):

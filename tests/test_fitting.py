@@ -24,11 +24,13 @@ def brute_force(
 ) -> Plan | None:
     """Every combination of placements and windows: the reference `plan` is held to. With
     ``kept_last`` only those whose kept blocks are the last of those that may be kept (the plans
-    `plan` searches)."""
+    `plan` searches; a block open to keep alone is kept wherever it lies)."""
     best: Plan | None = None
     for placements in itertools.product(*(allowed(block) for block in blocks)):
         kept = [
-            p.kind == "keep" for p, b in zip(placements, blocks, strict=True) if PLACEMENTS[0] in allowed(b)
+            p.kind == "keep"
+            for p, b in zip(placements, blocks, strict=True)
+            if PLACEMENTS[0] in allowed(b) and len(allowed(b)) > 1
         ]
         if kept_last and kept != sorted(kept):  # a kept block before an offloaded one that may be kept
             continue
@@ -112,6 +114,33 @@ def test_brute_force_agrees_when_some_placements_are_closed(seed):
     if expected is not None:
         assert actual.seconds == pytest.approx(expected.seconds, abs=1e-12)
         assert all(p in allowed(block) for p in actual.placements)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_block_open_to_keep_alone_is_kept_wherever_it_lies_and_the_others_still_offload(seed):
+    """A block that neither splits nor re-runs and whose saves the host budget cannot take
+    (`BlockCost.host_room`) may only be kept. The search kept the last blocks only: with such a
+    block first, every count short of keeping them all left it with nothing open, and a budget
+    that keeping it and offloading the others fits got no plan (auto ran its floor instead)."""
+    rng = random.Random(700 + seed)
+    stuck = dataclasses.replace(_block(rng), tokenwise=False, rerun=False, host_room=0)
+    assert allowed(stuck) == (PLACEMENTS[0],)
+    others = [_block(rng) for _ in range(2)]
+    blocks = [stuck, *others] if seed % 2 == 0 else [others[0], stuck, others[1]]
+    link = rng.choice([5e9, 55e9])
+    keep_peak = predict(blocks, [PLACEMENTS[0]] * 3, link)[0]
+    least_peak = min(
+        predict(blocks, (p, q, r), link)[0]
+        for p, q, r in itertools.product(*(allowed(block) for block in blocks))
+    )
+    for share in (0.0, 0.4, 0.8):
+        budget = least_peak + share * (keep_peak - least_peak)
+        expected = brute_force(blocks, link, budget, kept_last=True)
+        actual = plan(blocks, link, budget)
+        assert expected is not None and actual is not None, share
+        assert actual.placements[blocks.index(stuck)] == PLACEMENTS[0]
+        assert actual.peak_bytes <= budget
+        assert actual.seconds == pytest.approx(expected.seconds, abs=1e-12), share
 
 
 def test_blocks_that_may_only_run_in_chunks_get_the_chunked_plan_wherever_its_peak_fits():
