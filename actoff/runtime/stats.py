@@ -239,7 +239,7 @@ def _plan_cells(block: BlockStats) -> tuple[str, str, str]:
 _SUMMED = (
     "tensors", "bytes_saved", "dedup_hits", "skipped_param_bytes", "skipped_small_bytes",
     "skipped_other_bytes", "over_budget_bytes", "run_again_bytes", "write_fallback_bytes", "forwarded", "copy_ms",
-    "fetch_ms", "wait_ms", "out_wait_ms", "recompute_ms", "probes", "forward_ms", "predicted_ms", "measured_ms",
+    "fetch_ms", "wait_ms", "out_wait_ms", "place_wait_ms", "recompute_ms", "probes", "forward_ms", "predicted_ms", "measured_ms",
 )  # fmt: skip
 
 

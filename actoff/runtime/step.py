@@ -81,7 +81,8 @@ class Step:
         """Advance copies out: finish what completed; runs older than the last placed must finish.
 
         MEMO's double buffering: the copies of run i overlap the forward of run i+1 and are
-        waited for (stream-side, no host stall) when the next run is placed.
+        waited for (stream-side, no host stall) when the next run is placed: the time that wait
+        takes is run i's ``place_wait_ms`` (Note [the waits at placing]).
         """
         still: list[ScopeRun] = []
         for run in self.in_flight:
@@ -90,12 +91,24 @@ class Step:
             for record in run.all_records():
                 if record.state is State.OFFLOADING:
                     record.check_version()  # the copy out may have read a changed tensor
+                    ticket = record.copy_ticket
+                    if (force or finish) and ticket is not None and not ticket.query():
+                        record.run.account("place_wait_ms", record.run.backend.stall(ticket))
                     record.tier.advance(record, force=force, finish=finish)
                     busy = busy or record.state is State.OFFLOADING
             if busy:
                 still.append(run)
         self.in_flight = still
 
+    # Note [the waits at placing]: a run's copies out still under way when a later run is placed
+    # (or the step's forward ends) are waited for there, between the blocks' stopwatches: in no
+    # forward's time and in no copy window's waits (``out_wait_ms``). Uncounted, a plan whose
+    # copies outlast the next block's forward, as a token-wise block's copies at its end do, read
+    # under its prediction (Note [one link] in actoff.step_time prices them as the block's own
+    # added time) and looked cheap to keep. Each such wait, stream-side, is timed from where the
+    # compute stream stands to the copy's end (`DeviceBackend.stall`) into the copying run's
+    # ``place_wait_ms``, and auto's measured time counts it (actoff.runtime.measured).
+    #
     # Note [copy out at pack]: a placement that stores every record whole on a tier that copies
     # (cpu, nvme, checkpoint's inputs) starts each record's copy out when autograd saves it, not
     # when its block's forward ends: the copy overlaps the rest of the block, and the record lets

@@ -90,9 +90,21 @@ class _Watch:
 class _State:
     """The parts of an `AutoRun` the readers use: the forward's watch and the run's waits out."""
 
-    def __init__(self, elapsed: float, out_wait: float, recompute: float = 0.0, wait: float = 0.0) -> None:
+    def __init__(
+        self,
+        elapsed: float,
+        out_wait: float,
+        recompute: float = 0.0,
+        wait: float = 0.0,
+        place_wait: float = 0.0,
+    ) -> None:
         self.forward_watch = _Watch(elapsed)
-        figures = {"out_wait_ms": out_wait, "recompute_ms": recompute, "wait_ms": wait}
+        figures = {
+            "out_wait_ms": out_wait,
+            "recompute_ms": recompute,
+            "wait_ms": wait,
+            "place_wait_ms": place_wait,
+        }
         self.run = type("Run", (), {"stats": type("Stats", (), figures)()})()
 
 
@@ -124,3 +136,38 @@ def test_a_runs_measured_time_counts_the_waits_for_copies_out_as_the_plan_predic
     assert measured.measured_s(_State(20.0, 5.0, recompute=7.0, wait=3.0)) == pytest.approx(0.030)
     # a forward timed through its waits has them in its time already: not counted twice
     assert measured.measured_s(_State(42.0, 40.0, recompute=7.0, wait=3.0)) == pytest.approx(0.052)
+    # and the waits for its copies when the next block was placed, in no forward's time
+    assert measured.measured_s(_State(20.0, 5.0, place_wait=4.0)) == pytest.approx(0.024)
+
+
+def test_the_waits_for_copies_out_when_the_next_block_is_placed_are_counted():
+    """(Note [the waits at placing] in actoff.runtime.step) A run's copies out still under way
+    when the next run is placed are waited for there, between the blocks' stopwatches: counted
+    nowhere, a plan whose copies outlast the next forward read under its prediction. On a 10 MB/s
+    simulated link with no copy window, each block's 2.5 MiB take about 270 ms, its neighbour's
+    forward a few: the waits are the copies less the forwards beside them. A lower bound that a
+    loaded machine keeps: the copies' time on the link less 10%, less twice a whole step under
+    keep (more than the forwards the copies could hide behind)."""
+    import time
+
+    def forward_s(policy: str) -> tuple[float, dict]:
+        actoff.reset()
+        model = make_model(0, num_layers=3)
+        actoff.offload_(model, block_cls=Block, policy=policy, min_bytes=0)
+        with simulated_device(seed=0, bandwidth="10MB/s", track_memory=False, max_delay_s=0, max_lag_s=0):
+            train(model, 1, seq=SEQ)  # warm-up: arenas, plans
+            start = time.perf_counter()
+            train(model, 1, seq=SEQ)
+            return time.perf_counter() - start, actoff.stats().blocks
+
+    keep_s, _ = forward_s("keep")
+    _, blocks = forward_s("cpu")
+    copies = [block for block in blocks.values() if block.copy_ms > 0]
+    assert len(copies) >= 2
+    placed = copies[:-1]  # the last block's copies are waited for at backward, not at a placing
+    link_ms = [block.bytes_per_tier["cpu"] / 10e6 * 1e3 for block in placed]  # the copies on the link
+    place_ms = [getattr(block, "place_wait_ms", 0.0) for block in placed]  # none before it was counted
+    waited_ms = sum(place_ms) + sum(block.out_wait_ms for block in placed)
+    assert waited_ms >= 0.9 * sum(link_ms) - 2 * keep_s * 1e3, (waited_ms, link_ms, keep_s)
+    # copy_ms runs from a copy's issue to its end, queueing included: no wait outlasts it
+    assert all(wait <= block.copy_ms + 1.0 for wait, block in zip(place_ms, placed, strict=True))
