@@ -154,7 +154,7 @@ def test_long_context_writes_records_as_made_and_keeps_to_its_time_budget(tmp_pa
     'not run' rather than over time."""
     out = tmp_path / "lc.jsonl"
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "long_context.py"), "--seq", "64,96", "--layers", "1",
-               "--steps", "1", "--warmup", "0", "--policies", "none,keep", "--timeout", "40", "--time-budget", "40",
+               "--steps", "1", "--warmup", "0", "--policies", "none,keep", "--timeout", "15", "--time-budget", "15",
                "--jsonl", str(out)]  # fmt: skip
     env = {**os.environ, "_ACTOFF_BENCH_HANG_AFTER": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
