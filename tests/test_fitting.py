@@ -117,7 +117,7 @@ def test_brute_force_agrees_when_some_placements_are_closed(seed):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_a_block_open_to_keep_alone_is_kept_wherever_it_lies_and_the_others_still_offload(seed):
+def test_a_block_open_to_keep_alone_is_kept_wherever_it_lies_and_a_plan_is_found(seed):
     """A block that neither splits nor re-runs and whose saves the host budget cannot take
     (`BlockCost.host_room`) may only be kept. The search kept the last blocks only: with such a
     block first, every count short of keeping them all left it with nothing open, and a budget

@@ -101,13 +101,14 @@ class Step:
         self.in_flight = still
 
     # Note [the waits at placing]: a run's copies out still under way when a later run is placed
-    # (or the step's forward ends) are waited for there, between the blocks' stopwatches: in no
+    # (or the step is flushed) are waited for there, between the blocks' stopwatches: in no
     # forward's time and in no copy window's waits (``out_wait_ms``). Uncounted, a plan whose
     # copies outlast the next block's forward, as a token-wise block's copies at its end do, read
     # under its prediction (Note [one link] in actoff.step_time prices them as the block's own
     # added time) and looked cheap to keep. Each such wait, stream-side, is timed from where the
     # compute stream stands to the copy's end (`DeviceBackend.stall`) into the copying run's
-    # ``place_wait_ms``, and auto's measured time counts it (actoff.runtime.measured).
+    # ``place_wait_ms``, and auto's measured time counts it (actoff.runtime.measured). Not the
+    # last placed run's: its copies are served from the device or waited for at backward, untimed.
     #
     # Note [copy out at pack]: a placement that stores every record whole on a tier that copies
     # (cpu, nvme, checkpoint's inputs) starts each record's copy out when autograd saves it, not

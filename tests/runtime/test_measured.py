@@ -167,7 +167,7 @@ def test_the_waits_for_copies_out_when_the_next_block_is_placed_are_counted():
     placed = copies[:-1]  # the last block's copies are waited for at backward, not at a placing
     link_ms = [block.bytes_per_tier["cpu"] / 10e6 * 1e3 for block in placed]  # the copies on the link
     place_ms = [getattr(block, "place_wait_ms", 0.0) for block in placed]  # none before it was counted
-    waited_ms = sum(place_ms) + sum(block.out_wait_ms for block in placed)
-    assert waited_ms >= 0.9 * sum(link_ms) - 2 * keep_s * 1e3, (waited_ms, link_ms, keep_s)
+    assert sum(place_ms) > 0, place_ms  # the forwards beside them never hide 267 ms of copies
+    assert sum(place_ms) >= 0.9 * sum(link_ms) - 2 * keep_s * 1e3, (place_ms, link_ms, keep_s)
     # copy_ms runs from a copy's issue to its end, queueing included: no wait outlasts it
     assert all(wait <= block.copy_ms + 1.0 for wait, block in zip(place_ms, placed, strict=True))
