@@ -335,8 +335,8 @@ def measured_s(state: AutoRun) -> float:
     Note [a forward timed through its waits]), recompute, and backward's waits for copies back.
     Without the waits out, a step at the floor (windows of none: every copy waited for) read
     about 630 ms against 1054 predicted, off by 40% every step, while its step ran 1045 ms over
-    keep's. And the waits for its copies out that no stopwatch holds, at a later block's placing
-    or as its records are let go in backward (Note [the waits at placing] in actoff.runtime.step)."""
+    keep's. And the waits for its copies out when a later block was placed (Note [the waits at
+    placing] in actoff.runtime.step), in no forward's time."""
     stats = state.run.stats
     out = stats.out_wait_ms if timed_apart_from_waits(state) else 0.0
     waits = out + stats.place_wait_ms + stats.recompute_ms + stats.wait_ms
