@@ -32,7 +32,7 @@ class BlockStats:
     fetch_ms: float = 0.0  # time of the copies back
     wait_ms: float = 0.0  # time backward waited for copies back (0: prefetch hid them)
     out_wait_ms: float = 0.0  # time forward waited for copies out (a copy window's waits)
-    place_wait_ms: float = 0.0  # waits for its copies out at a later block's placing, or in backward
+    place_wait_ms: float = 0.0  # time a later block's placing waited for its copies out
     recompute_ms: float = 0.0  # time of token-wise re-runs in backward
     probes: int = 0  # re-runs that planned a new module or new conditions (batch, length, ...)
     forwarded: int = 0  # unpacks served by a still-live tensor instead of a fetch

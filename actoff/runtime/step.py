@@ -91,8 +91,9 @@ class Step:
             for record in run.all_records():
                 if record.state is State.OFFLOADING:
                     record.check_version()  # the copy out may have read a changed tensor
-                    if force or finish:
-                        record.time_wait_out()
+                    ticket = record.copy_ticket
+                    if (force or finish) and ticket is not None and not ticket.query():
+                        record.run.account("place_wait_ms", record.run.backend.stall(ticket))
                     record.tier.advance(record, force=force, finish=finish)
                     busy = busy or record.state is State.OFFLOADING
             if busy:
@@ -106,9 +107,8 @@ class Step:
     # under its prediction (Note [one link] in actoff.step_time prices them as the block's own
     # added time) and looked cheap to keep. Each such wait, stream-side, is timed from where the
     # compute stream stands to the copy's end (`DeviceBackend.stall`) into the copying run's
-    # ``place_wait_ms``, and auto's measured time counts it (actoff.runtime.measured). So are the
-    # waits for the last placed run's copies, served from the device in backward (Note [forward
-    # what is still on the device]) and waited for as they are let go (`Record.time_wait_out`).
+    # ``place_wait_ms``, and auto's measured time counts it (actoff.runtime.measured). Not the
+    # last placed run's: its copies are served from the device or waited for at backward, untimed.
     #
     # Note [copy out at pack]: a placement that stores every record whole on a tier that copies
     # (cpu, nvme, checkpoint's inputs) starts each record's copy out when autograd saves it, not

@@ -62,7 +62,6 @@ class CpuTier(Tier):
         self._offloaded(record)
 
     def drop_forwarded(self, record: Record) -> None:
-        record.time_wait_out()
         self.advance(record, force=True)  # the compute stream waits for the copy; no host wait
 
     @staticmethod
@@ -116,7 +115,6 @@ class CpuTier(Tier):
         the copy: the caching allocator may then hand the memory out (Note [no record_stream]).
         The host does not wait."""
         if record.state is State.OFFLOADING and record.device_tensor is not None:
-            record.time_wait_out()
             record.run.backend.wait(record.copy_ticket)
         elif record.state is State.FETCHING and record.fetch_ticket is not None:
             record.run.backend.wait(record.fetch_ticket)

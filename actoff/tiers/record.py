@@ -226,14 +226,6 @@ class Record:
             alias = self.source()  # the tensor itself, while it lives
         return alias
 
-    def time_wait_out(self) -> None:
-        """Time the wait the compute stream is about to make for this record's copy out, where
-        it is still under way, into its run's ``place_wait_ms``: a wait outside every forward's
-        stopwatch and copy window (Note [the waits at placing] in actoff.runtime.step)."""
-        ticket = self.copy_ticket
-        if ticket is not None and not ticket.query():
-            self.run.account("place_wait_ms", self.run.backend.stall(ticket))
-
     def what(self) -> str:
         """The record in messages: ``block 'layers.3' record 5 (shape [2, 32, 64] float32)``."""
         return (
