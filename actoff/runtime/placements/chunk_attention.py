@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
-from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 
 from actoff.rerun.dropout import dropout_call
@@ -212,6 +211,9 @@ def _lower_right_kernel(
     ):
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
         extra = {**extra, "enable_gqa": False}
+    # Imported here: the module pulls in Dynamo, a second of every `import actoff` otherwise.
+    from torch.nn.attention.bias import causal_lower_right
+
     mask = causal_lower_right(rows, k.shape[-2])
     return _ATTENTION(q, k, v, attn_mask=mask, **extra)
 
