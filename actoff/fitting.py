@@ -23,6 +23,7 @@ from .budget import (
     allowed,
     least,
     moments,
+    unsure,
 )
 from .step_time import added_seconds, predict
 
@@ -78,10 +79,12 @@ def plans(
     *,
     outside_bytes: Outside | float = 0,
     choices: Sequence[Windows] | None = None,
+    seen: Windows | None = None,
 ) -> list[Plan]:
     """Every plan `plan` weighs that fits ``budget_bytes``, the best of each set of placements,
     best first (least added time, then least peak); the first is `plan`'s. None past a plan
-    that adds no time.
+    that adds no time. ``seen``: the windows of the step that measured ``outside_bytes`` (a
+    plan with others is predicted with theirs added: Note [windows the step did not run]).
 
     >>> blocks = [BlockCost(0.01, 0.002, 10, 10, 30)] * 4
     >>> [found.describe().split(";")[0] for found in plans(blocks, 1e9, 150)]
@@ -100,16 +103,17 @@ def plans(
         if outside.head + sum(blocks[index].saved_bytes for index in kept) > budget_bytes:
             continue
         for windows in [Windows()] if len(kept) == len(blocks) else (choices or window_choices(blocks)):
+            here = unsure(outside, seen, windows)
 
-            def fits(placements: tuple[Placement, ...], windows: Windows = windows) -> bool:
-                return max(moments(blocks, placements, outside, windows)) <= budget_bytes
+            def fits(
+                placements: tuple[Placement, ...], windows: Windows = windows, here: Outside = here
+            ) -> bool:
+                return max(moments(blocks, placements, here, windows)) <= budget_bytes
 
-            placements = _cheapest(blocks, kept, link_bytes_per_s, windows, outside, budget_bytes, fits)
+            placements = _cheapest(blocks, kept, link_bytes_per_s, windows, here, budget_bytes, fits)
             if placements is None:
                 continue
-            peak, seconds = predict(
-                blocks, placements, link_bytes_per_s, outside_bytes=outside, windows=windows
-            )
+            peak, seconds = predict(blocks, placements, link_bytes_per_s, outside_bytes=here, windows=windows)
             candidate = Plan(placements, windows, peak, seconds)
             if _better(candidate, found.get(placements)):
                 found[placements] = candidate

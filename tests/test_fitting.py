@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from actoff.budget import PLACEMENTS, BlockCost, Outside, Placement, Plan, Windows, allowed, least
-from actoff.fitting import WINDOW_SHARES, floor_plan, plan, window_choices
+from actoff.budget import PLACEMENTS, BlockCost, Outside, Placement, Plan, Windows, allowed, least, unsure
+from actoff.fitting import WINDOW_SHARES, floor_plan, plan, plans, window_choices
 from actoff.step_time import predict
 
 pytestmark = pytest.mark.plain_pass_only  # no device involved: one pass is enough
@@ -21,10 +21,14 @@ def brute_force(
     *,
     outside_bytes=0,
     kept_last: bool = False,
+    seen: Windows | None = None,
 ) -> Plan | None:
     """Every combination of placements and windows: the reference `plan` is held to. With
     ``kept_last`` only those whose kept blocks are the last of those that may be kept (the plans
-    `plan` searches; a block open to keep alone is kept wherever it lies)."""
+    `plan` searches; a block open to keep alone is kept wherever it lies). ``seen``: the windows
+    the outside was measured under (Note [windows the step did not run])."""
+    if not isinstance(outside_bytes, Outside):
+        outside_bytes = Outside.flat(outside_bytes)
     best: Plan | None = None
     for placements in itertools.product(*(allowed(block) for block in blocks)):
         kept = [
@@ -34,10 +38,10 @@ def brute_force(
         ]
         if kept_last and kept != sorted(kept):  # a kept block before an offloaded one that may be kept
             continue
-        for windows in window_choices(blocks):
-            peak, seconds = predict(
-                blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, windows=windows
-            )
+        everything_kept = all(p.kind == "keep" for p in placements)  # no window opens: the fitter's
+        for windows in [Windows()] if everything_kept else window_choices(blocks):
+            here = unsure(outside_bytes, seen, windows)
+            peak, seconds = predict(blocks, placements, link_bytes_per_s, outside_bytes=here, windows=windows)
             if peak <= budget_bytes and (best is None or seconds < best.seconds - 1e-12):
                 best = Plan(tuple(placements), windows, peak, seconds)
     return best
@@ -101,6 +105,32 @@ def test_any_blocks_get_a_plan_that_fits_whenever_one_exists(seed):
         assert actual.peak_bytes <= budget and actual.seconds >= expected.seconds - 1e-12
         among_kept_last = brute_force(blocks, link, budget, kept_last=True)  # exact among those
         assert actual.seconds == pytest.approx(among_kept_last.seconds, abs=1e-12), share
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plans_under_other_windows_than_the_measured_step_are_held_to_its_windows_bytes(seed):
+    """(Note [windows the step did not run]) The memory outside was measured under ``seen``: a
+    plan with those windows is predicted as the step measured, one with others with the seen
+    windows' bytes added; the fitter is exact against brute force doing the same, and every
+    plan it offers says the peak it was held to."""
+    rng = random.Random(2000 + seed)
+    blocks = [_block(rng) for _ in range(rng.randint(2, 3))]
+    link, outside = rng.choice([5e9, 25e9]), _outside(rng)
+    seen = rng.choice(window_choices(blocks)[1:])  # a step that ran with a window open
+    floor = floor_plan(blocks, link, outside_bytes=outside).peak_bytes
+    keep_peak = predict(blocks, [PLACEMENTS[0]] * len(blocks), link, outside_bytes=outside)[0]
+    for share in (0.2, 0.5, 0.8, 1.2):
+        budget = floor + share * (keep_peak - floor)
+        expected = brute_force(blocks, link, budget, outside_bytes=outside, kept_last=True, seen=seen)
+        found = plans(blocks, link, budget, outside_bytes=outside, seen=seen)
+        assert bool(found) == (expected is not None), share
+        if expected is None:
+            continue
+        assert found[0].seconds == pytest.approx(expected.seconds, abs=1e-12), share
+        for each in found:
+            here = unsure(outside, seen, each.windows)
+            again = predict(blocks, each.placements, link, outside_bytes=here, windows=each.windows)
+            assert again == (each.peak_bytes, each.seconds) and each.peak_bytes <= budget
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -119,13 +119,20 @@ def link_rate(runtime: Runtime, run: ScopeRun) -> float:
 
 
 def fit(
-    costs: tuple[BlockCost, ...], link: float, budget: float, outside: Outside, *, calibrated: bool
+    costs: tuple[BlockCost, ...],
+    link: float,
+    budget: float,
+    outside: Outside,
+    *,
+    calibrated: bool,
+    seen: Windows | None = None,
 ) -> tuple[Plan, bool, tuple[Plan, ...]]:
     """The plan of ``costs`` under ``budget`` less its headroom (Note [calibrated plans]),
     whether it is the floor's (nothing fits), and the best plan of each set of placements that
-    fits, best first (Note [a plan tried against its runner-up])."""
+    fits, best first (Note [a plan tried against its runner-up]). ``seen``: the windows of the
+    step that measured ``outside`` (Note [windows the step did not run] in actoff.budget)."""
     headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
-    found = plans(costs, link, budget * (1 - headroom), outside_bytes=outside)
+    found = plans(costs, link, budget * (1 - headroom), outside_bytes=outside, seen=seen)
     if not found:
         return floor_plan(costs, link, outside_bytes=outside), True, ()
     return found[0], False, tuple(found)
@@ -273,6 +280,7 @@ class AutoPlans(Trials):
         costs = tuple(dataclasses.replace(entry.cost(), host_room=room) for entry in ended.entries)
         link = link_rate(runtime, run)
         budget = self.budget(run)
+        seen = ended.windows if outside is None and ended.moments is not None else None  # measured here
         if outside is None:
             moments = ended.moments
             outside = Outside() if moments is None else outside_from(moments, costs, ended.ran, ended.windows)
@@ -283,7 +291,7 @@ class AutoPlans(Trials):
                     for a, b in zip(dataclasses.astuple(outside), dataclasses.astuple(at_least), strict=True)
                 )
             )
-        chosen, at_floor, found = fit(costs, link, budget, outside, calibrated=calibrated)
+        chosen, at_floor, found = fit(costs, link, budget, outside, calibrated=calibrated, seen=seen)
         if at_floor:
             reason += "; nothing fits the budget: the least memory"
             if ended.keys not in self._warned:  # once per step of blocks, before it runs

@@ -2,8 +2,8 @@
 on time alone (Note [a plan kept against time noise]). Pure numbers: the costs and plans are
 built here, predicted by the model of actoff.budget."""
 
-from actoff.budget import BlockCost, Outside, Placement, Plan, Windows
-from actoff.runtime.planning import StepPlan
+from actoff.budget import BlockCost, Outside, Placement, Plan, Windows, moments
+from actoff.runtime.planning import StepPlan, fit
 from actoff.runtime.trials import still_good
 from actoff.step_time import predict
 
@@ -107,3 +107,25 @@ def test_a_trial_whose_runner_up_is_refused_in_chunks_gives_the_plan_in_force_ba
     assert after is other and after.plan == incumbent and after.calibrated and after.trial is None
     assert after.candidates == (incumbent,) and plans.replans == 0
     assert [str(p) for e in entries for p in e.placements] == ["stream", "stream"]
+
+
+def test_a_calibrated_plan_with_wider_windows_than_its_step_fits_with_those_windows_full():
+    """(Note [windows the step did not run] in actoff.budget) The main run's floor at 1024 tokens
+    (4 blocks and the head and loss, auto under 59.62 MiB, a 204 MB/s link): its step under 5.26
+    MiB windows, streaming everything, peaked with nothing in flight, so the memory outside read
+    5.26 MiB low. Calibrated on it, auto chose a 42.1 MiB copy window predicted at 54.4 MiB;
+    its forward, a block behind the link, peaked at 59 to 61 MiB and the capped device ran out
+    of memory (in 1 run of 4). Held to the seen windows' bytes, the plan it chooses fits the
+    budget under the outside as it was, with its windows full."""
+    block = BlockCost(
+        0.06, 0.016, 1310720, 3178496, 17571840, tokenwise=False, kv_bytes=2**20, node_bytes=6 * 2**20
+    )
+    costs = (block,) * 4 + (BlockCost(0.015, 0.0, 1056768, 0, 6303748, tokenwise=False),)
+    seen, budget = Windows(5515264, 5515264), 62521344
+    outside = Outside(34980864.0, 32560640.0, 41403904.0)  # from the step's peaks, seen full
+    real = Outside(outside.forward + seen.copy, outside.head + seen.copy, outside.backward + seen.fetch)
+    chosen, at_floor, _ = fit(costs, 204.5e6, budget, outside, calibrated=True, seen=seen)
+    assert not at_floor and chosen.peak_bytes <= budget * 0.97
+    assert max(moments(costs, chosen.placements, real, chosen.windows)) <= budget, chosen.describe()
+    blind, _, _ = fit(costs, 204.5e6, budget, outside, calibrated=True)  # as before: seen not known
+    assert max(moments(costs, blind.placements, real, blind.windows)) > budget, blind.describe()
