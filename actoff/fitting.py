@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .budget import (
+    CALIBRATED_HEADROOM,
     PLACEMENTS,
+    PLAN_HEADROOM,
     BlockCost,
     Outside,
     Placement,
@@ -27,7 +29,7 @@ from .budget import (
 )
 from .step_time import added_seconds, predict
 
-__all__ = ["WINDOW_SHARES", "floor_plan", "plan", "plans", "window_choices"]
+__all__ = ["WINDOW_SHARES", "fit", "floor_plan", "plan", "plans", "window_choices"]
 
 #: The windows a plan may choose, in shares of the step's largest block's saved bytes: none (one
 #: saved tensor at a time, as ``save_on_cpu``), a quarter of a block, one block, two.
@@ -211,3 +213,24 @@ def floor_plan(
         blocks, placements, link_bytes_per_s, outside_bytes=outside_bytes, windows=Windows()
     )
     return Plan(placements, Windows(), peak, seconds)
+
+
+def fit(
+    costs: tuple[BlockCost, ...],
+    link: float,
+    budget: float,
+    outside: Outside,
+    *,
+    calibrated: bool,
+    seen: Windows | None = None,
+) -> tuple[Plan, bool, tuple[Plan, ...]]:
+    """The plan of ``costs`` under ``budget`` less its headroom (Note [calibrated plans] in
+    actoff.runtime.auto),
+    whether it is the floor's (nothing fits), and the best plan of each set of placements that
+    fits, best first (Note [a plan tried against its runner-up] in actoff.runtime.trials). ``seen``: the windows of the
+    step that measured ``outside`` (Note [windows the step did not run] in actoff.budget)."""
+    headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
+    found = plans(costs, link, budget * (1 - headroom), outside_bytes=outside, seen=seen)
+    if not found:
+        return floor_plan(costs, link, outside_bytes=outside), True, ()
+    return found[0], False, tuple(found)

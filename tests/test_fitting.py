@@ -133,6 +133,21 @@ def test_plans_under_other_windows_than_the_measured_step_are_held_to_its_window
             assert again == (each.peak_bytes, each.seconds) and each.peak_bytes <= budget
 
 
+def test_a_plan_at_the_windows_its_step_ran_pays_no_slack_though_the_step_kept_them_in_whole_bytes():
+    """(Note [windows the step did not run]) The windows a plan offers are shares of a block,
+    not whole bytes where the block's bytes are not a multiple of 4; a step runs them, and says
+    them, in whole bytes. The plan at the windows it ran is the same plan: no slack."""
+    blocks = [
+        BlockCost(0.01, 0.002, 10**6 + 1, 10**6, 3 * 10**6)
+    ] * 3  # 5000001 bytes: a quarter is not whole
+    offered = [w for w in window_choices(blocks) if w.fetch != int(w.fetch)]
+    assert offered
+    ran = Windows(int(offered[0].fetch), int(offered[0].copy))
+    outside = Outside.flat(10**6)
+    assert unsure(outside, ran, offered[0]) == outside
+    assert unsure(outside, ran, Windows()) != outside or ran == Windows()
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_brute_force_agrees_when_some_placements_are_closed(seed):
     rng = random.Random(500 + seed)

@@ -24,7 +24,7 @@ from actoff.budget import (
     outside_from,
 )
 from actoff.config import format_bytes
-from actoff.fitting import floor_plan, plans
+from actoff.fitting import fit
 from actoff.owners import ByOwner
 from actoff.policy import AutoDecision
 
@@ -65,6 +65,7 @@ class StepPlan:
     # Note [a plan tried against its runner-up] (actoff.runtime.trials): what the plan was chosen
     # from, the trial under way, whether one was run.
     candidates: tuple[Plan, ...] = ()  # the best plans of their placements, best first
+    seen: Windows | None = None  # the windows of the step its outside was measured on (`unsure`)
     trial: Trial | None = None
     tried: bool = False
 
@@ -118,26 +119,6 @@ def link_rate(runtime: Runtime, run: ScopeRun) -> float:
     return runtime.bandwidths[run.device]
 
 
-def fit(
-    costs: tuple[BlockCost, ...],
-    link: float,
-    budget: float,
-    outside: Outside,
-    *,
-    calibrated: bool,
-    seen: Windows | None = None,
-) -> tuple[Plan, bool, tuple[Plan, ...]]:
-    """The plan of ``costs`` under ``budget`` less its headroom (Note [calibrated plans]),
-    whether it is the floor's (nothing fits), and the best plan of each set of placements that
-    fits, best first (Note [a plan tried against its runner-up]). ``seen``: the windows of the
-    step that measured ``outside`` (Note [windows the step did not run] in actoff.budget)."""
-    headroom = CALIBRATED_HEADROOM if calibrated else PLAN_HEADROOM
-    found = plans(costs, link, budget * (1 - headroom), outside_bytes=outside, seen=seen)
-    if not found:
-        return floor_plan(costs, link, outside_bytes=outside), True, ()
-    return found[0], False, tuple(found)
-
-
 class AutoPlans(Trials):
     """The auto policy's plans in a runtime: per step of blocks (under its first block's owner,
     dropped with it), the one in force, the last one a step ran, and why each was made."""
@@ -169,7 +150,7 @@ class AutoPlans(Trials):
         blocks the plan made for them before, or plan them."""
         current = self.plans.setdefault(ended.states[0].key.owner, dict).get(ended.keys)
         if ended.probing and current is not None:  # Note [measuring at the floor]
-            self._plan(runtime, ended, "planned after the probes", outside=current.outside)
+            self._plan(runtime, ended, "planned after the probes", outside=current.outside, seen=current.seen)
             figures(ended.states, None)
         elif current is not None and ended.ran == current.plan.placements:
             self._check(runtime, ended, current)
@@ -197,6 +178,7 @@ class AutoPlans(Trials):
                 ended,
                 f"replanned: {', '.join(refused)} cannot run in token chunks",
                 outside=current.outside,  # its new placements have not run: a first plan's headroom
+                seen=current.seen,
             )
             self.replans += 1
             return
@@ -274,13 +256,15 @@ class AutoPlans(Trials):
         calibrated: bool = False,
         outside: Outside | None = None,
         at_least: Outside | None = None,
+        seen: Windows | None = None,
     ) -> None:
         run = ended.states[0].run
         room = host_room(run.config, len(ended.states))
         costs = tuple(dataclasses.replace(entry.cost(), host_room=room) for entry in ended.entries)
         link = link_rate(runtime, run)
         budget = self.budget(run)
-        seen = ended.windows if outside is None and ended.moments is not None else None  # measured here
+        if outside is None:  # measured on this step, under its windows
+            seen = ended.windows if ended.moments is not None else None
         if outside is None:
             moments = ended.moments
             outside = Outside() if moments is None else outside_from(moments, costs, ended.ran, ended.windows)
@@ -303,7 +287,7 @@ class AutoPlans(Trials):
         step_plan = StepPlan(
             ended.keys, names, tuple(ended.entries), chosen, costs, budget, link, outside, reason, calibrated
         )
-        step_plan.candidates = found
+        step_plan.candidates, step_plan.seen = found, seen
         self.reasons.append(reason)
         self.plans.setdefault(ended.states[0].key.owner, dict)[ended.keys] = self.current = step_plan
         self.budget_bytes = budget
@@ -428,7 +412,12 @@ def _leave_refused_chunks(plans: AutoPlans, ended: Ended) -> None:
             for entry, cost in zip(other.entries, other.costs, strict=True)
         )
         chosen, at_floor, found = fit(
-            costs, other.link_bytes_per_s, other.budget_bytes, other.outside, calibrated=False
+            costs,
+            other.link_bytes_per_s,
+            other.budget_bytes,
+            other.outside,
+            calibrated=False,
+            seen=other.seen,
         )
         reason = "replanned: a block it placed in token chunks cannot run in them (found at another length)"
         if at_floor:

@@ -12,7 +12,7 @@ placements (other kinds offloading: a plan that only moves a fraction, a window 
 is priced by the same terms, and likely off by the same) that fits the budget with a first plan's headroom, where it
 is predicted within `TRIAL_MARGIN` of the plan. `TRIAL_STEPS` whole steps of each are timed
 (from the first block's forward to the end of backward), and the runner-up stays if its least
-step is `TRIAL_TOLERANCE` faster than the plan's; else the plan in force. Either way the plan
+step is more than `TRIAL_TOLERANCE` faster than the plan's; else the plan in force. Either way the plan
 is settled: one trial per plan, a few steps at most `TRIAL_MARGIN` slower, once. A trial step
 over the budget ends it at once. Ranks that agreed on a plan (torch.distributed) never try: they
 would each pick their own.
@@ -21,9 +21,9 @@ The runner-up of another family can still share a kind with the plan, and the er
 the main run at 87 MiB (1024 tokens) auto ran `3 tokenwise:0, 1 checkpoint, 1 keep` and its
 runner-up mixed token-wise blocks too, while the one kind left untried, `checkpoint` alone, was
 what PyTorch's tools ran faster at less memory. So the first runner-up asked is the plan itself
-with every offloaded block under one kind of placement it does not use (`one_kind`: the same
-blocks kept, the same windows), the best that fits and is within the margin; the runner-up of
-another family only where there is none.
+with every offloaded block under one kind alone, other than the plan's only kind (`one_kind`:
+the same blocks kept, the same windows), the best that fits and is within the margin; the
+runner-up of another family only where there is none.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from actoff.budget import (
     Outside,
     Plan,
     allowed,
+    unsure,
 )
 from actoff.step_time import predict
 
@@ -83,20 +84,23 @@ def family(plan: Plan) -> frozenset[str]:
 
 
 def one_kind(costs: Sequence[BlockCost], of: Plan, link_bytes_per_s: float, outside: Outside) -> list[Plan]:
-    """``of`` with every block it offloads under one kind of placement it does not use, for each
-    such placement open to all of them (the same blocks kept, the same windows), predicted;
-    best first.
+    """``of`` with every block it offloads under one kind of placement, for each placement open
+    to all of them of a kind that is not ``of``'s only one (the same blocks kept, the same
+    windows), predicted with ``outside`` (`actoff.budget.unsure`'s for those windows); best first.
 
     >>> from actoff.budget import Placement, Windows
     >>> costs = [BlockCost(0.01, 0.002, 10, 10, 30)] * 2
     >>> plan = Plan((Placement("tokenwise", 0.0), Placement("keep")), Windows(), 0, 0)
     >>> [found.describe().split(";")[0] for found in one_kind(costs, plan, 1e9, Outside())]
     ['1 stream, 1 keep', '1 checkpoint, 1 keep']
+    >>> mixed = Plan((Placement("tokenwise", 0.0), Placement("checkpoint"), Placement("keep")), Windows(), 0, 0)
+    >>> "2 checkpoint, 1 keep" in [v.describe().split(";")[0] for v in one_kind(costs + costs[:1], mixed, 1e9, Outside())]
+    True
     """
     offloaded = [index for index, placement in enumerate(of.placements) if placement.kind != "keep"]
     found = []
     for kind in PLACEMENTS[1:]:
-        if kind.kind in family(of) or kind.kind == "chunked" or not offloaded:
+        if family(of) == {kind.kind} or kind.kind == "chunked" or not offloaded:
             continue
         if any(kind not in allowed(costs[index]) for index in offloaded):
             continue
@@ -106,6 +110,13 @@ def one_kind(costs: Sequence[BlockCost], of: Plan, link_bytes_per_s: float, outs
         )
         found.append(Plan(placements, of.windows, peak, seconds))
     return sorted(found, key=lambda plan: (plan.seconds, plan.peak_bytes))
+
+
+def trial_variants(current: StepPlan) -> list[Plan]:
+    """`one_kind` of the plan in force, predicted as `actoff.fitting.plans` predicts its plans:
+    with the slack of windows its step did not run (Note [windows the step did not run])."""
+    outside = unsure(current.outside, current.seen, current.plan.windows)
+    return one_kind(current.costs, current.plan, current.link_bytes_per_s, outside)
 
 
 def runner_up(found: Sequence[Plan], of: Plan, forwards_s: float, peak_bytes: float) -> Plan | None:
@@ -223,7 +234,7 @@ class Trials:
             return
         forwards = sum(cost.forward_s for cost in current.costs)
         limit = current.budget_bytes * (1 - PLAN_HEADROOM)
-        variants = one_kind(current.costs, current.plan, current.link_bytes_per_s, current.outside)
+        variants = trial_variants(current)
         challenger = runner_up(variants, current.plan, forwards, limit) or runner_up(
             current.candidates, current.plan, forwards, limit
         )

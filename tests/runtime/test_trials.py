@@ -12,8 +12,9 @@ import actoff
 import actoff.runtime.measured
 from actoff.budget import BlockCost, Outside, Placement, Plan, Windows
 from actoff.reference import Block
+from actoff.runtime.planning import StepPlan
 from actoff.runtime.runtime import get_runtime
-from actoff.runtime.trials import TRIAL_STEPS, TRIAL_TOLERANCE, Trial, one_kind, runner_up
+from actoff.runtime.trials import TRIAL_STEPS, TRIAL_TOLERANCE, Trial, one_kind, runner_up, trial_variants
 from actoff.step_time import predict
 
 # Every test enters a simulated device of its own (or none): once, in the plain pass.
@@ -113,29 +114,56 @@ def test_auto_keeps_its_plan_where_the_runner_up_is_no_faster(monkeypatch, keep_
     assert holds and "tokenwise" in plan and all(step == history[-1] for step in history[-3:])
 
 
-def test_the_first_runner_up_is_the_plan_under_one_kind_it_does_not_use():
+def test_the_first_runner_up_is_the_plan_under_one_kind_alone():
     """(Note [a plan tried against its runner-up]) A runner-up of another family can share a
     kind with the plan, and so its error: the plan itself with every offloaded block under one
-    other kind, the same blocks kept and the same windows, is asked first; only kinds open to
-    every offloaded block, best first."""
+    kind alone, other than the plan's only kind, the same blocks kept and the same windows, is
+    asked first; only placements open to every offloaded block, best first."""
     costs = [BlockCost(0.010, 0.002, 10**6, 10**6, 3 * 10**6)] * 3
-    plan = Plan(
+    mixed = Plan(
         (Placement("tokenwise", 0.0), Placement("checkpoint"), Placement("keep")), Windows(2**20, 0), 0, 0
     )
-    variants = one_kind(costs, plan, 1e9, Outside())
-    assert [v.describe() for v in variants] == ["2 stream, 1 keep; fetch window 1 MiB, copy window 0 MiB"]
-    assert (variants[0].peak_bytes, variants[0].seconds) == predict(
-        costs, variants[0].placements, 1e9, windows=plan.windows
-    )
-    closed = [costs[0], dataclasses.replace(costs[1], host_room=0.0), costs[2]]  # no host room: no stream
-    assert one_kind(closed, plan, 1e9, Outside()) == []
-    streamed = Plan((Placement("stream"), Placement("stream"), Placement("keep")), Windows(), 0, 0)
-    kinds = [v.placements[0] for v in one_kind(costs, streamed, 1e9, Outside())]
-    assert Placement("checkpoint") in kinds and Placement("tokenwise", 0.0) in kinds
+    variants = one_kind(costs, mixed, 1e9, Outside())
+    described = [v.describe().split(";")[0] for v in variants]
+    assert "2 checkpoint, 1 keep" in described and "2 stream, 1 keep" in described  # checkpoint alone too
+    assert all(v.placements[0] == v.placements[1] and v.windows == mixed.windows for v in variants)
     assert all(
-        v.placements[0] == v.placements[1] and v.placements[2].kind == "keep"
-        for v in one_kind(costs, streamed, 1e9, Outside())
+        (v.peak_bytes, v.seconds) == predict(costs, v.placements, 1e9, windows=mixed.windows)
+        for v in variants
     )
+    assert [v.seconds for v in variants] == sorted(v.seconds for v in variants)
+    closed = [costs[0], dataclasses.replace(costs[1], host_room=0.0), costs[2]]  # no host room: no stream
+    assert "2 stream, 1 keep" not in [
+        v.describe().split(";")[0] for v in one_kind(closed, mixed, 1e9, Outside())
+    ]
+    streamed = Plan((Placement("stream"), Placement("stream"), Placement("keep")), Windows(), 0, 0)
+    kinds = {v.placements[0].kind for v in one_kind(costs, streamed, 1e9, Outside())}
+    assert kinds == {"tokenwise", "checkpoint"}  # not stream: the plan's only kind
+
+
+def test_the_trials_variants_carry_the_slack_of_windows_their_step_did_not_run():
+    """(Note [windows the step did not run]) The plan in force was fitted with the measured
+    windows' bytes added where its windows differ from them; its variants keep its windows and
+    must be held to the same slack, or a variant predicted to fit runs the device over."""
+    costs = (BlockCost(0.010, 0.002, 10**6, 10**6, 3 * 10**6),) * 3
+    plan = Plan(
+        (Placement("tokenwise", 0.0), Placement("stream"), Placement("keep")), Windows(2**20, 2**21), 0, 0
+    )
+    outside, seen = Outside.flat(10**7), Windows(2**22, 2**23)
+    current = StepPlan((), ("a", "b", "c"), (), plan, costs, 10**8, 1e9, outside, "planned", True)
+    current.seen = seen
+    held = Outside(outside.forward + seen.copy, outside.head + seen.copy, outside.backward + seen.fetch)
+    for variant in trial_variants(current):
+        assert (
+            variant.peak_bytes
+            == predict(costs, variant.placements, 1e9, outside_bytes=held, windows=plan.windows)[0]
+        )
+    current.seen = plan.windows  # the windows it ran: no slack
+    for variant in trial_variants(current):
+        assert (
+            variant.peak_bytes
+            == predict(costs, variant.placements, 1e9, outside_bytes=outside, windows=plan.windows)[0]
+        )
 
 
 def test_auto_tries_the_one_kind_its_plan_does_not_use_and_keeps_it_where_faster(monkeypatch, keep_peak):
